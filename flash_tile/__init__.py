@@ -1,0 +1,11 @@
+"""flash_tile: flash attention for PyTorch, with kernels hand-written in NVIDIA cuTile.
+
+``flash_attn_func`` takes flash-attn's [B, L, H, D] layout and bottom-right causal alignment;
+``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment.
+"""
+
+from flash_tile.api import flash_attn_func, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "__version__"]

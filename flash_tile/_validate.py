@@ -1,0 +1,118 @@
+"""Every input check of the public functions, with its message.
+
+All checks run before anything launches. Shape and dtype errors are ``ValueError``; arguments
+or cases that are valid in flash-attn or torch but not supported here yet are
+``NotImplementedError`` naming the argument; machine problems (no GPU, old GPU, no compiler) are
+``RuntimeError`` saying how to fix them.
+"""
+
+import math
+import os
+import shutil
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MIN_CAPABILITY = (8, 0)
+
+INSTALL_HINT = 'pip install "cuda-tile[tileiras]"'
+
+
+def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError("q, k and v must have the same dtype, got "
+                         + ", ".join(str(t.dtype) for t in tensors))
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}: flash_tile supports torch.float16 and "
+                         "torch.bfloat16 (under torch.autocast, float32 inputs are cast first)")
+    return dtype
+
+
+def check_head_dims(q_dim: int, k_dim: int, v_dim: int) -> None:
+    if q_dim != k_dim:
+        raise ValueError(f"q and k must have the same head dim, got {q_dim} and {k_dim}")
+    if v_dim != q_dim:
+        raise NotImplementedError(f"a value head dim ({v_dim}) different from the query/key "
+                                  f"head dim ({q_dim}) is not supported yet")
+    if q_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"unsupported head dim {q_dim}: supported head dims are "
+                         + ", ".join(map(str, SUPPORTED_HEAD_DIMS)))
+
+
+def check_heads(q_heads: int, kv_heads: int, v_heads: int) -> None:
+    if kv_heads != v_heads:
+        raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and "
+                         f"{v_heads}")
+    if q_heads != kv_heads:
+        if q_heads % kv_heads == 0:
+            raise NotImplementedError(f"grouped-query attention ({q_heads} query heads, "
+                                      f"{kv_heads} key/value heads) is not supported yet")
+        raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the "
+                         f"number of key/value heads ({kv_heads})")
+
+
+def check_lengths(k_len: int, v_len: int) -> None:
+    if k_len != v_len:
+        raise ValueError(f"k and v must have the same sequence length, got {k_len} and {v_len}")
+    if k_len == 0:
+        raise ValueError("k and v have sequence length 0: softmax over no keys is undefined")
+
+
+def check_scale(scale: float) -> float:
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"the softmax scale must be a positive finite number, got {scale}")
+    return scale
+
+
+def check_device(*tensors: torch.Tensor) -> torch.device:
+    """All tensors on one CUDA device of compute capability 8.0 or newer."""
+    device = tensors[0].device
+    if device.type != "cuda":
+        why = "" if torch.cuda.is_available() else " (no CUDA GPU is visible to torch here)"
+        raise ValueError(f"flash_tile runs on CUDA tensors, got tensors on {device}{why}")
+    if any(t.device != device for t in tensors):
+        raise ValueError("q, k and v must be on the same device, got "
+                         + ", ".join(str(t.device) for t in tensors))
+    check_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    check_compiler()
+    return device
+
+
+def check_capability(capability: tuple[int, int], name: str = "this GPU") -> None:
+    if tuple(capability) < MIN_CAPABILITY:
+        major, minor = capability
+        raise RuntimeError(f"{name} has compute capability {major}.{minor}; flash_tile needs "
+                           "8.0 or newer (Ampere, Ada, Hopper, Blackwell)")
+
+
+def find_tileiras() -> str | None:
+    """Where cuTile will find its compiler: the nvidia-cuda-tileiras wheel, then PATH, then
+    $CUDA_HOME/bin (cuTile's own search order); None if nowhere."""
+    try:
+        import nvidia.cu13
+
+        found = shutil.which("tileiras", path=os.path.join(nvidia.cu13.__path__[0], "bin"))
+        if found:
+            return found
+    except (ImportError, AttributeError, IndexError):
+        pass
+    found = shutil.which("tileiras")
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    return shutil.which("tileiras", path=os.path.join(cuda_home, "bin")) if cuda_home else None
+
+
+def check_compiler() -> None:
+    if find_tileiras() is None:
+        raise RuntimeError("the cuTile compiler (tileiras) was not found; install it with "
+                           f"`{INSTALL_HINT}` or put a CUDA 13.1+ toolkit's bin on PATH")
+
+
+def check_grad(*tensors: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("the backward pass is not implemented yet: call under "
+                                  "torch.no_grad() or pass tensors that do not require grad")

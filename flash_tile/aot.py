@@ -1,0 +1,127 @@
+"""Compile the kernels for any architecture without a GPU, disassemble, summarise.
+
+``compile_forward`` exports a cubin through ``cuda.tile.compilation.export_kernel`` with the
+constants ``flash_tile._launch`` would launch, for arrays laid out as the torch side passes them
+(unit last stride, 16-byte aligned rows and base). ``disassemble`` runs cuobjdump from the
+``nvidia-cuda-cuobjdump`` wheel; ``summarize`` counts the instructions that tell whether the
+kernel runs on tensor cores, loads through TMA, and how many exp2 and barriers it issues.
+"""
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+
+import cuda.tile as ct
+from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
+                                   ScalarConstraint, export_kernel)
+
+from flash_tile import variants
+from flash_tile._launch import forward_spec, hinted_kernel
+
+DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
+
+# The tensor-core matmul instruction each architecture family should use.
+TENSOR_CORE_OP = {"sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
+                  "sm_100": "UTCHMMA", "sm_103": "UTCHMMA", "sm_120": "HMMA", "sm_121": "HMMA"}
+# Architectures with the tensor memory accelerator: their tile loads should be UTMALDG.
+TMA_ARCHS = ("sm_90", "sm_100", "sm_103", "sm_120", "sm_121")
+
+_COUNTED = {
+    "tensor_core": re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b"),
+    "tma_load": re.compile(r"\bUTMALDG\b"),
+    "tma_store": re.compile(r"\bUTMASTG\b"),
+    "exp2": re.compile(r"\bMUFU\.EX2\b"),
+    "barrier": re.compile(r"\bBAR\.\w+"),
+    "global_load": re.compile(r"\bLDG\.\S+"),
+    "local_memory": re.compile(r"\b(LDL|STL)\b"),
+}
+_INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
+
+
+def _array(dtype, ndim: int) -> ArrayConstraint:
+    elems_16b = 16 // (2 if dtype in (ct.float16, ct.bfloat16) else 4)
+    return ArrayConstraint(dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (ndim - 1) + (1,),
+                           stride_divisible_by=(elems_16b,) * (ndim - 1) + (1,),
+                           base_addr_divisible_by=16)
+
+
+def forward_signature(dtype: str, head_dim: int, causal: bool, even_n: bool, store_lse: bool,
+                      config: variants.TileConfig) -> KernelSignature:
+    """The signature of ``attention_fwd`` for one variant; ``even_n`` picks a key length that
+    is (or is not) a multiple of the config's TILE_N."""
+    k_len = config.tile_n * 4 + (0 if even_n else 1)
+    spec = forward_spec(config, head_dim, k_len, causal, store_lse)
+    tensor = _array(DTYPES[dtype], 4)
+    params = [tensor, tensor, tensor, tensor, _array(ct.float32, 3),
+              ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), *spec.constants()]
+    return KernelSignature(params, CallingConvention.cutile_python_v1())
+
+
+def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128, causal: bool = True,
+                    even_n: bool = False, store_lse: bool = True,
+                    config: variants.TileConfig | None = None) -> bytes:
+    """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
+    architecture launches."""
+    if config is None:
+        major, minor = divmod(int(arch.removeprefix("sm_")), 10)
+        config = variants.default_config((major, minor))
+    sig = forward_signature(dtype, head_dim, causal, even_n, store_lse, config)
+    buffer = io.BytesIO()
+    export_kernel(hinted_kernel(config), [sig], buffer, gpu_code=arch, output_format="cubin")
+    return buffer.getvalue()
+
+
+def _cuda_tool(name: str) -> str:
+    try:
+        import nvidia.cu13
+
+        found = shutil.which(name, path=os.path.join(nvidia.cu13.__path__[0], "bin"))
+    except (ImportError, AttributeError, IndexError):
+        found = None
+    found = found or shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} was not found; install it with `pip install "
+                           f"nvidia-cuda-{name}` (part of flash-tile's dev extra)")
+    return found
+
+
+def _run_on_cubin(tool: str, args: list[str], cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([_cuda_tool(tool), *args, f.name], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{tool} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS listing of a cubin (cuobjdump -sass)."""
+    return _run_on_cubin("cuobjdump", ["-sass"], cubin)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and static shared memory in bytes, as the cubin records them."""
+    text = _run_on_cubin("cuobjdump", ["-res-usage"], cubin)
+    regs = re.search(r"REG:(\d+)", text)
+    shared = re.search(r"SHARED:(\d+)", text)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "shared_bytes": int(shared.group(1)) if shared else None}
+
+
+def summarize(sass: str) -> dict:
+    """Instruction counts of a SASS listing: total, and the classes in ``_COUNTED``."""
+    counts = {name: len(pattern.findall(sass)) for name, pattern in _COUNTED.items()}
+    counts["instructions"] = len(_INSTRUCTION.findall(sass))
+    return counts
+
+
+def opcode_histogram(sass: str, top: int = 12) -> list[tuple[str, int]]:
+    """The ``top`` most frequent opcodes (with their modifiers) of a SASS listing."""
+    return Counter(m.group(2) for m in _INSTRUCTION.finditer(sass)).most_common(top)

@@ -1,0 +1,80 @@
+"""Tile configurations of the forward kernel, one small frozen record per variant.
+
+A variant is everything the launch needs beyond the problem itself: the tile shape and the
+compiler hints of ``cuda.tile.kernel``. Each architecture family has a default; a record says
+what was measured for it, on what and when, or that nothing was.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and compiler hints of one forward variant.
+
+    ``tile_m`` query rows per program, ``tile_n`` key rows per step of the K-loop; both powers
+    of two (cuTile tiles are). ``occupancy`` is the CTAs-per-SM hint, ``num_ctas`` the CGA size
+    hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
+    tileiras.
+    """
+
+    tile_m: int = 64
+    tile_n: int = 64
+    occupancy: int | None = None
+    num_ctas: int | None = None
+    num_worker_warps: int | None = None
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+    def hints(self) -> dict:
+        """The ``kernel.replace_hints`` keywords this config sets (None ones are left out)."""
+        hints = {"occupancy": self.occupancy, "num_ctas": self.num_ctas,
+                 "num_worker_warps": self.num_worker_warps}
+        return {k: v for k, v in hints.items() if v is not None}
+
+
+# Hopper. 64x64 with occupancy 2: a plain cuTile forward went from about 400 to about 510
+# TFLOP/s at D=128 with the occupancy hint, and 128x128 tiles fell to about 250 from register
+# pressure [2026-11-30, H200, cuda-tile 1.7.0 / tileiras 13.4, ../shared/perf-baseline.md].
+SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
+
+# Ampere and Ada: 64x64 spills to local memory (1789 LDL/STL at D=128, 464 at D=64, 255
+# registers), and so do 128x64 and 32x64; 64x32 with 8 worker warps is the largest tile that
+# compiles with no spill at D=64 and D=128 (201-210 registers) [2026-11-30, cuobjdump of
+# tileiras 13.4 cubins for sm_80 and sm_89; not yet timed on such a GPU].
+SM80_DEFAULT = TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)
+
+# Blackwell (sm_100 tcgen05, sm_120 mma.sync): 64x64 compiles to tensor-core code with no spill
+# (tests/test_aot.py); not yet timed on such a GPU, so the hints are left to the compiler.
+BLACKWELL_DEFAULT = TileConfig(tile_m=64, tile_n=64)
+
+_DEFAULTS = {
+    (8, 0): SM80_DEFAULT, (8, 6): SM80_DEFAULT, (8, 7): SM80_DEFAULT, (8, 9): SM80_DEFAULT,
+    (9, 0): SM90_DEFAULT,
+    (10, 0): BLACKWELL_DEFAULT, (10, 3): BLACKWELL_DEFAULT,
+    (12, 0): BLACKWELL_DEFAULT, (12, 1): BLACKWELL_DEFAULT,
+}
+
+#: Architectures the kernels are built and checked for, as ``sm_XY`` names.
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+
+
+def default_config(capability: tuple[int, int]) -> TileConfig:
+    """The default variant for a compute capability such as ``(9, 0)``.
+
+    A capability with no entry (a newer GPU) gets the entry of the nearest older one.
+    """
+    known = [c for c in _DEFAULTS if c <= tuple(capability)]
+    if not known:
+        raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
+    return _DEFAULTS[max(known)]
+
+
+def arch_name(capability: tuple[int, int]) -> str:
+    """``(9, 0)`` -> ``"sm_90"``."""
+    major, minor = capability
+    return f"sm_{major}{minor}"

@@ -1,0 +1,30 @@
+"""GPU tests carry the ``gpu`` marker and are skipped, with the reason, where they cannot run."""
+
+import functools
+
+import pytest
+import torch
+
+
+@functools.cache
+def gpu_unavailable_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch on this machine"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 0):
+        return f"the GPU has compute capability {major}.{minor}; flash_tile needs 8.0+"
+    from flash_tile._validate import find_tileiras
+
+    if find_tileiras() is None:
+        return "the cuTile compiler (tileiras) is not installed"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
