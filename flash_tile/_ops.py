@@ -9,6 +9,7 @@ tensor). The variant is the default of the device's architecture (``flash_tile.v
 import torch
 
 from flash_tile import variants
+from flash_tile._validate import device_properties
 from flash_tile._launch import launch_forward
 
 
@@ -28,7 +29,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       causal: bool, causal_offset: int,
                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v, return_lse)
-    config = variants.default_config(torch.cuda.get_device_capability(q.device))
+    config = variants.default_config(device_properties(q.device)[0])
     launch_forward(q, k, v, out, lse if return_lse else None, scale, causal, causal_offset,
                    config)
     return out, lse

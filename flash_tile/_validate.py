@@ -6,6 +6,7 @@ or cases that are valid in flash-attn or torch but not supported here yet are
 ``RuntimeError`` saying how to fix them.
 """
 
+import functools
 import math
 import os
 import shutil
@@ -76,9 +77,23 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
     if any(t.device != device for t in tensors):
         raise ValueError("q, k and v must be on the same device, got "
                          + ", ".join(str(t.device) for t in tensors))
-    check_capability(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+    capability, name = device_properties(device)
+    check_capability(capability, name)
     check_compiler()
     return device
+
+
+@functools.cache
+def _device_properties(index: int) -> tuple[tuple[int, int], str]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.name
+
+
+def device_properties(device: torch.device) -> tuple[tuple[int, int], str]:
+    """(compute capability, name) of a CUDA device, looked up once per device: these checks
+    run on every call, and the driver query costs more than the rest of them together."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_properties(index)
 
 
 def check_capability(capability: tuple[int, int], name: str = "this GPU") -> None:
@@ -106,8 +121,16 @@ def find_tileiras() -> str | None:
     return shutil.which("tileiras", path=os.path.join(cuda_home, "bin")) if cuda_home else None
 
 
+_compiler_found = False
+
+
 def check_compiler() -> None:
-    if find_tileiras() is None:
+    """tileiras must be installed; once found it is not looked for again in this process."""
+    global _compiler_found
+    if _compiler_found:
+        return
+    _compiler_found = find_tileiras() is not None
+    if not _compiler_found:
         raise RuntimeError("the cuTile compiler (tileiras) was not found; install it with "
                            f"`{INSTALL_HINT}` or put a CUDA 13.1+ toolkit's bin on PATH")
 

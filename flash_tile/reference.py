@@ -101,3 +101,20 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         s = s.masked_fill(cols > rows + causal_offset, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
     return p @ v
+
+
+def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,
+                factor: float = 2.0) -> dict:
+    """flash-attn's tolerance rule, applied to a low-precision result.
+
+    ``out`` passes when its max error against the fp32 reference ``out_ref`` is at most
+    ``factor`` times the max error of PyTorch's own low-precision result ``out_pt`` against
+    the same reference, plus twice the rounding of ``out``'s dtype at the reference's
+    magnitude (flash-attn uses 2 for outputs, 3 for gradients). Returns the numbers and "ok".
+    """
+    ref = out_ref.float()
+    floor = ((ref + 0.3 - 0.3).to(out.dtype).float() - ref).abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    err_pt = (out_pt.float() - ref).abs().max().item()
+    ok = err <= factor * err_pt + 2 * floor and not out.isnan().any().item()
+    return {"ok": ok, "max_err": err, "max_err_torch": err_pt, "floor": floor}

@@ -1,8 +1,8 @@
 """The forward on a GPU against an fp32 reference, with flash-attn's tolerance rule.
 
-The rule: the kernel's max error against the fp32 reference is at most twice the max error of
-PyTorch's own computation in the input dtype against the same reference, plus a floor of the
-dtype's rounding at the output's magnitude. Inputs are fresh random values each call; outputs
+The rule (``flash_tile.reference.check_error``): the kernel's max error against the fp32
+reference is at most twice the max error of PyTorch's own computation in the input dtype
+against the same reference, plus a floor of the dtype's rounding at the output's magnitude. Inputs are fresh random values each call; outputs
 launched directly are poisoned with NaN first, so an element the kernel skips fails.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 import flash_tile
 from flash_tile import _launch, variants
-from flash_tile.reference import attention_dense
+from flash_tile.reference import attention_dense, check_error
 
 pytestmark = pytest.mark.gpu
 
@@ -39,13 +39,8 @@ def _randn(*shape, dtype):
 
 
 def _check(out, out_ref, out_pt, what=""):
-    """flash-attn's forward rule: err(out) <= 2 err(out_pt) + rounding floor."""
-    assert not out.isnan().any(), f"{what}: NaN in output"
-    out_ref = out_ref.float()
-    floor = ((out_ref + 0.3 - 0.3).to(out.dtype).float() - out_ref).abs().max().item()
-    err = (out.float() - out_ref).abs().max().item()
-    err_pt = (out_pt.float() - out_ref).abs().max().item()
-    assert err <= 2 * err_pt + 2 * floor, f"{what}: error {err:.3g} vs torch {err_pt:.3g}"
+    report = check_error(out, out_ref, out_pt)
+    assert report["ok"], f"{what}: {report}"
 
 
 def _references(q, k, v, scale, causal, offset):

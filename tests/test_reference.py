@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_tile.reference import attention_tiles, cdiv, kv_tile_ranges
+from flash_tile.reference import attention_tiles, cdiv, check_error, kv_tile_ranges
 
 # (batch, heads, Lq, Lk, head_dim): lengths 1, 17, 64, 113/203, 1023/1024, Lq != Lk both ways.
 SHAPES = [
@@ -109,3 +109,14 @@ def test_causal_skips_the_upper_triangle():
     tiles = 16
     visited = sum(kv_tile_ranges(m * 64, 64, 64, tiles * 64, True, 0)[1] for m in range(tiles))
     assert visited == tiles * (tiles + 1) // 2
+
+
+def test_tolerance_rule_can_fail():
+    gen = torch.Generator().manual_seed(11)
+    ref = torch.randn(2, 3, 50, 64, generator=gen)
+    pt = ref.to(torch.float16)
+    assert check_error(pt, ref, pt)["ok"]
+    wrong = pt.clone()
+    wrong[0, 0, 0, 0] += 0.05
+    assert not check_error(wrong, ref, pt)["ok"]
+    assert not check_error(torch.full_like(pt, math.nan), ref, pt)["ok"]

@@ -1,0 +1,215 @@
+"""Forward attention benchmark: flash_tile against SDPA's backends, TileGym and naive attention.
+
+Every row is checked before it is timed: each backend's output against an fp32 reference
+(SDPA's memory-efficient backend in float32) with flash-attn's rule, taking SDPA cuDNN as
+PyTorch's own low-precision error. A backend that fails the check is reported, not timed.
+Times are medians of CUDA-event timings after warm-up; TFLOP/s use ``flash_tile._timing.flops``;
+ratios are against SDPA cuDNN measured in the same run. Peak memory is the allocator's peak
+above the inputs during one call.
+
+    python bench/bench_attention.py                      # full grid, fp16 and bf16
+    python bench/bench_attention.py --dtypes bf16 --lengths 1024 4096 --out /tmp/b
+
+Writes <out>.json (machine, versions, one record per row), <out>.md (the table) and <out>.png.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_tile
+from flash_tile._timing import cuda_time_ms, flops
+from flash_tile.reference import check_error
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+BACKENDS = ["flash_tile", *SDPA_BACKENDS, "tilegym", "naive"]
+TOKENS = 16384  # batch * seqlen, as flash-attention's benchmark
+WIDTH = 2048  # heads * head_dim
+
+
+def _tilegym():
+    """TileGym's cuTile attention, or the reason it cannot run here."""
+    try:
+        from tilegym.ops.cutile.attention import tile_fmha
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        kind = "not installed" if isinstance(e, ModuleNotFoundError) else f"import failed: {e}"
+        return None, kind
+    return (lambda q, k, v, causal: tile_fmha(q, k, v, is_causal=causal)), None
+
+
+def _naive(q, k, v, causal):
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _sdpa(backend):
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def _peak_bytes(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
+    q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
+               for _ in range(3))
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+    out_pt = runners["sdpa_cudnn"](q, k, v, causal)
+    row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
+           "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+           "tflops": {}, "peak_mib": {}, "max_err": {}, "skipped": dict(skipped)}
+    f = flops(batch, heads, length, length, head_dim, causal)
+    for name, run in runners.items():
+        try:
+            start = time.perf_counter()
+            out = run(q, k, v, causal)
+            torch.cuda.synchronize()
+            if name == "flash_tile":
+                row["first_call_s"] = round(time.perf_counter() - start, 3)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            row["skipped"][name] = f"failed: {str(e).splitlines()[0][:120]}"
+            continue
+        report = check_error(out, ref, out_pt)
+        row["max_err"][name] = report["max_err"]
+        del out
+        if not report["ok"]:
+            row["skipped"][name] = f"wrong result: {report}"
+            continue
+        ms = cuda_time_ms(lambda: run(q, k, v, causal))
+        row["tflops"][name] = round(f / ms / 1e9, 1)
+        row["peak_mib"][name] = round(_peak_bytes(lambda: run(q, k, v, causal)) / 2**20, 1)
+    cudnn = row["tflops"].get("sdpa_cudnn")
+    ours = row["tflops"].get("flash_tile")
+    row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
+    return row
+
+
+def machine_info():
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        driver = None
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+            "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "cuda_tile": importlib.metadata.version("cuda-tile"),
+            "flash_tile": flash_tile.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def table(rows):
+    names = [n for n in BACKENDS if any(n in r["tflops"] for r in rows)]
+    head = ["dtype", "B", "H", "L", "D", "causal", *names, "vs cuDNN"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                 "yes" if r["causal"] else "no"]
+        cells += [r["tflops"].get(n, "-") for n in names]
+        cells.append(f"{r['ratio_vs_cudnn']:.2f}x" if r["ratio_vs_cudnn"] else "-")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (dtype, head_dim, causal) in zip(axes[0], panels):
+        sel = sorted((r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) ==
+                      (dtype, head_dim, causal)), key=lambda r: r["seqlen"])
+        for name in BACKENDS:
+            pts = [(r["seqlen"], r["tflops"][name]) for r in sel if name in r["tflops"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name, lw=2.5 if name == "flash_tile" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dtype} D={head_dim} {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("sequence length")
+    axes[0][0].set_ylabel("TFLOP/s (forward)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--skip", nargs="*", default=[], choices=BACKENDS[1:],
+                        help="baselines to leave out (reported as skipped)")
+    parser.add_argument("--out", default="bench/out/forward", help="output path prefix")
+    args = parser.parse_args()
+
+    runners = {"flash_tile": lambda q, k, v, c: flash_tile.scaled_dot_product_attention(
+        q, k, v, is_causal=c)}
+    runners.update({name: _sdpa(b) for name, b in SDPA_BACKENDS.items()})
+    skipped = {name: "skipped: --skip" for name in args.skip}
+    tilegym, why = _tilegym()
+    if tilegym is None:
+        skipped["tilegym"] = f"skipped: {why}"
+    else:
+        runners["tilegym"] = tilegym
+    runners["naive"] = _naive
+    for name in args.skip:
+        runners.pop(name, None)
+    for name, why in skipped.items():
+        print(f"{name}: {why}")
+
+    info = machine_info()
+    print(json.dumps(info))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    rows = []
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            for length in args.lengths:
+                for causal in (False, True):
+                    row = bench_row(TOKENS // length, WIDTH // head_dim, length, head_dim, causal,
+                                    DTYPES[dtype], runners, skipped)
+                    rows.append(row)
+                    bad = {n: s for n, s in row["skipped"].items() if n not in skipped}
+                    print(f"{dtype} L={length} D={head_dim} causal={causal}: {row['tflops']} "
+                          f"ratio_vs_cudnn={row['ratio_vs_cudnn']} {bad or ''}", flush=True)
+                    save(rows, info, args.out)  # after every row: a cut-short run keeps its rows
+    print(table(rows))
+    plot(rows, args.out + ".png")
+
+
+def save(rows, info, out):
+    with open(out + ".json", "w") as f:
+        json.dump({"machine": info, "rows": rows}, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write(f"Forward TFLOP/s on {info['gpu']} ({info['date']}, torch {info['torch']}, "
+                f"cuda-tile {info['cuda_tile']}, driver {info['driver']}); batch*seqlen = "
+                f"{TOKENS}, heads*head_dim = {WIDTH}.\n\n{table(rows)}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from flash_tile.cli import main
+
+sys.exit(main())

@@ -1,0 +1,146 @@
+"""The ``flash-tile`` command.
+
+    flash-tile demo [--arch sm_90]     the main job: on a GPU, attention through the kernel
+                                       checked against SDPA and timed; without one, compile the
+                                       kernel for --arch, summarise its SASS, run the CPU twin
+    flash-tile inspect --arch sm_90    compile one variant for any arch (no GPU needed) and show
+                                       what it becomes: tensor-core, TMA, exp2, barrier counts,
+                                       registers, shared memory, top opcodes
+
+Errors print one line with the fix; ``--traceback`` shows the whole trace.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from flash_tile import _validate, aot, variants
+
+
+def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None):
+    print(f"compiling the forward for {arch}: {dtype}, D={head_dim}, "
+          f"{'causal' if causal else 'not causal'}, {config}")
+    cubin = aot.compile_forward(arch, dtype, head_dim, causal, even_n=False, store_lse=True,
+                                config=config)
+    sass = aot.disassemble(cubin)
+    summary = aot.summarize(sass)
+    usage = aot.resource_usage(cubin)
+    tc = aot.TENSOR_CORE_OP.get(arch, "?")
+    print(f"  cubin {len(cubin)} bytes, {summary['instructions']} SASS instructions, "
+          f"{usage['registers']} registers/thread, {usage['shared_bytes']} B shared memory")
+    print(f"  tensor-core matmuls ({tc} expected): {summary['tensor_core']}   "
+          f"TMA loads: {summary['tma_load']}   exp2 (MUFU.EX2): {summary['exp2']}   "
+          f"barriers: {summary['barrier']}   local-memory spills: {summary['local_memory']}")
+    print("  top opcodes: " + ", ".join(f"{op} {n}" for op, n in aot.opcode_histogram(sass, 8)))
+    if sass_out:
+        with open(sass_out, "w") as f:
+            f.write(sass)
+        print(f"  full SASS written to {sass_out}")
+
+
+def _config_for(arch, tile_m=None, tile_n=None):
+    major, minor = divmod(int(arch.removeprefix("sm_")), 10)
+    config = variants.default_config((major, minor))
+    if tile_m or tile_n:
+        config = variants.TileConfig(tile_m or config.tile_m, tile_n or config.tile_n,
+                                     config.occupancy, config.num_ctas, config.num_worker_warps)
+    return config
+
+
+def _cpu_reference_demo():
+    from flash_tile.reference import attention_tiles
+
+    q, k, v = (torch.randn(2, 4, n, 64, dtype=torch.float64) for n in (203, 113, 113))
+    out, _ = attention_tiles(q, k, v, causal=True, causal_offset=0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    print("CPU tile reference (float64, 64x64 tiles, the kernel's loop) vs torch SDPA, "
+          f"[2, 4, 203/113, 64] causal: max error {(out - ref).abs().max().item():.2e}")
+
+
+def _gpu_demo():
+    import flash_tile
+    from flash_tile._timing import cuda_time_ms, flops
+    from flash_tile.reference import check_error
+
+    device = torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(device)
+    print(f"GPU: {torch.cuda.get_device_name(device)} ({variants.arch_name(capability)}), "
+          f"tile config {variants.default_config(capability)}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    print(f"{'B':>3} {'H':>3} {'L':>6} {'D':>4} {'causal':>6}  {'max err':>8} {'torch err':>9}"
+          f"  {'flash_tile':>10} {'SDPA':>9}  ratio")
+    for batch, heads, length, head_dim in [(4, 16, 1024, 128), (2, 16, 4096, 128),
+                                           (2, 32, 4096, 64)]:
+        for causal in (False, True):
+            q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda",
+                                   dtype=torch.bfloat16) for _ in range(3))
+            out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            ref = sdpa(q.float(), k.float(), v.float(), is_causal=causal)
+            report = check_error(out, ref, sdpa(q, k, v, is_causal=causal))
+            if not report["ok"]:
+                raise RuntimeError(f"wrong result against SDPA: {report}")
+            f = flops(batch, heads, length, length, head_dim, causal) / 1e9
+            ours = cuda_time_ms(lambda: flash_tile.scaled_dot_product_attention(
+                q, k, v, is_causal=causal))
+            theirs = cuda_time_ms(lambda: sdpa(q, k, v, is_causal=causal))
+            print(f"{batch:>3} {heads:>3} {length:>6} {head_dim:>4} {str(causal):>6}  "
+                  f"{report['max_err']:8.1e} {report['max_err_torch']:9.1e}  "
+                  f"{f / ours:6.0f} TF/s {f / theirs:5.0f} TF/s  {theirs / ours:.2f}")
+
+
+def demo(args):
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible to torch"
+    else:
+        _validate.check_capability(torch.cuda.get_device_capability())
+    _validate.check_compiler()
+    if reason is None:
+        _gpu_demo()
+        return
+    print(f"{reason}: showing what the CPU can do (compile for {args.arch}, run the CPU twin)")
+    _print_compile_summary(args.arch, "bfloat16", 128, True, _config_for(args.arch))
+    _cpu_reference_demo()
+
+
+def inspect(args):
+    config = _config_for(args.arch, args.tile_m, args.tile_n)
+    _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
+                           args.sass_out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="flash-tile", description=__doc__.split("\n")[0])
+    parser.add_argument("--traceback", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    arch_help = f"target architecture, one of {', '.join(variants.ARCHS)} (default sm_90)"
+
+    p = sub.add_parser("demo", help="run the kernel against SDPA (or show the CPU side)")
+    p.add_argument("--arch", default="sm_90", choices=variants.ARCHS, help=arch_help)
+    p.set_defaults(func=demo)
+
+    p = sub.add_parser("inspect", help="compile a variant for an arch and summarise its SASS")
+    p.add_argument("--arch", default="sm_90", choices=variants.ARCHS, help=arch_help)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(aot.DTYPES))
+    p.add_argument("--head-dim", type=int, default=128,
+                   choices=_validate.SUPPORTED_HEAD_DIMS)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
+    p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")
+    p.add_argument("--sass-out", help="write the full SASS listing to this file")
+    p.set_defaults(func=inspect)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        if args.traceback:
+            raise
+        print(f"flash-tile: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Packaging and house rules that a CPU can check."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import flash_tile
+import flash_tile.kernels
+
+KERNELS = pathlib.Path(flash_tile.kernels.__file__).parent
+
+
+def test_kernels_ship_inside_flash_tile(tmp_path):
+    """The installed package maps kernels/ to flash_tile.kernels and adds no top-level
+    ``kernels`` (run outside the checkout, whose root would otherwise be on sys.path)."""
+    probe = ("import importlib.util as u, flash_tile.kernels.attention_fwd as m; "
+             "print(m.__name__, u.find_spec('kernels') is None)")
+    done = subprocess.run([sys.executable, "-I", "-c", probe], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["flash_tile.kernels.attention_fwd", "True"]
+
+
+def test_kernel_modules_import_only_cuda_tile_and_math():
+    for path in KERNELS.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name == "math" or name == "cuda.tile" or name.startswith("cuda.tile."), \
+                    f"{path.name} imports {name}"
+
+
+def test_public_api():
+    assert callable(flash_tile.flash_attn_func)
+    assert callable(flash_tile.scaled_dot_product_attention)
+    for fn in (flash_tile.flash_attn_func, flash_tile.scaled_dot_product_attention):
+        assert "causal" in fn.__doc__ and "[B" in fn.__doc__

@@ -1,0 +1,170 @@
+"""Bad input raises the documented error on the CPU, before anything launches."""
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import _validate, api, variants
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Any call that reaches the custom op fails the test: validation must stop it first."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("the kernel was reached before validation rejected the input")
+
+    monkeypatch.setattr(api, "attention_forward", launched)
+
+
+def _blhd(batch=2, length=16, heads=4, head_dim=64, dtype=torch.float16):
+    return torch.randn(batch, length, heads, head_dim).to(dtype)
+
+
+def _bhld(batch=2, heads=4, length=16, head_dim=64, dtype=torch.float16):
+    return torch.randn(batch, heads, length, head_dim).to(dtype)
+
+
+def test_cpu_tensors():
+    q = _blhd()
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_tile.flash_attn_func(q, q, q)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_tile.scaled_dot_product_attention(_bhld(), _bhld(), _bhld())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_no_gpu_is_named():
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        flash_tile.scaled_dot_product_attention(_bhld(), _bhld(), _bhld())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8])
+def test_unsupported_dtype_lists_supported(dtype):
+    q = _blhd(dtype=dtype)
+    with pytest.raises(ValueError, match="float16 and torch.bfloat16"):
+        flash_tile.flash_attn_func(q, q, q)
+
+
+def test_mixed_dtypes():
+    with pytest.raises(ValueError, match="same dtype"):
+        flash_tile.flash_attn_func(_blhd(), _blhd(dtype=torch.bfloat16), _blhd())
+
+
+def test_rank():
+    with pytest.raises(ValueError, match="4-D"):
+        flash_tile.flash_attn_func(_bhld()[0], _bhld()[0], _bhld()[0])
+    with pytest.raises(ValueError, match="at least 3 dims"):
+        x = torch.randn(16, 64, dtype=torch.float16)
+        flash_tile.scaled_dot_product_attention(x, x, x)
+
+
+def test_batch_mismatch():
+    with pytest.raises(ValueError, match="batch size"):
+        flash_tile.flash_attn_func(_blhd(batch=2), _blhd(batch=3), _blhd(batch=3))
+    with pytest.raises(ValueError, match="batch dims"):
+        flash_tile.scaled_dot_product_attention(_bhld(batch=2), _bhld(batch=3), _bhld(batch=3))
+
+
+def test_head_dim_mismatch():
+    with pytest.raises(ValueError, match="same head dim"):
+        flash_tile.flash_attn_func(_blhd(head_dim=64), _blhd(head_dim=128), _blhd(head_dim=128))
+
+
+def test_value_head_dim_not_supported_yet():
+    with pytest.raises(NotImplementedError, match="value head dim"):
+        flash_tile.scaled_dot_product_attention(_bhld(), _bhld(), _bhld(head_dim=128))
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 256, 512])
+def test_unsupported_head_dim_lists_supported(head_dim):
+    q = _blhd(head_dim=head_dim)
+    with pytest.raises(ValueError, match="supported head dims are 64, 128"):
+        flash_tile.flash_attn_func(q, q, q)
+
+
+def test_heads():
+    with pytest.raises(NotImplementedError, match="grouped-query"):
+        flash_tile.flash_attn_func(_blhd(heads=8), _blhd(heads=2), _blhd(heads=2))
+    with pytest.raises(NotImplementedError, match="grouped-query"):
+        flash_tile.scaled_dot_product_attention(_bhld(heads=8), _bhld(heads=2), _bhld(heads=2),
+                                                enable_gqa=True)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_tile.flash_attn_func(_blhd(heads=6), _blhd(heads=4), _blhd(heads=4))
+    with pytest.raises(ValueError, match="same number of heads"):
+        flash_tile.flash_attn_func(_blhd(heads=4), _blhd(heads=4), _blhd(heads=2))
+
+
+def test_lengths():
+    with pytest.raises(ValueError, match="same sequence length"):
+        flash_tile.flash_attn_func(_blhd(), _blhd(length=16), _blhd(length=17))
+    with pytest.raises(ValueError, match="length 0"):
+        flash_tile.flash_attn_func(_blhd(), _blhd(length=0), _blhd(length=0))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
+def test_scale(scale):
+    q = _blhd()
+    with pytest.raises(ValueError, match="positive finite"):
+        flash_tile.flash_attn_func(q, q, q, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(dropout_p=0.1), "dropout_p"),
+    (dict(window_size=(128, 0)), "window_size"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(4)), "alibi_slopes"),
+    (dict(return_attn_probs=True), "return_attn_probs"),
+])
+def test_flash_attn_unsupported_arguments_are_named(kwargs, name):
+    q = _blhd()
+    with pytest.raises(NotImplementedError, match=name):
+        flash_tile.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(attn_mask=torch.ones(16, 16, dtype=torch.bool)), "attn_mask"),
+    (dict(dropout_p=0.1), "dropout_p"),
+])
+def test_sdpa_unsupported_arguments_are_named(kwargs, name):
+    q = _bhld()
+    with pytest.raises(NotImplementedError, match=name):
+        flash_tile.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+def test_flash_attn_positional_order_matches_flash_attn():
+    # flash_attn_func(q, k, v, dropout_p, softmax_scale, causal): a nonzero 4th positional
+    # argument is dropout, as in flash-attn, and must not be taken for something else.
+    q = _blhd()
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_tile.flash_attn_func(q, q, q, 0.1)
+
+
+def test_old_gpu():
+    with pytest.raises(RuntimeError, match="8.0 or newer"):
+        _validate.check_capability((7, 5), "Tesla T4")
+    _validate.check_capability((8, 0))
+    _validate.check_capability((12, 1))
+
+
+def test_missing_compiler_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(_validate, "find_tileiras", lambda: None)
+    monkeypatch.setattr(_validate, "_compiler_found", False)
+    with pytest.raises(RuntimeError, match=r"pip install \"cuda-tile\[tileiras\]\""):
+        _validate.check_compiler()
+
+
+def test_compiler_is_found_here():
+    # The dev install brings tileiras from PyPI; the AOT tests depend on it too.
+    assert _validate.find_tileiras() is not None
+
+
+def test_variant_lookup():
+    assert variants.default_config((9, 0)) == variants.SM90_DEFAULT
+    assert variants.default_config((8, 6)) == variants.SM80_DEFAULT
+    assert variants.default_config((12, 0)) == variants.BLACKWELL_DEFAULT
+    assert variants.default_config((13, 0)) == variants.BLACKWELL_DEFAULT  # newest known
+    with pytest.raises(ValueError, match="8.0"):
+        variants.default_config((7, 5))
+    with pytest.raises(ValueError, match="power of two"):
+        variants.TileConfig(tile_m=48)
