@@ -137,27 +137,35 @@ def table(rows):
 
 
 def plot(rows, path):
+    """TFLOP/s against sequence length: a row of panels per dtype, one per (D, causal)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (dtype, head_dim, causal) in zip(axes[0], panels):
-        sel = sorted((r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) ==
-                      (dtype, head_dim, causal)), key=lambda r: r["seqlen"])
-        for name in BACKENDS:
-            pts = [(r["seqlen"], r["tflops"][name]) for r in sel if name in r["tflops"]]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name, lw=2.5 if name == "flash_tile" else 1)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{dtype} D={head_dim} {'causal' if causal else 'full'}", fontsize=9)
-        ax.set_xlabel("sequence length")
-    axes[0][0].set_ylabel("TFLOP/s (forward)")
-    axes[0][-1].legend(fontsize=7)
+    dtypes = sorted({r["dtype"] for r in rows})
+    shapes = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(len(dtypes), len(shapes), figsize=(3.6 * len(shapes),
+                             3.0 * len(dtypes)), squeeze=False)
+    for row_axes, dtype in zip(axes, dtypes):
+        for ax, (head_dim, causal) in zip(row_axes, shapes):
+            sel = sorted((r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) ==
+                          (dtype, head_dim, causal)), key=lambda r: r["seqlen"])
+            for name in BACKENDS:
+                pts = [(r["seqlen"], r["tflops"][name]) for r in sel if name in r["tflops"]]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=name,
+                            lw=2.5 if name == "flash_tile" else 1)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{dtype} D={head_dim} {'causal' if causal else 'full'}", fontsize=9)
+            ax.tick_params(labelsize=7)
+        row_axes[0].set_ylabel("forward TFLOP/s", fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("sequence length", fontsize=8)
+    axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main():
@@ -168,7 +176,15 @@ def main():
     parser.add_argument("--skip", nargs="*", default=[], choices=BACKENDS[1:],
                         help="baselines to leave out (reported as skipped)")
     parser.add_argument("--out", default="bench/out/forward", help="output path prefix")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="redraw <out>.png and <out>.md from a results file; no GPU needed")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        save(saved["rows"], saved["machine"], args.out)
+        plot(saved["rows"], args.out + ".png")
+        return
 
     runners = {"flash_tile": lambda q, k, v, c: flash_tile.scaled_dot_product_attention(
         q, k, v, is_causal=c)}
