@@ -38,6 +38,14 @@ def _randn(*shape, dtype):
     return torch.randn(*shape, device="cuda", dtype=dtype)
 
 
+def _qkv(shape, dtype, layout="bhld"):
+    """Fresh q, k, v for (batch, heads, Lq, Lk, head_dim) in torch's or flash-attn's layout."""
+    batch, heads, q_len, k_len, head_dim = shape
+    if layout == "bhld":
+        return tuple(_randn(batch, heads, n, head_dim, dtype=dtype) for n in (q_len, k_len, k_len))
+    return tuple(_randn(batch, n, heads, head_dim, dtype=dtype) for n in (q_len, k_len, k_len))
+
+
 def _check(out, out_ref, out_pt, what=""):
     report = check_error(out, out_ref, out_pt)
     assert report["ok"], f"{what}: {report}"
@@ -56,9 +64,7 @@ def _references(q, k, v, scale, causal, offset):
 def test_launch_writes_every_element(shape, causal, dtype):
     """The kernel launched directly into NaN-poisoned outputs, LSE included."""
     batch, heads, q_len, k_len, head_dim = shape
-    q = _randn(batch, heads, q_len, head_dim, dtype=dtype)
-    k = _randn(batch, heads, k_len, head_dim, dtype=dtype)
-    v = _randn(batch, heads, k_len, head_dim, dtype=dtype)
+    q, k, v = _qkv(shape, dtype)
     out = torch.full_like(q, math.nan)
     lse = torch.full((batch, heads, q_len), math.nan, device="cuda")
     scale = 1.0 / math.sqrt(head_dim)
@@ -85,9 +91,7 @@ def test_launch_writes_every_element(shape, causal, dtype):
 def test_flash_attn_func(shape, causal, dtype):
     """flash-attn layout [B, L, H, D], bottom-right causal, LSE returned."""
     batch, heads, q_len, k_len, head_dim = shape
-    q = _randn(batch, q_len, heads, head_dim, dtype=dtype)
-    k = _randn(batch, k_len, heads, head_dim, dtype=dtype)
-    v = _randn(batch, k_len, heads, head_dim, dtype=dtype)
+    q, k, v = _qkv(shape, dtype, layout="blhd")
     out, lse = flash_tile.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (batch, heads, q_len) and lse.dtype == torch.float32
@@ -102,10 +106,7 @@ def test_flash_attn_func(shape, causal, dtype):
 @pytest.mark.parametrize("shape", SHAPES[1:5], ids=IDS[1:5])
 def test_sdpa_matches_torch(shape, causal, dtype):
     """torch layout [B, H, L, D], top-left causal, custom scale."""
-    batch, heads, q_len, k_len, head_dim = shape
-    q = _randn(batch, heads, q_len, head_dim, dtype=dtype)
-    k = _randn(batch, heads, k_len, head_dim, dtype=dtype)
-    v = _randn(batch, heads, k_len, head_dim, dtype=dtype)
+    q, k, v = _qkv(shape, dtype)
     scale = 0.3
     out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
