@@ -4,8 +4,10 @@
 ``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment.
 """
 
-from flash_tile.api import flash_attn_func, scaled_dot_product_attention
+from flash_tile.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                            scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "scaled_dot_product_attention", "__version__"]

@@ -22,20 +22,35 @@ class ForwardSpec:
     tile_m: int
     tile_n: int
     tile_d: int
-    causal: bool
+    tile_dv: int
+    mask_left: bool
+    mask_right: bool
     even_n: bool
+    softcap: bool
+    alibi: bool
     store_lse: bool
 
     def constants(self) -> tuple:
-        return (self.tile_m, self.tile_n, self.tile_d, self.causal, self.even_n, self.store_lse)
+        return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
+                self.mask_right, self.even_n, self.softcap, self.alibi, self.store_lse)
 
 
-def forward_spec(config: TileConfig, head_dim: int, k_len: int, causal: bool,
+def _tile_width(dim: int) -> int:
+    # Tiles are powers of two, and 16 is the smallest K of an fp16/bf16 tensor-core matmul.
+    return max(16, 1 << max(dim - 1, 0).bit_length())
+
+
+def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
+                 window: tuple[int, int], softcap: bool, alibi: bool,
                  store_lse: bool) -> ForwardSpec:
-    """The kernel instance ``config`` gives for this head dim, key length and flags."""
-    tile_d = 1 << max(head_dim - 1, 0).bit_length()  # tiles are powers of two
-    return ForwardSpec(config.tile_m, config.tile_n, tile_d, causal,
-                       k_len % config.tile_n == 0, store_lse)
+    """The kernel instance ``config`` gives for these dims, key length and features.
+
+    ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
+    """
+    left, right = window
+    return ForwardSpec(config.tile_m, config.tile_n, _tile_width(head_dim),
+                       _tile_width(v_head_dim), left >= 0, right >= 0,
+                       k_len % config.tile_n == 0, softcap, alibi, store_lse)
 
 
 @functools.cache
@@ -56,20 +71,29 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
 
 
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor | None, scale: float, causal: bool, causal_offset: int,
+                   lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None, scale: float,
+                   softcap: float, diag_offset: int, window: tuple[int, int],
                    config: TileConfig) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
-    q [B, H, Lq, D], k and v [B, H, Lk, D], out [B, H, Lq, D] in q's dtype, lse [B, H, Lq]
-    fp32 or None; any strides with a unit last stride. Row i sees key j iff
-    j <= i + causal_offset when ``causal``.
+    q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
+    out [B, H, Lq, Dv] in q's dtype; lse [B, H, Lq] fp32 or None; alibi_slopes [B, H] fp32 or
+    None; any strides with a unit last stride. softcap 0 means none. Row i sees key j iff
+    i + diag_offset - left <= j <= i + diag_offset + right for window = (left, right), -1
+    leaving that side unbounded (causal: right = 0).
     """
     batch, heads, q_len, head_dim = q.shape
-    spec = forward_spec(config, head_dim, k.shape[2], causal, lse is not None)
-    if lse is None:
-        # The kernel never touches Lse without STORE_LSE, but the parameter needs an array.
-        lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, float(scale), int(causal_offset), *spec.constants())
+    spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
+                        alibi_slopes is not None, lse is not None)
+    # The kernel never touches Lse without STORE_LSE nor Slopes without ALIBI, but each
+    # parameter needs an array.
+    unused = None
+    if lse is None or alibi_slopes is None:
+        unused = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+    lse = unused if lse is None else lse
+    slopes = unused[0] if alibi_slopes is None else alibi_slopes
+    args = (q, k, v, out, lse, slopes, float(scale), float(softcap), int(diag_offset),
+            int(window[0]), int(window[1]), *spec.constants())
     grid = forward_grid(q_len, heads, batch, config)
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, hinted_kernel(config), args)

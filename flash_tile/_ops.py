@@ -1,16 +1,17 @@
 """The forward as a torch custom op, so that torch.compile and fake tensors see one opaque call.
 
-The op takes [B, H, L, D] views (any strides with a unit last stride) and returns the output
-as [B, H, Lq, D] whose memory is laid out as [B, Lq, H, D] (flash-attn's layout, and what
-torch's own flash backend returns), plus the LSE [B, H, Lq] fp32 when asked (else an empty
-tensor). The variant is the default of the device's architecture (``flash_tile.variants``).
+The op takes [B, H, L, D] views (any strides with a unit last stride; K/V may have fewer heads,
+GQA) and returns the output as [B, H, Lq, Dv] whose memory is laid out as [B, Lq, H, Dv]
+(flash-attn's layout, and what torch's own flash backend returns), plus the LSE [B, H, Lq] fp32
+when asked (else an empty tensor). The variant is the default of the device's architecture and
+head dim (``flash_tile.variants``).
 """
 
 import torch
 
 from flash_tile import variants
-from flash_tile._validate import device_properties
 from flash_tile._launch import launch_forward
+from flash_tile._validate import device_properties
 
 
 def _empty_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
@@ -25,16 +26,19 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
 
 
 @torch.library.custom_op("flash_tile::attention_forward", mutates_args=(), device_types="cuda")
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      causal: bool, causal_offset: int,
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                      diag_offset: int, window_left: int, window_right: int,
                       return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v, return_lse)
-    config = variants.default_config(device_properties(q.device)[0])
-    launch_forward(q, k, v, out, lse if return_lse else None, scale, causal, causal_offset,
-                   config)
+    head_dim = max(q.shape[-1], v.shape[-1])
+    config = variants.default_config(device_properties(q.device)[0], head_dim)
+    launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, scale, softcap,
+                   diag_offset, (window_left, window_right), config)
     return out, lse
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, scale, causal, causal_offset, return_lse):
+def _attention_forward_fake(q, k, v, alibi_slopes, scale, softcap, diag_offset, window_left,
+                            window_right, return_lse):
     return _empty_outputs(q, v, return_lse)

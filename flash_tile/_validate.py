@@ -14,7 +14,7 @@ import shutil
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
 
 INSTALL_HINT = 'pip install "cuda-tile[tileiras]"'
@@ -34,24 +34,52 @@ def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
 def check_head_dims(q_dim: int, k_dim: int, v_dim: int) -> None:
     if q_dim != k_dim:
         raise ValueError(f"q and k must have the same head dim, got {q_dim} and {k_dim}")
-    if v_dim != q_dim:
-        raise NotImplementedError(f"a value head dim ({v_dim}) different from the query/key "
-                                  f"head dim ({q_dim}) is not supported yet")
-    if q_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"unsupported head dim {q_dim}: supported head dims are "
-                         + ", ".join(map(str, SUPPORTED_HEAD_DIMS)))
+    for name, dim in (("query/key", q_dim), ("value", v_dim)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"unsupported {name} head dim {dim}: supported head dims are 1 "
+                             f"to {MAX_HEAD_DIM}")
 
 
-def check_heads(q_heads: int, kv_heads: int, v_heads: int) -> None:
+def check_heads(q_heads: int, kv_heads: int, v_heads: int, gqa_allowed: bool = True) -> None:
     if kv_heads != v_heads:
         raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and "
                          f"{v_heads}")
-    if q_heads != kv_heads:
-        if q_heads % kv_heads == 0:
-            raise NotImplementedError(f"grouped-query attention ({q_heads} query heads, "
-                                      f"{kv_heads} key/value heads) is not supported yet")
+    if q_heads % kv_heads:
         raise ValueError(f"the number of query heads ({q_heads}) must be a multiple of the "
                          f"number of key/value heads ({kv_heads})")
+    if q_heads != kv_heads and not gqa_allowed:
+        raise ValueError(f"{q_heads} query heads and {kv_heads} key/value heads: pass "
+                         "enable_gqa=True for grouped-query attention, as with torch")
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """flash-attn's (left, right) window; -1 leaves a side unbounded."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got "
+                         f"{window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
+    return left, right
+
+
+def check_softcap(softcap: float) -> float:
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    return softcap
+
+
+def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """[H] or [B, H] float32 slopes, returned as a contiguous [B, H] tensor."""
+    if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:
+        raise ValueError("alibi_slopes must be a float32 tensor of shape [heads] or "
+                         f"[batch, heads], got {getattr(slopes, 'dtype', type(slopes))}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape [{heads}] or [{batch}, {heads}], got "
+                         f"{tuple(slopes.shape)}")
+    return slopes.expand(batch, heads).contiguous()
 
 
 def check_lengths(k_len: int, v_len: int) -> None:

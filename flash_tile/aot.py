@@ -8,6 +8,7 @@ kernel runs on tensor cores, loads through TMA, and how many exp2 and barriers i
 """
 
 import io
+import math
 import os
 import re
 import shutil
@@ -42,36 +43,46 @@ _COUNTED = {
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _array(dtype, ndim: int) -> ArrayConstraint:
+def _array(dtype, ndim: int, row: int = 8) -> ArrayConstraint:
+    """An array as torch allocates it: unit last stride, 16-byte aligned base, and outer
+    strides that are multiples of the row length ``row`` (so of gcd(row, 16 bytes))."""
     elems_16b = 16 // (2 if dtype in (ct.float16, ct.bfloat16) else 4)
+    divisor = math.gcd(row, elems_16b)
     return ArrayConstraint(dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=False,
                            stride_constant=(None,) * (ndim - 1) + (1,),
-                           stride_divisible_by=(elems_16b,) * (ndim - 1) + (1,),
+                           stride_divisible_by=(divisor,) * (ndim - 1) + (1,),
                            base_addr_divisible_by=16)
 
 
-def forward_signature(dtype: str, head_dim: int, causal: bool, even_n: bool, store_lse: bool,
+def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
+                      softcap: bool, alibi: bool, even_n: bool, store_lse: bool,
                       config: variants.TileConfig) -> KernelSignature:
     """The signature of ``attention_fwd`` for one variant; ``even_n`` picks a key length that
     is (or is not) a multiple of the config's TILE_N."""
     k_len = config.tile_n * 4 + (0 if even_n else 1)
-    spec = forward_spec(config, head_dim, k_len, causal, store_lse)
-    tensor = _array(DTYPES[dtype], 4)
-    params = [tensor, tensor, tensor, tensor, _array(ct.float32, 3),
-              ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), *spec.constants()]
+    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, store_lse)
+    qk, vo = _array(DTYPES[dtype], 4, head_dim), _array(DTYPES[dtype], 4, v_head_dim)
+    params = [qk, qk, vo, vo, _array(ct.float32, 3), _array(ct.float32, 2),
+              ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
+              ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32),
+              *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
-def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128, causal: bool = True,
-                    even_n: bool = False, store_lse: bool = True,
+def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
+                    v_head_dim: int | None = None, causal: bool = True,
+                    window: tuple[int, int] = (-1, -1), softcap: bool = False,
+                    alibi: bool = False, even_n: bool = False, store_lse: bool = True,
                     config: variants.TileConfig | None = None) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
-    architecture launches."""
+    architecture launches. ``causal`` sets the window's right bound to 0."""
     if config is None:
         major, minor = divmod(int(arch.removeprefix("sm_")), 10)
-        config = variants.default_config((major, minor))
-    sig = forward_signature(dtype, head_dim, causal, even_n, store_lse, config)
+        config = variants.default_config((major, minor), max(head_dim, v_head_dim or 0))
+    window = (window[0], 0) if causal else tuple(window)
+    sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
+                            even_n, store_lse, config)
     buffer = io.BytesIO()
     export_kernel(hinted_kernel(config), [sig], buffer, gpu_code=arch, output_format="cubin")
     return buffer.getvalue()

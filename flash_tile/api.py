@@ -1,8 +1,9 @@
-"""Public functions: flash-attn's ``flash_attn_func`` and torch's ``scaled_dot_product_attention``.
+"""Public functions in flash-attn's shapes (``flash_attn_func`` and its packed forms) and torch's
+(``scaled_dot_product_attention``).
 
-Both validate everything before launching (``flash_tile._validate`` lists the errors), reach the
-kernel through views (no copies of q, k or v unless their last dim is strided), and run on the
-current CUDA stream of the inputs' device.
+All of them validate everything before launching (``flash_tile._validate`` lists the errors),
+reach the kernel through views (no copies of q, k or v unless their last dim is strided), and
+run on the current CUDA stream of the inputs' device.
 """
 
 import math
@@ -27,47 +28,22 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _forward(q, k, v, scale, causal, causal_offset, return_lse):
-    """q [B, H, Lq, D], k and v [B, H, Lk, D], already validated."""
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    return attention_forward(q, k, v, scale, causal, causal_offset, return_lse)
+def _check_bhld(q, k, v, scale, gqa_allowed=True):
+    """Checks of [B, H, L, D] views common to every entry point; returns the softmax scale."""
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, "
+                         f"{k.shape[0]} and {v.shape[0]}")
+    _validate.check_lengths(k.shape[2], v.shape[2])
+    _validate.check_heads(q.shape[1], k.shape[1], v.shape[1], gqa_allowed)
+    _validate.check_head_dims(q.shape[3], k.shape[3], v.shape[3])
+    return _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[3]))
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_lse=False):
-    """Attention in flash-attn's layout; a drop-in for ``flash_attn.flash_attn_func``.
-
-    Args:
-        q: [B, Lq, H, D] float16 or bfloat16 CUDA tensor.
-        k, v: [B, Lk, H, D], same dtype and device as q. Any strides: the [B, H, L, D] <->
-            [B, L, H, D] transposes are read in place.
-        dropout_p: must be 0.0 (dropout is not supported yet).
-        softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
-        causal: causal mask aligned to the bottom-right corner of the score matrix, as in
-            flash-attn 2.1+: query i sees key j iff j <= i + Lk - Lq. With Lq > Lk the first
-            Lq - Lk query rows see no key: their output is 0 and their LSE +inf.
-        window_size, softcap, alibi_slopes, return_attn_probs: only their defaults are
-            supported yet; anything else raises NotImplementedError.
-        deterministic: accepted for compatibility; the forward is deterministic either way.
-        return_lse: also return the row log-sum-exp of the scaled scores.
-
-    Returns:
-        out [B, Lq, H, D] (contiguous, q's dtype); with ``return_lse`` the tuple
-        (out, lse) where lse is [B, H, Lq] float32, natural log.
-
-    Raises:
-        ValueError, NotImplementedError, RuntimeError as described in ``flash_tile._validate``,
-        before anything is launched.
-    """
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                return_attn_probs, return_lse):
+    """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones)."""
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p: dropout is not supported yet; pass 0.0")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("window_size: sliding-window attention is not supported yet")
-    if softcap != 0.0:
-        raise NotImplementedError("softcap: score capping is not supported yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported yet")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
@@ -77,22 +53,93 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                              f"{tuple(t.shape)}")
     q, k, v = _autocast(q, k, v)
     _validate.check_dtypes(q, k, v)
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, "
-                         f"{k.shape[0]} and {v.shape[0]}")
-    _validate.check_lengths(k.shape[1], v.shape[1])
-    _validate.check_heads(q.shape[2], k.shape[2], v.shape[2])
-    _validate.check_head_dims(q.shape[3], k.shape[3], v.shape[3])
-    scale = _validate.check_scale(
-        softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3]))
-    _validate.check_device(q, k, v)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
+    scale = _check_bhld(q, k, v, softmax_scale)
+    left, right = _validate.check_window(window_size)
+    if causal:
+        right = 0  # causal is a window whose right edge is the diagonal, as in flash-attn
+    softcap = _validate.check_softcap(softcap)
+    if alibi_slopes is not None:
+        alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1])
+    extra = () if alibi_slopes is None else (alibi_slopes,)
+    _validate.check_device(q, k, v, *extra)
     _validate.check_grad(q, k, v)
 
-    q_len, k_len = q.shape[1], k.shape[1]
-    out, lse = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, causal,
-                        k_len - q_len, return_lse)
-    out = out.transpose(1, 2)  # [B, Lq, H, D], contiguous
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    out, lse = attention_forward(q, k, v, alibi_slopes, scale, softcap, k.shape[2] - q.shape[2],
+                                 left, right, return_lse)
+    out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, return_lse=False):
+    """Attention in flash-attn's layout; a drop-in for ``flash_attn.flash_attn_func``.
+
+    Args:
+        q: [B, Lq, H, D] float16 or bfloat16 CUDA tensor, D from 1 to 256.
+        k: [B, Lk, H_kv, D] and v: [B, Lk, H_kv, Dv], same dtype and device as q; H a multiple
+            of H_kv (grouped-query / multi-query attention: each group of H / H_kv query heads
+            reads one key/value head in place). Any strides: the [B, H, L, D] <-> [B, L, H, D]
+            transposes are read in place.
+        dropout_p: must be 0.0 (dropout is not supported yet).
+        softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
+        causal: causal mask aligned to the bottom-right corner of the score matrix, as in
+            flash-attn 2.1+: query i sees key j iff j <= i + Lk - Lq.
+        window_size: (left, right) sliding window, -1 for an unbounded side: query i sees key
+            j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right. With ``causal`` the right
+            side is 0. Key tiles outside every row's window are not loaded.
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) (after the scale).
+        alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
+        deterministic: accepted for compatibility; the forward is deterministic either way.
+        return_attn_probs: must be False (probabilities are not returned).
+        return_lse: also return the row log-sum-exp of the final scores.
+
+    Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
+    an output of 0 and an LSE of +inf, as in flash-attn.
+
+    Returns:
+        out [B, Lq, H, Dv] (contiguous, q's dtype); with ``return_lse`` the tuple
+        (out, lse) where lse is [B, H, Lq] float32, natural log.
+
+    Raises:
+        ValueError, NotImplementedError, RuntimeError as described in ``flash_tile._validate``,
+        before anything is launched.
+    """
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, return_lse)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False, *,
+                              return_lse=False):
+    """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D], read in place.
+
+    Arguments and results as ``flash_attn_func``.
+    """
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [batch, seqlen, 3, heads, head_dim], got shape "
+                         f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(2)
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, return_lse)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False, *,
+                             return_lse=False):
+    """``flash_attn_func`` on q [B, Lq, H, D] and a packed kv of shape [B, Lk, 2, H_kv, D],
+    read in place. Arguments and results as ``flash_attn_func``.
+    """
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"kv must be [batch, seqlen, 2, heads, head_dim], got shape "
+                         f"{tuple(kv.shape)}")
+    k, v = kv.unbind(2)
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, return_attn_probs, return_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -101,21 +148,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     on the cases it supports.
 
     Args:
-        query: [..., Lq, D] float16 or bfloat16 CUDA tensor with at least 3 dims: [B, H, L, D]
-            as usual, [B, L, D] (one head), or more leading batch dims.
-        key, value: [..., Lk, D] with the same leading dims as query (no broadcasting).
+        query: [..., H, Lq, D] float16 or bfloat16 CUDA tensor with at least 3 dims: [B, H, L, D]
+            as usual, [B, L, D] (one head), or more leading batch dims; D from 1 to 256.
+        key: [..., H_kv, Lk, D] and value: [..., H_kv, Lk, Dv] with the same batch dims as query
+            (no broadcasting). H_kv < H needs ``enable_gqa=True``, as in torch.
         attn_mask: must be None (masks are not supported yet).
         dropout_p: must be 0.0 (dropout is not supported yet).
         is_causal: causal mask aligned to the top-left corner, as torch defines it: query i
             sees key j iff j <= i. This differs from ``flash_attn_func`` (bottom-right) when
             Lq != Lk.
         scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
-        enable_gqa: accepted; grouped heads (fewer key/value heads) are not supported yet and
-            raise NotImplementedError.
+        enable_gqa: allow fewer key/value heads than query heads (H a multiple of H_kv).
 
     Returns:
-        [..., Lq, D] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to the
-        autocast dtype first, as torch does.
+        [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
+        the autocast dtype first, as torch does.
     """
     if attn_mask is not None:
         raise NotImplementedError("attn_mask: attention masks are not supported yet")
@@ -125,26 +172,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if t.dim() < 3:
             raise ValueError(f"{name} must have at least 3 dims [..., seqlen, head_dim], got "
                              f"shape {tuple(t.shape)}")
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise ValueError("query, key and value must have the same batch dims, got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
     query, key, value = _autocast(query, key, value)
     _validate.check_dtypes(query, key, value)
     lead = query.shape[:-2]
     if query.dim() == 3:
-        # [B, L, D]: one head per batch entry.
-        q, k, v = query[:, None], key[:, None], value[:, None]
+        q, k, v = query[:, None], key[:, None], value[:, None]  # [B, L, D]: one head each
     else:
-        if not (key.shape[:-3] == value.shape[:-3] == query.shape[:-3]):
-            raise ValueError("query, key and value must have the same batch dims, got "
-                             f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError("query, key and value must have the same batch dims, got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
-    _validate.check_lengths(k.shape[2], v.shape[2])
-    _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
-    _validate.check_head_dims(q.shape[3], k.shape[3], v.shape[3])
-    scale = _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[3]))
+    scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
     _validate.check_device(q, k, v)
     _validate.check_grad(query, key, value)
 
-    out, _ = _forward(q, k, v, scale, is_causal, 0, False)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    right = 0 if is_causal else -1
+    out, _ = attention_forward(q, k, v, None, scale, 0.0, 0, -1, right, False)
     return out.reshape(*lead, *out.shape[-2:])

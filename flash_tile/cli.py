@@ -21,8 +21,8 @@ from flash_tile import _validate, aot, variants
 def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None):
     print(f"compiling the forward for {arch}: {dtype}, D={head_dim}, "
           f"{'causal' if causal else 'not causal'}, {config}")
-    cubin = aot.compile_forward(arch, dtype, head_dim, causal, even_n=False, store_lse=True,
-                                config=config)
+    cubin = aot.compile_forward(arch, dtype, head_dim, causal=causal, even_n=False,
+                                store_lse=True, config=config)
     sass = aot.disassemble(cubin)
     summary = aot.summarize(sass)
     usage = aot.resource_usage(cubin)
@@ -39,9 +39,9 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None)
         print(f"  full SASS written to {sass_out}")
 
 
-def _config_for(arch, tile_m=None, tile_n=None):
+def _config_for(arch, head_dim, tile_m=None, tile_n=None):
     major, minor = divmod(int(arch.removeprefix("sm_")), 10)
-    config = variants.default_config((major, minor))
+    config = variants.default_config((major, minor), head_dim)
     if tile_m or tile_n:
         config = variants.TileConfig(tile_m or config.tile_m, tile_n or config.tile_n,
                                      config.occupancy, config.num_ctas, config.num_worker_warps)
@@ -100,12 +100,13 @@ def demo(args):
         _gpu_demo()
         return
     print(f"{reason}: showing what the CPU can do (compile for {args.arch}, run the CPU twin)")
-    _print_compile_summary(args.arch, "bfloat16", 128, True, _config_for(args.arch))
+    _print_compile_summary(args.arch, "bfloat16", 128, True, _config_for(args.arch, 128))
     _cpu_reference_demo()
 
 
 def inspect(args):
-    config = _config_for(args.arch, args.tile_m, args.tile_n)
+    _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
+    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out)
 
@@ -124,7 +125,7 @@ def main(argv=None):
     p.add_argument("--arch", default="sm_90", choices=variants.ARCHS, help=arch_help)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(aot.DTYPES))
     p.add_argument("--head-dim", type=int, default=128,
-                   choices=_validate.SUPPORTED_HEAD_DIMS)
+                   help=f"query/key (and value) head dim, 1 to {_validate.MAX_HEAD_DIM}")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
     p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")

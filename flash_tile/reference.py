@@ -1,6 +1,6 @@
 """The forward kernel's CPU twin: the same tiles, the same online softmax, in float64.
 
-Read it beside ``kernels/attention_fwd.py``: ``kv_tile_ranges`` is the kernel's choice of which
+Read it beside ``kernels/attention_fwd.py``: ``kv_tile_runs`` is the kernel's choice of which
 key tiles to skip, which to take unmasked and which to mask; ``attention_tiles`` is its K-loop,
 written with torch on [B, H, TILE_M, TILE_N] blocks (every batch and head at once). It is the
 oracle of the CPU tests and is itself checked against ``torch.nn.functional.
@@ -18,40 +18,81 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kv_tile_ranges(m_start: int, tile_m: int, tile_n: int, k_len: int, causal: bool,
-                   causal_offset: int) -> tuple[int, int]:
-    """(n_full, n_end) for the query tile starting at row ``m_start``.
+def kv_tile_runs(m_start: int, tile_m: int, tile_n: int, k_len: int, diag_offset: int = 0,
+                 window: tuple[int, int] = (-1, -1)) -> tuple[int, int, int, int]:
+    """(n_start, n_inner, n_outer, n_end) for the query tile starting at row ``m_start``.
 
-    Key tiles [0, n_full) are wholly visible to every row of the query tile (no mask),
-    [n_full, n_end) need a mask (diagonal band or ragged end), and tiles from n_end on are
-    wholly invisible and skipped. Row i sees key j iff j <= i + causal_offset when causal.
+    Key tiles [n_start, n_inner) and [n_outer, n_end) need a mask (window edges, diagonal
+    band, ragged end), [n_inner, n_outer) are wholly visible to every row of the query tile,
+    and the rest are wholly invisible and skipped. Row i sees key j iff
+    i + diag_offset - left <= j <= i + diag_offset + right for window = (left, right), -1
+    leaving that side unbounded; causal is right = 0.
     """
-    if causal:
-        n_end = cdiv(min(max(m_start + tile_m + causal_offset, 0), k_len), tile_n)
-        n_full = min(max(m_start + causal_offset + 1, 0), k_len) // tile_n
+    left, right = window
+    n_start, inner_lo = 0, 0
+    if left >= 0:
+        n_start = min(max(m_start + diag_offset - left, 0), k_len) // tile_n
+        inner_lo = m_start + tile_m - 1 + diag_offset - left
+    n_end, inner_hi = cdiv(k_len, tile_n), k_len
+    if right >= 0:
+        n_end = cdiv(min(max(m_start + tile_m + diag_offset + right, 0), k_len), tile_n)
+        inner_hi = min(m_start + diag_offset + right + 1, k_len)
+    n_inner = min(max(cdiv(min(max(inner_lo, 0), k_len), tile_n), n_start), n_end)
+    n_outer = min(max(max(inner_hi, 0) // tile_n, n_inner), n_end)
+    return n_start, n_inner, n_outer, n_end
+
+
+def visible_keys(q_len: int, k_len: int, diag_offset: int = 0,
+                 window: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+    """[Lq, Lk] boolean: which keys each query row sees (the mask the tile runs implement)."""
+    rows = torch.arange(q_len)[:, None] + diag_offset
+    cols = torch.arange(k_len)[None, :]
+    left, right = window
+    visible = torch.ones(q_len, k_len, dtype=torch.bool)
+    if left >= 0:
+        visible &= cols >= rows - left
+    if right >= 0:
+        visible &= cols <= rows + right
+    return visible
+
+
+def _scores_log2(q_tile, k_tile, scale, softcap, slopes, offs_m, offs_n, diag_offset):
+    """The kernel's S' for one tile pair: scores in log2 units, scale and softcap and ALiBi
+    applied. ``slopes`` is [B, H, 1, 1] or None."""
+    s = q_tile @ k_tile.transpose(-1, -2)  # [B, H, rows, cols] raw scores
+    if softcap > 0.0:
+        s = softcap * torch.tanh(s * scale / softcap)
     else:
-        n_end = cdiv(k_len, tile_n)
-        n_full = k_len // tile_n
-    return n_full, n_end
+        s = s * scale
+    if slopes is not None:
+        s = s - slopes * (offs_m + diag_offset - offs_n).abs()
+    return s * LOG2_E
 
 
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    causal: bool = False, causal_offset: int = 0, tile_m: int = 64,
-                    tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                    diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                    tile_m: int = 64, tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
-    q [B, H, Lq, D], k and v [B, H, Lk, D] (any dtype and device; computed as float64 on the
-    CPU). Row i sees key j iff j <= i + causal_offset when ``causal`` (flash-attn's
-    bottom-right alignment is causal_offset = Lk - Lq, torch's top-left is 0).
+    q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
+    dtype and device; computed as float64 on the CPU). Masks as ``kv_tile_runs``: flash-attn's
+    causal is window (-1, 0) with diag_offset = Lk - Lq, torch's is_causal the same window with
+    diag_offset = 0. ``softcap`` > 0 caps the scaled scores with tanh; ``alibi_slopes`` [B, H]
+    subtracts slope * |i + diag_offset - j|.
 
-    Returns (out [B, H, Lq, D], lse [B, H, Lq]) in float64; lse is the natural-log
-    log-sum-exp of the scaled scores, +inf (and out 0) for rows that see no key.
+    Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
+    log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
     """
     q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     batch, heads, q_len, head_dim = q.shape
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # GQA
     k_len = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    qk_scale_log2 = scale * LOG2_E
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)[..., None, None]
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
 
@@ -62,20 +103,23 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         m_i = torch.full((batch, heads, rows, 1), -math.inf, dtype=torch.float64)
         l_i = torch.zeros(batch, heads, rows, 1, dtype=torch.float64)
         acc = torch.zeros(batch, heads, rows, v.shape[3], dtype=torch.float64)
-        n_full, n_end = kv_tile_ranges(m_start, tile_m, tile_n, k_len, causal, causal_offset)
-        for j in range(n_end):
-            n_start = j * tile_n
-            k_tile = k[:, :, n_start:n_start + tile_n]  # [B, H, cols, D], cols <= TILE_N
-            v_tile = v[:, :, n_start:n_start + tile_n]
-            s = q_tile @ k_tile.transpose(-1, -2)  # [B, H, rows, cols] raw scores
+        n_start, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
+                                                        diag_offset, window)
+        for j in range(n_start, n_end):
+            n_start_j = j * tile_n
+            k_tile = k[:, :, n_start_j:n_start_j + tile_n]  # [B, H, cols, D], cols <= TILE_N
+            v_tile = v[:, :, n_start_j:n_start_j + tile_n]
+            offs_n = torch.arange(n_start_j, n_start_j + k_tile.shape[2])[None, :]
+            s = _scores_log2(q_tile, k_tile, scale, softcap, slopes, offs_m, offs_n, diag_offset)
             # The kernel loads a zero-padded tile at the ragged end and masks the padding;
-            # here that tile is simply shorter, so only the causal band needs a mask.
-            if causal and j >= n_full:
-                offs_n = torch.arange(n_start, n_start + k_tile.shape[2])[None, :]
-                s = s.masked_fill(offs_n > offs_m + causal_offset, -math.inf)
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True) * qk_scale_log2)
+            # here that tile is simply shorter, so only the window needs a mask.
+            if not n_inner <= j < n_outer:
+                hidden = ~visible_keys(rows, k_tile.shape[2], m_start + diag_offset - n_start_j,
+                                       window)
+                s = s.masked_fill(hidden, -math.inf)
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
-            p = torch.exp2(s * qk_scale_log2 - m_sub)  # [B, H, rows, cols]
+            p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]
             l_i = l_i * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + p @ v_tile
@@ -88,19 +132,25 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                    causal: bool = False, causal_offset: int = 0) -> torch.Tensor:
-    """Plain softmax(scale * Q K^T) V in q's dtype and device (the fp32 GPU reference).
-
-    Same layout and causal convention as ``attention_tiles``; rows that see no key return 0.
-    """
+                    diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
+    ``attention_tiles`` with the same layout and conventions; rows that see no key return 0."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = (q @ k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
-    if causal:
-        rows = torch.arange(q.shape[-2], device=q.device)[:, None]
-        cols = torch.arange(k.shape[-2], device=q.device)[None, :]
-        s = s.masked_fill(cols > rows + causal_offset, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # all-masked rows: NaN -> 0
-    return p @ v
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2)  # [B, H, Lq, Lk]
+    s = softcap * torch.tanh(s * scale / softcap) if softcap > 0.0 else s * scale
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    if alibi_slopes is not None:
+        rows = torch.arange(q_len, device=q.device)[:, None] + diag_offset
+        cols = torch.arange(k_len, device=q.device)[None, :]
+        slopes = alibi_slopes.to(s.dtype).expand(q.shape[0], q.shape[1])[..., None, None]
+        s = s - slopes * (rows - cols).abs()
+    visible = visible_keys(q_len, k_len, diag_offset, window).to(q.device)
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
+    return p.to(v.dtype) @ v
 
 
 def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,

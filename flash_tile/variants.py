@@ -40,38 +40,54 @@ class TileConfig:
 # Hopper. 64x64 with occupancy 2: a plain cuTile forward went from about 400 to about 510
 # TFLOP/s at D=128 with the occupancy hint, and 128x128 tiles fell to about 250 from register
 # pressure [2026-11-30, H200, cuda-tile 1.7.0 / tileiras 13.4, ../shared/perf-baseline.md].
+# Measured in flash_tile's benchmark: 0.70-0.91x SDPA cuDNN at D=64/128 (bench/results/).
+# At D=256 it compiles without spills (255 registers); not yet timed.
 SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 
 # Ampere and Ada: 64x64 spills to local memory (1789 LDL/STL at D=128, 464 at D=64, 255
 # registers), and so do 128x64 and 32x64; 64x32 with 8 worker warps is the largest tile that
-# compiles with no spill at D=64 and D=128 (201-210 registers) [2026-11-30, cuobjdump of
+# compiles with no spill at D=64 and D=128 (201-216 registers). Above D=128 it spills too (805
+# at D=256); 32x32 with 8 worker warps does not (229 registers) [2026-11-30, cuobjdump of
 # tileiras 13.4 cubins for sm_80 and sm_89; not yet timed on such a GPU].
 SM80_DEFAULT = TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)
+SM80_WIDE = TileConfig(tile_m=32, tile_n=32, num_worker_warps=8)
 
-# Blackwell (sm_100 tcgen05, sm_120 mma.sync): 64x64 compiles to tensor-core code with no spill
-# (tests/test_aot.py); not yet timed on such a GPU, so the hints are left to the compiler.
-BLACKWELL_DEFAULT = TileConfig(tile_m=64, tile_n=64)
+# Blackwell datacenter (sm_100, tcgen05): 64x64 compiles to UTCHMMA with no spill up to D=256
+# (tests/test_aot.py); not yet timed, so the hints are left to the compiler.
+SM100_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 
+# Blackwell consumer (sm_120, mma.sync + TMA): 64x64 has no spill up to D=128; at D=256 it
+# spills (399 LDL/STL), 64x32 too (190); 32x64 with 8 worker warps does not (168 registers)
+# [2026-11-30, cuobjdump of tileiras 13.4 cubins; not yet timed on such a GPU].
+SM120_DEFAULT = TileConfig(tile_m=64, tile_n=64)
+SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
+
+# Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
+# the larger of the query/key and value head dims.
 _DEFAULTS = {
-    (8, 0): SM80_DEFAULT, (8, 6): SM80_DEFAULT, (8, 7): SM80_DEFAULT, (8, 9): SM80_DEFAULT,
-    (9, 0): SM90_DEFAULT,
-    (10, 0): BLACKWELL_DEFAULT, (10, 3): BLACKWELL_DEFAULT,
-    (12, 0): BLACKWELL_DEFAULT, (12, 1): BLACKWELL_DEFAULT,
+    (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
+    (9, 0): ((256, SM90_DEFAULT),),
+    (10, 0): ((256, SM100_DEFAULT),),
+    (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE)),
 }
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
-def default_config(capability: tuple[int, int]) -> TileConfig:
-    """The default variant for a compute capability such as ``(9, 0)``.
+def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
+    """The default variant for a compute capability such as ``(9, 0)`` and a head dim.
 
-    A capability with no entry (a newer GPU) gets the entry of the nearest older one.
+    A capability with no entry (sm_86, sm_89, sm_103, a newer GPU) gets the entry of the
+    nearest older one.
     """
     known = [c for c in _DEFAULTS if c <= tuple(capability)]
     if not known:
         raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
-    return _DEFAULTS[max(known)]
+    for max_dim, config in _DEFAULTS[max(known)]:
+        if head_dim <= max_dim:
+            return config
+    raise ValueError(f"no tile config for head dim {head_dim}: the largest is {max_dim}")
 
 
 def arch_name(capability: tuple[int, int]) -> str:

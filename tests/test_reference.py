@@ -6,71 +6,117 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_tile.reference import attention_tiles, cdiv, check_error, kv_tile_ranges
+from flash_tile.reference import (attention_dense, attention_tiles, cdiv, check_error,
+                                  kv_tile_runs, visible_keys)
 
-# (batch, heads, Lq, Lk, head_dim): lengths 1, 17, 64, 113/203, 1023/1024, Lq != Lk both ways.
+# (batch, heads, kv_heads, Lq, Lk, head_dim, v_head_dim): lengths 1, 17, 64, 113/203,
+# 1023/1024, Lq != Lk both ways, GQA ratios 1, 2, 4 and all (MQA), odd head dims.
 SHAPES = [
-    (1, 1, 1, 1, 64),
-    (3, 2, 17, 17, 64),
-    (1, 2, 64, 64, 128),
-    (3, 1, 113, 203, 64),
-    (1, 2, 203, 113, 128),
-    (1, 1, 1, 203, 64),
-    (1, 1, 203, 1, 64),
-    (1, 1, 1023, 1024, 64),
-    (1, 1, 1024, 1023, 64),
+    (1, 1, 1, 1, 1, 64, 64),
+    (3, 2, 2, 17, 17, 64, 64),
+    (1, 4, 2, 64, 64, 128, 128),
+    (3, 4, 1, 113, 203, 40, 40),
+    (1, 2, 2, 203, 113, 72, 24),
+    (1, 8, 2, 1, 203, 8, 8),
+    (1, 1, 1, 203, 1, 160, 160),
+    (1, 2, 1, 1023, 1024, 64, 64),
+    (1, 1, 1, 1024, 1023, 256, 256),
 ]
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
+WINDOWS = [(-1, -1), (-1, 0), (0, 0), (37, -1), (16, 0), (5, 70), (300, 300)]
 
 
-def _inputs(batch, heads, q_len, k_len, head_dim, seed):
+def _inputs(batch, heads, kv_heads, q_len, k_len, head_dim, v_head_dim, seed):
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=gen, dtype=torch.float64)
-               for n in (q_len, k_len, k_len))
+    q = torch.randn(batch, heads, q_len, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, k_len, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, k_len, v_head_dim, generator=gen, dtype=torch.float64)
     return q, k, v
 
 
-def _sdpa_bottom_right(q, k, v, scale):
-    """torch SDPA with flash-attn's bottom-right causal mask as an explicit boolean mask."""
-    q_len, k_len = q.shape[2], k.shape[2]
-    rows = torch.arange(q_len)[:, None]
-    cols = torch.arange(k_len)[None, :]
-    mask = cols <= rows + (k_len - q_len)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.nan_to_num(0.0)  # rows with no visible key: SDPA gives NaN, flash-attn gives 0
+def _sdpa(q, k, v, scale, mask=None, bias=None):
+    """torch SDPA (math, float64) with an explicit boolean mask and/or additive bias; rows with
+    no visible key give NaN there and 0 in flash-attn's convention."""
+    if bias is not None:
+        mask = bias if mask is None else bias.masked_fill(~mask, -math.inf)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out.nan_to_num(0.0)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("tiles", [(64, 64), (16, 32), (32, 16)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_matches_sdpa(shape, tiles):
     q, k, v = _inputs(*shape, seed=sum(shape))
-    scale = 0.7 / math.sqrt(shape[-1])
+    q_len, k_len = shape[3], shape[4]
+    scale = 0.7 / math.sqrt(shape[5])
     tile_m, tile_n = tiles
 
-    out, lse = attention_tiles(q, k, v, scale, causal=False, tile_m=tile_m, tile_n=tile_n)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, scale=scale),
-                               rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(lse, torch.logsumexp(scale * q @ k.transpose(-1, -2), dim=-1),
-                               rtol=1e-10, atol=1e-10)
-
-    # Top-left alignment is SDPA's is_causal.
-    out, _ = attention_tiles(q, k, v, scale, causal=True, causal_offset=0,
-                             tile_m=tile_m, tile_n=tile_n)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                   scale=scale),
+    out, lse = attention_tiles(q, k, v, scale, tile_m=tile_m, tile_n=tile_n)
+    torch.testing.assert_close(out, _sdpa(q, k, v, scale), rtol=1e-10, atol=1e-10)
+    k_full = k.repeat_interleave(shape[1] // shape[2], dim=1)
+    torch.testing.assert_close(lse, torch.logsumexp(scale * q @ k_full.transpose(-1, -2), -1),
                                rtol=1e-10, atol=1e-10)
 
-    # Bottom-right alignment is flash-attn's causal.
-    q_len, k_len = shape[2], shape[3]
-    out, lse = attention_tiles(q, k, v, scale, causal=True, causal_offset=k_len - q_len,
+    # Top-left causal is SDPA's is_causal.
+    out, _ = attention_tiles(q, k, v, scale, window=(-1, 0), tile_m=tile_m, tile_n=tile_n)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+    # Bottom-right causal (flash-attn's): the first Lq - Lk rows see nothing.
+    out, lse = attention_tiles(q, k, v, scale, diag_offset=k_len - q_len, window=(-1, 0),
                                tile_m=tile_m, tile_n=tile_n)
-    torch.testing.assert_close(out, _sdpa_bottom_right(q, k, v, scale), rtol=1e-10, atol=1e-10)
+    mask = visible_keys(q_len, k_len, k_len - q_len, (-1, 0))
+    torch.testing.assert_close(out, _sdpa(q, k, v, scale, mask), rtol=1e-10, atol=1e-10)
     empty_rows = max(q_len - k_len, 0)
     assert torch.isinf(lse[..., :empty_rows]).all() and (lse[..., :empty_rows] > 0).all()
     assert torch.isfinite(lse[..., empty_rows:]).all()
 
 
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[2:6], ids=SHAPE_IDS[2:6])
+def test_sliding_window(shape, window):
+    q, k, v = _inputs(*shape, seed=7)
+    q_len, k_len = shape[3], shape[4]
+    offset = k_len - q_len
+    mask = visible_keys(q_len, k_len, offset, window)
+    out, lse = attention_tiles(q, k, v, 0.3, diag_offset=offset, window=window,
+                               tile_m=32, tile_n=16)
+    torch.testing.assert_close(out, _sdpa(q, k, v, 0.3, mask), rtol=1e-10, atol=1e-10)
+    empty = ~mask.any(dim=-1)
+    assert torch.isinf(lse[..., empty]).all() and torch.isfinite(lse[..., ~empty]).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:6], ids=SHAPE_IDS[1:6])
+def test_softcap_and_alibi(shape):
+    q, k, v = _inputs(*shape, seed=9)
+    batch, heads, q_len, k_len = shape[0], shape[1], shape[3], shape[4]
+    scale, softcap, offset = 1.0 / math.sqrt(shape[5]), 2.5, k_len - q_len
+    slopes = torch.rand(batch, heads, dtype=torch.float64, generator=torch.Generator()
+                        .manual_seed(1)) * 0.3
+    rows = torch.arange(q_len)[:, None] + offset
+    cols = torch.arange(k_len)[None, :]
+    bias = -slopes[..., None, None] * (rows - cols).abs()  # [B, H, Lq, Lk]
+    k_full = k.repeat_interleave(heads // shape[2], dim=1)
+    v_full = v.repeat_interleave(heads // shape[2], dim=1)
+    capped = softcap * torch.tanh(scale * q @ k_full.transpose(-1, -2) / softcap)
+    for window in [(-1, -1), (-1, 0)]:
+        mask = visible_keys(q_len, k_len, offset, window)
+        logits = (capped + bias).masked_fill(~mask, -math.inf)
+        ref = torch.softmax(logits, dim=-1).nan_to_num(0.0) @ v_full
+        out, lse = attention_tiles(q, k, v, scale, diag_offset=offset, window=window,
+                                   softcap=softcap, alibi_slopes=slopes, tile_m=16, tile_n=32)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        ref_lse = torch.logsumexp(logits, dim=-1)
+        ref_lse = torch.where(ref_lse == -math.inf, math.inf, ref_lse)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(attention_dense(q, k, v, scale, offset, window, softcap,
+                                                   slopes), ref, rtol=1e-10, atol=1e-10)
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
-    q, k, v = _inputs(2, 2, 33, 47, 64, seed=3)
+    q, k, v = _inputs(2, 2, 2, 33, 47, 64, 64, seed=3)
     out, _ = attention_tiles(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v),
                                rtol=1e-10, atol=1e-10)
@@ -78,37 +124,48 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 
 def test_large_scores_do_not_overflow():
     # Scores of several hundred: exp without the running max would overflow float64.
-    q, k, v = _inputs(1, 1, 70, 130, 64, seed=5)
-    out, _ = attention_tiles(q * 30, k * 30, v, causal=True, tile_m=16, tile_n=16)
+    q, k, v = _inputs(1, 1, 1, 70, 130, 64, 64, seed=5)
+    out, _ = attention_tiles(q * 30, k * 30, v, window=(-1, 0), tile_m=16, tile_n=16)
     ref = F.scaled_dot_product_attention(q * 30, k * 30, v, is_causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("q_len,k_len,offset", [(256, 256, 0), (128, 512, 384), (512, 128, -384),
-                                                 (200, 300, 100), (64, 64, 0)])
+@pytest.mark.parametrize("q_len,k_len", [(256, 256), (128, 512), (512, 128), (200, 300)])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("tile_m,tile_n", [(64, 64), (128, 64), (64, 32)])
-def test_tile_schedule_skips_and_masks_exactly(q_len, k_len, offset, tile_m, tile_n):
+def test_tile_schedule_skips_and_masks_exactly(q_len, k_len, window, tile_m, tile_n):
     """Every tile the schedule drops is invisible, every unmasked one wholly visible, and
-    every tile with both visible and hidden scores is masked."""
+    every masked one partly visible (or the ragged end)."""
+    offset = k_len - q_len
     for m_start in range(0, q_len, tile_m):
-        n_full, n_end = kv_tile_ranges(m_start, tile_m, tile_n, k_len, True, offset)
-        rows = torch.arange(m_start, m_start + tile_m)[:, None]
+        n_start, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len, offset,
+                                                        window)
+        visible_rows = visible_keys(m_start + tile_m, cdiv(k_len, tile_n) * tile_n, offset,
+                                    window)[m_start:]
+        visible_rows[:, k_len:] = False  # the ragged end's padding
         for j in range(cdiv(k_len, tile_n)):
-            cols = torch.arange(j * tile_n, (j + 1) * tile_n)[None, :]
-            visible = (cols <= rows + offset) & (cols < k_len)
-            if j >= n_end:
+            visible = visible_rows[:, j * tile_n:(j + 1) * tile_n]
+            if not n_start <= j < n_end:
                 assert not visible.any(), (m_start, j)
-            elif j < n_full:
+            elif n_inner <= j < n_outer:
                 assert visible.all(), (m_start, j)
             else:
-                assert visible.any() and not visible.all(), (m_start, j)
+                assert not visible.all(), (m_start, j)
 
 
 def test_causal_skips_the_upper_triangle():
     """Square causal attention over T tiles visits T(T+1)/2 key tiles, not T^2."""
     tiles = 16
-    visited = sum(kv_tile_ranges(m * 64, 64, 64, tiles * 64, True, 0)[1] for m in range(tiles))
+    visited = sum(kv_tile_runs(m * 64, 64, 64, tiles * 64, 0, (-1, 0))[3] for m in range(tiles))
     assert visited == tiles * (tiles + 1) // 2
+
+
+def test_window_cost_grows_with_the_window_not_the_length():
+    """A 256-key window over 16k keys visits at most (256 + 64) / 64 + 1 tiles per row tile."""
+    for k_len in (4096, 16384):
+        counts = {kv_tile_runs(m, 64, 64, k_len, 0, (256, 0))[3]
+                  - kv_tile_runs(m, 64, 64, k_len, 0, (256, 0))[0] for m in range(0, k_len, 64)}
+        assert max(counts) <= 6
 
 
 def test_tolerance_rule_can_fail():
