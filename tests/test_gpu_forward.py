@@ -2,8 +2,9 @@
 
 The rule (``flash_tile.reference.check_error``): the kernel's max error against the fp32
 reference is at most twice the max error of PyTorch's own computation in the input dtype
-against the same reference, plus a floor of the dtype's rounding at the output's magnitude. Inputs are fresh random values each call; outputs
-launched directly are poisoned with NaN first, so an element the kernel skips fails.
+against the same reference, plus a floor of the dtype's rounding at the output's magnitude.
+Inputs are fresh random values each call; outputs launched directly are poisoned with NaN
+first, so an element the kernel skips fails.
 """
 
 import math
@@ -13,23 +14,23 @@ import torch
 
 import flash_tile
 from flash_tile import _launch, variants
-from flash_tile.reference import attention_dense, check_error
+from flash_tile.reference import attention_dense, check_error, visible_keys
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.float16, torch.bfloat16]
-# (batch, heads, Lq, Lk, head_dim)
+# (batch, heads, kv_heads, Lq, Lk, head_dim, v_head_dim)
 SHAPES = [
-    (1, 1, 1, 1, 64),
-    (2, 3, 17, 17, 64),
-    (1, 2, 113, 203, 128),
-    (2, 2, 203, 113, 128),
-    (1, 2, 1, 203, 64),
-    (1, 2, 203, 1, 128),
-    (3, 2, 64, 64, 128),
-    (1, 4, 1023, 1024, 64),
-    (1, 2, 1024, 1023, 128),
-    (2, 4, 512, 512, 128),
+    (1, 1, 1, 1, 1, 64, 64),
+    (2, 3, 3, 17, 17, 64, 64),
+    (1, 2, 2, 113, 203, 128, 128),
+    (2, 2, 2, 203, 113, 128, 128),
+    (1, 2, 2, 1, 203, 64, 64),
+    (1, 2, 2, 203, 1, 128, 128),
+    (3, 2, 2, 64, 64, 128, 128),
+    (1, 4, 4, 1023, 1024, 64, 64),
+    (1, 2, 2, 1024, 1023, 128, 128),
+    (2, 4, 4, 512, 512, 128, 128),
 ]
 IDS = ["x".join(map(str, s)) for s in SHAPES]
 
@@ -39,11 +40,12 @@ def _randn(*shape, dtype):
 
 
 def _qkv(shape, dtype, layout="bhld"):
-    """Fresh q, k, v for (batch, heads, Lq, Lk, head_dim) in torch's or flash-attn's layout."""
-    batch, heads, q_len, k_len, head_dim = shape
+    """Fresh q, k, v for a SHAPES entry in torch's [B, H, L, D] or flash-attn's [B, L, H, D]."""
+    batch, heads, kv_heads, q_len, k_len, head_dim, v_head_dim = shape
+    dims = [(heads, q_len, head_dim), (kv_heads, k_len, head_dim), (kv_heads, k_len, v_head_dim)]
     if layout == "bhld":
-        return tuple(_randn(batch, heads, n, head_dim, dtype=dtype) for n in (q_len, k_len, k_len))
-    return tuple(_randn(batch, n, heads, head_dim, dtype=dtype) for n in (q_len, k_len, k_len))
+        return tuple(_randn(batch, h, n, d, dtype=dtype) for h, n, d in dims)
+    return tuple(_randn(batch, n, h, d, dtype=dtype) for h, n, d in dims)
 
 
 def _check(out, out_ref, out_pt, what=""):
@@ -51,11 +53,19 @@ def _check(out, out_ref, out_pt, what=""):
     assert report["ok"], f"{what}: {report}"
 
 
-def _references(q, k, v, scale, causal, offset):
+def _references(q, k, v, scale=None, offset=0, window=(-1, -1), softcap=0.0, slopes=None):
     """(fp32 reference, PyTorch in the input dtype) for [B, H, L, D] inputs."""
-    ref = attention_dense(q.float(), k.float(), v.float(), scale, causal, offset)
-    pt = attention_dense(q, k, v, scale, causal, offset)
+    ref = attention_dense(q.float(), k.float(), v.float(), scale, offset, window, softcap, slopes)
+    pt = attention_dense(q, k, v, scale, offset, window, softcap, slopes)
     return ref, pt
+
+
+def _lse_reference(q, k, scale, offset, window):
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    visible = visible_keys(q.shape[2], k.shape[2], offset, window).cuda()
+    lse = torch.logsumexp(s.masked_fill(~visible, -math.inf), dim=-1)
+    return torch.where(lse == -math.inf, math.inf, lse)  # rows that see no key: +inf
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -63,42 +73,62 @@ def _references(q, k, v, scale, causal, offset):
 @pytest.mark.parametrize("shape", SHAPES, ids=IDS)
 def test_launch_writes_every_element(shape, causal, dtype):
     """The kernel launched directly into NaN-poisoned outputs, LSE included."""
-    batch, heads, q_len, k_len, head_dim = shape
+    batch, heads, _, q_len, k_len, head_dim, v_head_dim = shape
     q, k, v = _qkv(shape, dtype)
-    out = torch.full_like(q, math.nan)
+    out = torch.full((batch, heads, q_len, v_head_dim), math.nan, device="cuda", dtype=dtype)
     lse = torch.full((batch, heads, q_len), math.nan, device="cuda")
-    scale = 1.0 / math.sqrt(head_dim)
-    offset = k_len - q_len
-    config = variants.default_config(torch.cuda.get_device_capability())
-    _launch.launch_forward(q, k, v, out, lse, scale, causal, offset, config)
+    scale, offset = 1.0 / math.sqrt(head_dim), k_len - q_len
+    window = (-1, 0) if causal else (-1, -1)
+    config = variants.default_config(torch.cuda.get_device_capability(), head_dim)
+    _launch.launch_forward(q, k, v, out, lse, None, scale, 0.0, offset, window, config)
 
-    ref, pt = _references(q, k, v, scale, causal, offset)
-    _check(out, ref, pt, "out")
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    if causal:
-        rows = torch.arange(q_len, device="cuda")[:, None]
-        cols = torch.arange(k_len, device="cuda")[None, :]
-        s = s.masked_fill(cols > rows + offset, -math.inf)
-    lse_ref = torch.logsumexp(s, dim=-1)
-    lse_ref = torch.where(lse_ref == -math.inf, math.inf, lse_ref)  # empty rows: +inf
+    _check(out, *_references(q, k, v, scale, offset, window), "out")
     assert not lse.isnan().any()
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, _lse_reference(q, k, scale, offset, window),
+                               rtol=1e-4, atol=1e-4)
+
+
+# flash_attn_func features: (shape, causal, window, softcap, alibi).
+FEATURES = [
+    ((2, 8, 2, 203, 203, 64, 64), True, (-1, -1), 0.0, False),     # GQA 4, causal
+    ((1, 8, 1, 113, 250, 128, 128), False, (-1, -1), 0.0, False),  # MQA, Lq != Lk
+    ((1, 4, 2, 300, 300, 64, 64), True, (64, -1), 0.0, False),     # causal sliding window
+    ((1, 2, 2, 256, 333, 128, 128), False, (40, 17), 0.0, False),  # two-sided window
+    ((2, 2, 2, 150, 100, 64, 64), False, (0, 0), 0.0, False),      # rows with no key at all
+    ((1, 4, 4, 257, 257, 128, 128), True, (-1, -1), 30.0, False),  # softcap (Gemma)
+    ((2, 4, 4, 130, 190, 64, 64), True, (-1, -1), 0.0, True),      # ALiBi causal
+    ((1, 4, 2, 190, 130, 64, 64), False, (-1, -1), 0.0, True),     # ALiBi non-causal, GQA
+    ((1, 2, 2, 77, 99, 72, 40), False, (-1, -1), 0.0, False),      # Dv != D, odd dims
+    ((1, 2, 1, 129, 129, 256, 256), True, (128, -1), 50.0, True),  # everything at D=256
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", SHAPES[1:5], ids=IDS[1:5])
-def test_flash_attn_func(shape, causal, dtype):
-    """flash-attn layout [B, L, H, D], bottom-right causal, LSE returned."""
-    batch, heads, q_len, k_len, head_dim = shape
+@pytest.mark.parametrize("case", FEATURES, ids=[f"case{i}" for i in range(len(FEATURES))])
+def test_flash_attn_features(case, dtype):
+    shape, causal, window, softcap, alibi = case
+    batch, heads, _, q_len, k_len, head_dim, v_head_dim = shape
     q, k, v = _qkv(shape, dtype, layout="blhd")
-    out, lse = flash_tile.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
-    assert lse.shape == (batch, heads, q_len) and lse.dtype == torch.float32
+    slopes = torch.rand(batch, heads, device="cuda") * 0.2 if alibi else None
+    out, lse = flash_tile.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                          softcap=softcap, alibi_slopes=slopes, return_lse=True)
+    assert out.shape == (batch, q_len, heads, v_head_dim) and out.dtype == dtype
+    assert lse.shape == (batch, heads, q_len) and not lse.isnan().any()
 
+    eff_window = (window[0], 0) if causal else window
     bhld = [t.transpose(1, 2) for t in (q, k, v)]
-    ref, pt = _references(*bhld, 1.0 / math.sqrt(head_dim), causal, k_len - q_len)
-    _check(out.transpose(1, 2), ref, pt, "flash_attn_func")
+    ref, pt = _references(*bhld, 1.0 / math.sqrt(head_dim), k_len - q_len, eff_window, softcap,
+                          slopes)
+    _check(out.transpose(1, 2), ref, pt, f"flash_attn_func {case}")
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 62, 80, 96, 112, 160, 192, 256])
+def test_head_dims(head_dim):
+    shape = (2, 3, 3, 100, 150, head_dim, head_dim)
+    q, k, v = _qkv(shape, torch.bfloat16, layout="blhd")
+    out = flash_tile.flash_attn_func(q, k, v, causal=True)
+    ref, pt = _references(*[t.transpose(1, 2) for t in (q, k, v)], None, 50, (-1, 0))
+    _check(out.transpose(1, 2), ref, pt, f"D={head_dim}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -116,6 +146,16 @@ def test_sdpa_matches_torch(shape, causal, dtype):
     _check(out, ref, pt, "sdpa")
 
 
+def test_sdpa_gqa_and_value_head_dim():
+    q, k, v = _qkv((2, 8, 2, 200, 180, 128, 64), torch.float16)
+    out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref = sdpa(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    pt = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 8, 200, 64)
+    _check(out, ref, pt, "sdpa gqa")
+
+
 @pytest.mark.parametrize("shape", [(8, 512, 64), (2, 3, 4, 100, 128)], ids=["3d", "5d"])
 def test_sdpa_leading_dims(shape):
     q, k, v = (_randn(*shape, dtype=torch.float16) for _ in range(3))
@@ -127,14 +167,19 @@ def test_sdpa_leading_dims(shape):
     _check(out, ref, pt, "leading dims")
 
 
-def test_strided_views_are_read_in_place():
-    """q, k, v sliced out of one packed [B, L, 3, H, D] buffer: no unit stride but the last."""
+def test_packed_inputs_are_read_in_place():
+    """qkvpacked [B, L, 3, H, D] and kvpacked [B, L, 2, H_kv, D]: strided views, no copies."""
     qkv = _randn(2, 300, 3, 4, 128, dtype=torch.bfloat16)
-    q, k, v = qkv.unbind(2)
-    assert not q.is_contiguous()
-    out = flash_tile.flash_attn_func(q, k, v, causal=True)
-    ref, pt = _references(*[t.transpose(1, 2) for t in (q, k, v)], 1.0 / math.sqrt(128), True, 0)
-    _check(out.transpose(1, 2), ref, pt, "packed views")
+    out = flash_tile.flash_attn_qkvpacked_func(qkv, causal=True)
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    _check(out.transpose(1, 2), *_references(q, k, v, None, 0, (-1, 0)), "qkvpacked")
+
+    q = _randn(2, 120, 8, 64, dtype=torch.float16)
+    kv = _randn(2, 250, 2, 2, 64, dtype=torch.float16)
+    out = flash_tile.flash_attn_kvpacked_func(q, kv, causal=True)
+    k, v = (t.transpose(1, 2) for t in kv.unbind(2))
+    _check(out.transpose(1, 2), *_references(q.transpose(1, 2), k, v, None, 130, (-1, 0)),
+           "kvpacked")
 
 
 def test_non_unit_last_stride_is_copied_and_correct():
@@ -142,8 +187,7 @@ def test_non_unit_last_stride_is_copied_and_correct():
                .transpose(-1, -2) for _ in range(3))
     assert q.stride(-1) != 1
     out = flash_tile.scaled_dot_product_attention(q, k, v)
-    ref, pt = _references(q, k, v, 1.0 / math.sqrt(128), False, 0)
-    _check(out, ref, pt, "strided last dim")
+    _check(out, *_references(q, k, v), "strided last dim")
 
 
 def test_runs_on_current_stream_under_no_grad_and_autocast():
@@ -154,7 +198,7 @@ def test_runs_on_current_stream_under_no_grad_and_autocast():
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     stream.synchronize()
     assert out.dtype == torch.bfloat16 == expected.dtype
-    ref, _ = _references(q, k, v, 1.0 / 8.0, True, 0)
+    ref, _ = _references(q, k, v, None, 0, (-1, 0))
     _check(out, ref, expected, "autocast on a side stream")
 
 
@@ -164,8 +208,7 @@ def test_second_device():
                for _ in range(3))
     out = flash_tile.scaled_dot_product_attention(q, k, v)
     assert out.device == q.device
-    ref, pt = _references(q, k, v, 1.0 / 8.0, False, 0)
-    _check(out, ref, pt, "cuda:1")
+    _check(out, *_references(q, k, v), "cuda:1")
 
 
 def test_mixed_devices_rejected():
