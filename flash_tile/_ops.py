@@ -27,18 +27,18 @@ def _empty_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
 
 @torch.library.custom_op("flash_tile::attention_forward", mutates_args=(), device_types="cuda")
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
-                      diag_offset: int, window_left: int, window_right: int,
-                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                      scale: float, softcap: float, diag_offset: int, window_left: int,
+                      window_right: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _empty_outputs(q, v, return_lse)
     head_dim = max(q.shape[-1], v.shape[-1])
     config = variants.default_config(device_properties(q.device)[0], head_dim)
-    launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, scale, softcap,
-                   diag_offset, (window_left, window_right), config)
+    launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask, scale,
+                   softcap, diag_offset, (window_left, window_right), config)
     return out, lse
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, alibi_slopes, scale, softcap, diag_offset, window_left,
-                            window_right, return_lse):
+def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
+                            window_left, window_right, return_lse):
     return _empty_outputs(q, v, return_lse)

@@ -89,6 +89,19 @@ def check_lengths(k_len: int, v_len: int) -> None:
         raise ValueError("k and v have sequence length 0: softmax over no keys is undefined")
 
 
+def check_attn_mask(attn_mask: torch.Tensor, dtype: torch.dtype,
+                    shape: tuple[int, ...]) -> torch.Tensor:
+    """A boolean or ``dtype`` mask broadcast (as a stride-0 view) to ``shape``."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype not in (torch.bool, dtype):
+        raise ValueError(f"attn_mask must be a bool tensor or a {dtype} tensor (additive), got "
+                         f"{getattr(attn_mask, 'dtype', type(attn_mask))}")
+    try:
+        return attn_mask.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"{tuple(shape)}") from None
+
+
 def check_scale(scale: float) -> float:
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0.0):

@@ -22,6 +22,7 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 
 from flash_tile import variants
 from flash_tile._launch import forward_spec, hinted_kernel
+from flash_tile.kernels.attention_fwd import ADDITIVE_MASK, BOOL_MASK, NO_MASK
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
 
@@ -43,12 +44,12 @@ _COUNTED = {
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _array(dtype, ndim: int, row: int = 8) -> ArrayConstraint:
+def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32) -> ArrayConstraint:
     """An array as torch allocates it: unit last stride, 16-byte aligned base, and outer
     strides that are multiples of the row length ``row`` (so of gcd(row, 16 bytes))."""
     elems_16b = 16 // (2 if dtype in (ct.float16, ct.bfloat16) else 4)
     divisor = math.gcd(row, elems_16b)
-    return ArrayConstraint(dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+    return ArrayConstraint(dtype, ndim, index_dtype=index_dtype, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=False,
                            stride_constant=(None,) * (ndim - 1) + (1,),
                            stride_divisible_by=(divisor,) * (ndim - 1) + (1,),
@@ -56,14 +57,24 @@ def _array(dtype, ndim: int, row: int = 8) -> ArrayConstraint:
 
 
 def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
-                      softcap: bool, alibi: bool, even_n: bool, store_lse: bool,
-                      config: variants.TileConfig) -> KernelSignature:
-    """The signature of ``attention_fwd`` for one variant; ``even_n`` picks a key length that
-    is (or is not) a multiple of the config's TILE_N."""
+                      softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
+                      store_lse: bool, config: variants.TileConfig,
+                      int64_index: bool = False) -> KernelSignature:
+    """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
+    ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N."""
     k_len = config.tile_n * 4 + (0 if even_n else 1)
-    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, store_lse)
-    qk, vo = _array(DTYPES[dtype], 4, head_dim), _array(DTYPES[dtype], 4, v_head_dim)
-    params = [qk, qk, vo, vo, _array(ct.float32, 3), _array(ct.float32, 2),
+    kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
+    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
+                        store_lse)
+    index = ct.int64 if int64_index else ct.int32
+    qk = _array(DTYPES[dtype], 4, head_dim, index)
+    vo = _array(DTYPES[dtype], 4, v_head_dim, index)
+    # A mask broadcast over batch, heads or query rows has zero strides: no assumption.
+    mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,
+                           index_dtype=index, stride_lower_bound_incl=0, alias_groups=(),
+                           may_alias_internally=True)
+    params = [qk, qk, vo, vo, _array(ct.float32, 3, index_dtype=index), _array(ct.float32, 2),
+              mask,
               ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32),
               *spec.constants()]
@@ -73,18 +84,22 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
 def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     v_head_dim: int | None = None, causal: bool = True,
                     window: tuple[int, int] = (-1, -1), softcap: bool = False,
-                    alibi: bool = False, even_n: bool = False, store_lse: bool = True,
-                    config: variants.TileConfig | None = None) -> bytes:
+                    alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
+                    store_lse: bool = True, config: variants.TileConfig | None = None,
+                    int64_index: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
-    architecture launches. ``causal`` sets the window's right bound to 0."""
+    architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
+    None, "bool" or "additive"; ``int64_index``
+    compiles the 64-bit-index entry point used for tensors of 2**31 elements or more."""
     if config is None:
         major, minor = divmod(int(arch.removeprefix("sm_")), 10)
         config = variants.default_config((major, minor), max(head_dim, v_head_dim or 0))
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                            even_n, store_lse, config)
+                            attn_mask, even_n, store_lse, config, int64_index)
     buffer = io.BytesIO()
-    export_kernel(hinted_kernel(config), [sig], buffer, gpu_code=arch, output_format="cubin")
+    export_kernel(hinted_kernel(config, int64_index), [sig], buffer, gpu_code=arch,
+                  output_format="cubin")
     return buffer.getvalue()
 
 

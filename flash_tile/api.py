@@ -3,7 +3,8 @@
 
 All of them validate everything before launching (``flash_tile._validate`` lists the errors),
 reach the kernel through views (no copies of q, k or v unless their last dim is strided), and
-run on the current CUDA stream of the inputs' device.
+run on the current CUDA stream of the inputs' device. They take torch tensors or CuPy arrays
+(``flash_tile._interop``); CuPy inputs get CuPy outputs.
 """
 
 import math
@@ -11,6 +12,7 @@ import math
 import torch
 
 from flash_tile import _validate
+from flash_tile._interop import accepts_cupy
 from flash_tile._ops import attention_forward
 
 
@@ -66,12 +68,13 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     _validate.check_grad(q, k, v)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    out, lse = attention_forward(q, k, v, alibi_slopes, scale, softcap, k.shape[2] - q.shape[2],
-                                 left, right, return_lse)
+    out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
+                                 k.shape[2] - q.shape[2], left, right, return_lse)
     out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
 
 
+@accepts_cupy
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, return_lse=False):
@@ -111,6 +114,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                        alibi_slopes, return_attn_probs, return_lse)
 
 
+@accepts_cupy
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
@@ -127,6 +131,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                        alibi_slopes, return_attn_probs, return_lse)
 
 
+@accepts_cupy
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
@@ -142,6 +147,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                        alibi_slopes, return_attn_probs, return_lse)
 
 
+@accepts_cupy
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """Attention in torch's layout; a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
@@ -152,11 +158,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             as usual, [B, L, D] (one head), or more leading batch dims; D from 1 to 256.
         key: [..., H_kv, Lk, D] and value: [..., H_kv, Lk, Dv] with the same batch dims as query
             (no broadcasting). H_kv < H needs ``enable_gqa=True``, as in torch.
-        attn_mask: must be None (masks are not supported yet).
+        attn_mask: boolean (True = attend) or additive mask in query's dtype, broadcastable to
+            [..., H, Lq, Lk]; broadcast dims are read in place (stride 0), not expanded in
+            memory (except that more than one leading batch dim is flattened). Rows that
+            attend to nothing return 0, as torch does.
         dropout_p: must be 0.0 (dropout is not supported yet).
         is_causal: causal mask aligned to the top-left corner, as torch defines it: query i
             sees key j iff j <= i. This differs from ``flash_attn_func`` (bottom-right) when
-            Lq != Lk.
+            Lq != Lk. Not together with attn_mask, as in torch.
         scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
         enable_gqa: allow fewer key/value heads than query heads (H a multiple of H_kv).
 
@@ -164,8 +173,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
         the autocast dtype first, as torch does.
     """
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask: attention masks are not supported yet")
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p: dropout is not supported yet; pass 0.0")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -177,16 +184,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
     query, key, value = _autocast(query, key, value)
     _validate.check_dtypes(query, key, value)
+    if attn_mask is not None and attn_mask.is_floating_point():
+        (attn_mask,) = _autocast(attn_mask)
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("pass either attn_mask or is_causal=True, not both (as torch)")
+        attn_mask = _validate.check_attn_mask(attn_mask, query.dtype, (
+            *query.shape[:-1], key.shape[-2]))
     lead = query.shape[:-2]
     if query.dim() == 3:
         q, k, v = query[:, None], key[:, None], value[:, None]  # [B, L, D]: one head each
+        mask = None if attn_mask is None else attn_mask[:, None]
     else:
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        mask = None if attn_mask is None else attn_mask.reshape(-1, *attn_mask.shape[-3:])
     scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
-    _validate.check_device(q, k, v)
+    _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
     _validate.check_grad(query, key, value)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     right = 0 if is_causal else -1
-    out, _ = attention_forward(q, k, v, None, scale, 0.0, 0, -1, right, False)
+    out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, False)
     return out.reshape(*lead, *out.shape[-2:])

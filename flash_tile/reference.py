@@ -56,9 +56,10 @@ def visible_keys(q_len: int, k_len: int, diag_offset: int = 0,
     return visible
 
 
-def _scores_log2(q_tile, k_tile, scale, softcap, slopes, offs_m, offs_n, diag_offset):
-    """The kernel's S' for one tile pair: scores in log2 units, scale and softcap and ALiBi
-    applied. ``slopes`` is [B, H, 1, 1] or None."""
+def _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n, diag_offset):
+    """The kernel's S' for one tile pair: scores in log2 units, scale, softcap, ALiBi and the
+    attention mask applied. ``slopes`` is [B, H, 1, 1] or None, ``mask`` the tile's
+    [B, H, rows, cols] slice of a bool or additive mask, or None."""
     s = q_tile @ k_tile.transpose(-1, -2)  # [B, H, rows, cols] raw scores
     if softcap > 0.0:
         s = softcap * torch.tanh(s * scale / softcap)
@@ -66,20 +67,24 @@ def _scores_log2(q_tile, k_tile, scale, softcap, slopes, offs_m, offs_n, diag_of
         s = s * scale
     if slopes is not None:
         s = s - slopes * (offs_m + diag_offset - offs_n).abs()
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
     return s * LOG2_E
 
 
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                    tile_m: int = 64, tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                    attn_mask: torch.Tensor | None = None, tile_m: int = 64,
+                    tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
     dtype and device; computed as float64 on the CPU). Masks as ``kv_tile_runs``: flash-attn's
     causal is window (-1, 0) with diag_offset = Lk - Lq, torch's is_causal the same window with
     diag_offset = 0. ``softcap`` > 0 caps the scaled scores with tanh; ``alibi_slopes`` [B, H]
-    subtracts slope * |i + diag_offset - j|.
+    subtracts slope * |i + diag_offset - j|; ``attn_mask``, broadcastable to [B, H, Lq, Lk],
+    hides keys where False (bool) or is added to the scores (float).
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -93,6 +98,10 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)[..., None, None]
+    if attn_mask is not None:
+        attn_mask = attn_mask.detach().cpu().expand(batch, heads, q_len, k_len)
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(torch.float64)
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
 
@@ -110,7 +119,10 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             k_tile = k[:, :, n_start_j:n_start_j + tile_n]  # [B, H, cols, D], cols <= TILE_N
             v_tile = v[:, :, n_start_j:n_start_j + tile_n]
             offs_n = torch.arange(n_start_j, n_start_j + k_tile.shape[2])[None, :]
-            s = _scores_log2(q_tile, k_tile, scale, softcap, slopes, offs_m, offs_n, diag_offset)
+            mask = None if attn_mask is None else attn_mask[
+                :, :, m_start:m_start + rows, n_start_j:n_start_j + k_tile.shape[2]]
+            s = _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n,
+                             diag_offset)
             # The kernel loads a zero-padded tile at the ragged end and masks the padding;
             # here that tile is simply shorter, so only the window needs a mask.
             if not n_inner <= j < n_outer:
@@ -133,7 +145,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
     ``attention_tiles`` with the same layout and conventions; rows that see no key return 0."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -147,7 +160,11 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         cols = torch.arange(k_len, device=q.device)[None, :]
         slopes = alibi_slopes.to(s.dtype).expand(q.shape[0], q.shape[1])[..., None, None]
         s = s - slopes * (rows - cols).abs()
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        s = s + attn_mask.to(s.dtype)
     visible = visible_keys(q_len, k_len, diag_offset, window).to(q.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        visible = visible & attn_mask
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
     return p.to(v.dtype) @ v

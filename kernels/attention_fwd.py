@@ -5,6 +5,7 @@ Maths. For one (batch, head) and a query row i, with scores
     s_ij = scale * q_i . k_j                                     (plain)
     s_ij = softcap * tanh(scale * q_i . k_j / softcap)           (SOFTCAP)
     s_ij += -slope * |i + diag_offset - j|                       (ALIBI)
+    s_ij += mask_ij,  or s_ij = -inf where not mask_ij           (ATTN_MASK additive / bool)
 
 over the keys j that row i sees,
 
@@ -26,7 +27,8 @@ scale * log2(e) is applied after the row max (one multiply per row) and folded i
 argument (one FMA per score). The stored LSE is converted back to natural log.
 
 Layout. Q [B, H, Lq, D], K [B, H_kv, Lk, D], V [B, H_kv, Lk, Dv], Out [B, H, Lq, Dv],
-Lse [B, H, Lq] fp32, Slopes [B, H] fp32. Any strides: the torch side passes flash-attn's
+Lse [B, H, Lq] fp32, Slopes [B, H] fp32, Mask [B, H, Lq, Lk] bool or float (stride-0 broadcast
+dims are read in place). Any strides: the torch side passes flash-attn's
 [B, L, H, D] tensors as transposed views. K is loaded as a [TILE_D, TILE_N] tile through a
 permuted load, so no transpose of K is stored. H is a multiple of H_kv (GQA/MQA): query head h
 reads key/value head h // (H / H_kv), in place. D and Dv need not be powers of two: the tiles
@@ -61,6 +63,11 @@ ConstBool = ct.Constant[bool]
 LOG2_E = 1.4426950408889634
 LN_2 = math.log(2.0)
 
+# ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
+NO_MASK = 0
+BOOL_MASK = 1
+ADDITIVE_MASK = 2
+
 # Zero padding past the ends of Q/K/V: a padded V row must be 0, not NaN, because it meets a
 # p of 0 in P V (0 * NaN = NaN); padded head-dim columns must be 0 so they add nothing to q.k;
 # padded K rows are masked and padded Q rows are never stored.
@@ -94,11 +101,12 @@ def _kv_tile_runs(m_start, k_len, diag_offset, window_left, window_right,
     return n_start, n_inner, n_outer, n_end
 
 
-def _attend_kv_tile(q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_len,
-                    qk_scale, softcap, diag_offset, window_left, window_right,
+def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc,
+                    offs_m, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
                     TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                     MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-                    EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool):
+                    EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                    ATTN_MASK: ConstInt):
     """One step of the online softmax over key tile j; returns the new (m_i, l_i, acc)."""
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
@@ -117,6 +125,14 @@ def _attend_kv_tile(q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_
         distance = ct.abs(offs_m + diag_offset - offs_n)  # [TILE_M, TILE_N]
         s = s * score_scale - (slope * LOG2_E) * distance.astype(ct.float32)
         score_scale = 1.0
+    if ATTN_MASK != NO_MASK:
+        mask = ct.load(Mask, index=(batch, head, tile_m, j), shape=(1, 1, q.shape[0], TILE_N),
+                       padding_mode=ZERO).reshape((q.shape[0], TILE_N))
+        if ATTN_MASK == BOOL_MASK:
+            s = ct.where(mask, s, -math.inf)
+        else:
+            s = s * score_scale + mask.astype(ct.float32) * LOG2_E
+            score_scale = 1.0
 
     if MASKED:
         visible = ct.full((q.shape[0], TILE_N), True, dtype=ct.bool_)
@@ -131,9 +147,10 @@ def _attend_kv_tile(q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_
     # The max is taken before scaling: the scale is positive.
     m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * score_scale)  # [TILE_M, 1]
     m_sub = m_new
-    if MASKED:
+    if MASKED or ATTN_MASK != NO_MASK:
         # A row with nothing visible yet keeps m = -inf; subtract 0 there instead so that
-        # exp2(-inf - -inf) does not make NaN. Unmasked tiles always have a finite max.
+        # exp2(-inf - -inf) does not make NaN. Tiles with neither a window/causal/ragged mask
+        # nor an attention mask always have a finite max.
         m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
     p = ct.exp2(s * score_scale - m_sub, flush_to_zero=True)  # [TILE_M, TILE_N]
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
@@ -146,12 +163,12 @@ def _attend_kv_tile(q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_
     return m_new, l_i, acc
 
 
-def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, qk_scale, softcap, diag_offset,
+def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                        STORE_LSE: ConstBool):
+                        ATTN_MASK: ConstInt, STORE_LSE: ConstBool):
     """The forward for query tile bid(0) of head bid(1) of batch bid(2)."""
     tile_m = ct.bid(0)
     head = ct.bid(1)
@@ -178,19 +195,20 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, qk_scale, softcap, diag_offse
     if MASK_LEFT:
         for j in range(n_start, n_inner):
             m_i, l_i, acc = _attend_kv_tile(
-                q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_len, qk_scale,
-                softcap, diag_offset, window_left, window_right, TILE_N, TILE_D, TILE_DV,
-                True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI)
+                q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
+                k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N,
+                TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
+                ATTN_MASK)
     for j in range(n_inner, n_outer):
         m_i, l_i, acc = _attend_kv_tile(
-            q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_len, qk_scale,
-            softcap, diag_offset, window_left, window_right, TILE_N, TILE_D, TILE_DV,
-            False, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI)
+            q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
+            k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N, TILE_D,
+            TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
     for j in range(n_outer, n_end):
         m_i, l_i, acc = _attend_kv_tile(
-            q, K, V, slope, batch, kv_head, j, m_i, l_i, acc, offs_m, k_len, qk_scale,
-            softcap, diag_offset, window_left, window_right, TILE_N, TILE_D, TILE_DV,
-            True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI)
+            q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
+            k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N, TILE_D,
+            TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
     empty = l_i == 0.0
@@ -203,14 +221,31 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, qk_scale, softcap, diag_offse
 
 
 @ct.kernel
-def attention_fwd(Q, K, V, Out, Lse, Slopes, qk_scale: float, softcap: float, diag_offset: int,
-                  window_left: int, window_right: int,
+def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: float,
+                  diag_offset: int, window_left: int, window_right: int,
                   TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-                  SOFTCAP: ConstBool, ALIBI: ConstBool, STORE_LSE: ConstBool):
+                  SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
+                  STORE_LSE: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
-    read when ALIBI; ``softcap`` is only read when SOFTCAP, the window bounds only when the
-    matching MASK_ switch is on."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, qk_scale, softcap, diag_offset,
+    read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
+    window bounds only when the matching MASK_ switch is on. Shapes and strides are 32-bit."""
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV,
-                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, STORE_LSE)
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE)
+
+
+@ct.kernel
+def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
+                        V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
+                        Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
+                        qk_scale: float, softcap: float, diag_offset: int, window_left: int,
+                        window_right: int, TILE_M: ConstInt, TILE_N: ConstInt,
+                        TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                        MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
+                        ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool):
+    """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
+    more (the launcher picks it); the same body."""
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
+                        window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV,
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE)

@@ -6,7 +6,9 @@ compile-time constants, so these cover every branch of the source at least once:
   - the heaviest common case: float16, D=128, causal, ragged key length, LSE stored;
   - the lightest: bfloat16, D=64, not causal, even length, no LSE (only the unmasked loop);
   - a sliding window with causal at D=256 (both window edges, the wide-head config);
-  - odd head dims (D=72, Dv=40: padded tiles), softcap and ALiBi, a two-sided window.
+  - odd head dims (D=72, Dv=40: padded tiles), softcap and ALiBi, a two-sided window;
+  - a boolean attention mask with causal masking (SDPA's masks; additive ones differ by a
+    cast and an add, compiled on sm_90 below with the 64-bit-index entry point).
 Each compile takes a few seconds, which keeps this file near two minutes on two cores.
 """
 
@@ -24,11 +26,16 @@ VARIANTS = {
     "fp16-d72-dv40-softcap-alibi-window": dict(dtype="float16", head_dim=72, v_head_dim=40,
                                                causal=False, window=(100, 30), softcap=True,
                                                alibi=True, even_n=False, store_lse=True),
+    "bf16-d128-bool-mask": dict(dtype="bfloat16", head_dim=128, causal=True, attn_mask="bool",
+                                even_n=False, store_lse=False),
 }
 # Instances that still spill to local memory with their arch's default config, and what was
 # seen; everything else must compile without spills.
 KNOWN_SPILLS = {
     ("sm_100", "fp16-d72-dv40-softcap-alibi-window"): "323 LDL/STL at 64x64 (none at 64x32)",
+    ("sm_120", "bf16-d128-bool-mask"): "1437 LDL/STL at 64x64 (none with 8 worker warps)",
+    **{(arch, "bf16-d128-bool-mask"): "4 LDL/STL at 64x32 (none at 32x32)"
+       for arch in ("sm_80", "sm_86", "sm_89")},
 }
 
 
@@ -75,3 +82,13 @@ def test_summarize_counts_known_listing():
     summary = aot.summarize(listing)
     assert summary == {"tensor_core": 1, "tma_load": 1, "tma_store": 0, "exp2": 1, "barrier": 1,
                        "global_load": 0, "local_memory": 1, "instructions": 5}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_int64_index_entry_point(arch):
+    """The entry point for tensors of 2**31 elements or more: the same body, 64-bit indices,
+    still tensor cores (no TMA: cuTile keeps 64-bit-indexed arrays off the TMA path; on sm_90
+    it spills 21 LDL/STL with an additive mask)."""
+    cubin = aot.compile_forward(arch, attn_mask="additive", causal=False, int64_index=True)
+    summary = aot.summarize(aot.disassemble(cubin))
+    assert summary["tensor_core"] > 0 and summary["tma_load"] == 0, summary

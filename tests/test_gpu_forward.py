@@ -221,3 +221,48 @@ def test_requires_grad_rejected_before_launch():
     q = _randn(1, 2, 16, 64, dtype=torch.float16).requires_grad_()
     with pytest.raises(NotImplementedError, match="backward"):
         flash_tile.scaled_dot_product_attention(q, q, q)
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_sdpa_attention_masks(kind):
+    """Masks broadcast over batch/heads/rows are read in place; fully masked rows give 0."""
+    q, k, v = _qkv((2, 4, 4, 150, 170, 64, 64), torch.float16)
+    if kind == "bool":
+        mask = torch.rand(2, 1, 150, 170, device="cuda") > 0.4  # broadcast over heads
+        mask[:, :, 3] = False  # fully masked rows
+    else:
+        mask = torch.randn(1, 4, 1, 170, device="cuda", dtype=torch.float16)  # per-key bias
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = flash_tile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = sdpa(q.float(), k.float(), v.float(), attn_mask=mask if kind == "bool" else mask.float())
+    pt = sdpa(q, k, v, attn_mask=mask)
+    if kind == "bool":
+        assert (out[:, :, 3] == 0).all()
+    _check(out, ref.nan_to_num(0.0), pt.nan_to_num(0.0), f"{kind} mask")
+
+
+def test_more_than_2_31_elements():
+    """[1, 1024, 8192, 256] tensors (2**31 elements each) take the 64-bit-index kernel."""
+    q, k, v = (_randn(1, 1024, 8192, 256, dtype=torch.bfloat16) for _ in range(3))
+    out = flash_tile.flash_attn_func(q, k, v, causal=True)
+    heads = slice(8190, 8192)  # the last heads lie past element 2**31
+    sub = [t[:, :, heads].transpose(1, 2) for t in (q, k, v)]
+    _check(out[:, :, heads].transpose(1, 2), *_references(*sub, None, 0, (-1, 0)), "2**31")
+
+
+def test_long_keys():
+    """256k keys: lengths past 2**16 tiles of 64 and a 64 MiB K per head."""
+    q, k, v = _qkv((1, 2, 2, 256, 262144, 64, 64), torch.bfloat16, layout="blhd")
+    out = flash_tile.flash_attn_func(q, k, v, causal=True)
+    _check(out.transpose(1, 2), *_references(*[t.transpose(1, 2) for t in (q, k, v)], None,
+                                             262144 - 256, (-1, 0)), "256k keys")
+
+
+def test_cupy_arrays_in_and_out():
+    cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda13x) is not installed")
+    q, k, v = _qkv((2, 4, 2, 130, 170, 64, 64), torch.float16, layout="blhd")
+    expected = flash_tile.flash_attn_func(q, k, v, causal=True)
+    out = flash_tile.flash_attn_func(*(cupy.from_dlpack(t) for t in (q, k, v)), causal=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == tuple(expected.shape)
+    cupy.cuda.get_current_stream().synchronize()
+    assert torch.equal(torch.from_dlpack(out), expected)

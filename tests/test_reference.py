@@ -115,6 +115,27 @@ def test_softcap_and_alibi(shape):
                                                    slopes), ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("shape", SHAPES[1:6], ids=SHAPE_IDS[1:6])
+def test_attention_masks(shape):
+    """Bool and additive masks broadcast from smaller shapes, fully masked rows included."""
+    q, k, v = _inputs(*shape, seed=13)
+    batch, heads, q_len, k_len = shape[0], shape[1], shape[3], shape[4]
+    gen = torch.Generator().manual_seed(2)
+    keep = torch.rand(batch, 1, q_len, k_len, generator=gen) > 0.3  # broadcast over heads
+    keep[..., 0, :] = False  # a fully masked row
+    bias = torch.randn(1, heads, 1, k_len, generator=gen, dtype=torch.float64)
+    for mask in (keep, bias):
+        out, _ = attention_tiles(q, k, v, 0.5, attn_mask=mask, tile_m=16, tile_n=32)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(attention_dense(q, k, v, 0.5, attn_mask=mask), ref,
+                                   rtol=1e-10, atol=1e-10)
+    assert (out[:, :, 0] != 0).all()  # additive: the first row is not empty
+    out, lse = attention_tiles(q, k, v, 0.5, attn_mask=keep, tile_m=16, tile_n=32)
+    assert (out[:, :, 0] == 0).all() and torch.isinf(lse[:, :, 0]).all()
+
+
 def test_default_scale_is_inverse_sqrt_head_dim():
     q, k, v = _inputs(2, 2, 2, 33, 47, 64, 64, seed=3)
     out, _ = attention_tiles(q, k, v)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _validate, api, variants
+from flash_tile import _launch, _validate, api, variants
 
 
 @pytest.fixture(autouse=True)
@@ -153,13 +153,34 @@ def test_flash_attn_unsupported_arguments_are_named(kwargs, name):
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(attn_mask=torch.ones(16, 16, dtype=torch.bool)), "attn_mask"),
     (dict(dropout_p=0.1), "dropout_p"),
 ])
 def test_sdpa_unsupported_arguments_are_named(kwargs, name):
     q = _bhld()
     with pytest.raises(NotImplementedError, match=name):
         flash_tile.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+def test_attn_mask():
+    q = _bhld(length=16)
+    with pytest.raises(ValueError, match="bool tensor or a torch.float16"):
+        flash_tile.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(16, 16))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flash_tile.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 16, 16) > 0)
+    with pytest.raises(ValueError, match="not both"):
+        flash_tile.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(16, 16) > 0,
+                                                is_causal=True)
+    # A broadcastable mask passes validation and stops at the device check on the CPU.
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_tile.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, 16) > 0)
+
+
+def test_int64_index_is_chosen_by_extent():
+    big = torch.empty(1, 32, 2**18, 256, device="meta")  # 2**31 elements
+    assert _launch.needs_int64_index(big)
+    assert not _launch.needs_int64_index(torch.empty(1, 32, 2**18, 128, device="meta"))
+    # A transposed view reaches the same extent.
+    assert _launch.needs_int64_index(big.transpose(1, 2))
 
 
 def test_flash_attn_positional_order_matches_flash_attn():
