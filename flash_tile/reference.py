@@ -18,28 +18,44 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tile_runs(start: int, other_len: int, lo_offset: int, hi_offset: int, tile: int,
+              tile_other: int, has_lo: bool, has_hi: bool) -> tuple[int, int, int, int]:
+    """The kernels' ``tile_runs``: for the tile of ``tile`` rows at ``start`` of one side,
+    where row a sees index b of the other side iff a + lo_offset <= b (if has_lo) and
+    b <= a + hi_offset (if has_hi), and b < other_len, return (t_start, t_inner, t_outer,
+    t_end): tiles [t_start, t_inner) and [t_outer, t_end) need a mask, [t_inner, t_outer) are
+    visible to every row, the rest to none."""
+    t_start, inner_lo = 0, 0
+    if has_lo:
+        t_start = min(max(start + lo_offset, 0), other_len) // tile_other
+        inner_lo = start + tile - 1 + lo_offset
+    t_end, inner_hi = cdiv(other_len, tile_other), other_len
+    if has_hi:
+        t_end = cdiv(min(max(start + tile + hi_offset, 0), other_len), tile_other)
+        inner_hi = min(start + hi_offset + 1, other_len)
+    t_inner = min(max(cdiv(min(max(inner_lo, 0), other_len), tile_other), t_start), t_end)
+    t_outer = min(max(max(inner_hi, 0) // tile_other, t_inner), t_end)
+    return t_start, t_inner, t_outer, t_end
+
+
 def kv_tile_runs(m_start: int, tile_m: int, tile_n: int, k_len: int, diag_offset: int = 0,
                  window: tuple[int, int] = (-1, -1)) -> tuple[int, int, int, int]:
-    """(n_start, n_inner, n_outer, n_end) for the query tile starting at row ``m_start``.
-
-    Key tiles [n_start, n_inner) and [n_outer, n_end) need a mask (window edges, diagonal
-    band, ragged end), [n_inner, n_outer) are wholly visible to every row of the query tile,
-    and the rest are wholly invisible and skipped. Row i sees key j iff
-    i + diag_offset - left <= j <= i + diag_offset + right for window = (left, right), -1
-    leaving that side unbounded; causal is right = 0.
-    """
+    """Key-tile runs (n_start, n_inner, n_outer, n_end) of the query tile at ``m_start``, for
+    the forward and the dQ pass. Row i sees key j iff i + diag_offset - left <= j <=
+    i + diag_offset + right for window = (left, right), -1 leaving that side unbounded;
+    causal is right = 0."""
     left, right = window
-    n_start, inner_lo = 0, 0
-    if left >= 0:
-        n_start = min(max(m_start + diag_offset - left, 0), k_len) // tile_n
-        inner_lo = m_start + tile_m - 1 + diag_offset - left
-    n_end, inner_hi = cdiv(k_len, tile_n), k_len
-    if right >= 0:
-        n_end = cdiv(min(max(m_start + tile_m + diag_offset + right, 0), k_len), tile_n)
-        inner_hi = min(m_start + diag_offset + right + 1, k_len)
-    n_inner = min(max(cdiv(min(max(inner_lo, 0), k_len), tile_n), n_start), n_end)
-    n_outer = min(max(max(inner_hi, 0) // tile_n, n_inner), n_end)
-    return n_start, n_inner, n_outer, n_end
+    return tile_runs(m_start, k_len, diag_offset - left, diag_offset + right, tile_m, tile_n,
+                     left >= 0, right >= 0)
+
+
+def q_tile_runs(n_start: int, tile_n: int, tile_m: int, q_len: int, diag_offset: int = 0,
+                window: tuple[int, int] = (-1, -1)) -> tuple[int, int, int, int]:
+    """Query-tile runs of the key tile at ``n_start``, for the dK/dV pass: key j is seen by
+    query i iff j - diag_offset - right <= i <= j - diag_offset + left."""
+    left, right = window
+    return tile_runs(n_start, q_len, -diag_offset - right, left - diag_offset, tile_n, tile_m,
+                     right >= 0, left >= 0)
 
 
 def visible_keys(q_len: int, k_len: int, diag_offset: int = 0,

@@ -57,48 +57,8 @@ import math
 
 import cuda.tile as ct
 
-ConstInt = ct.Constant[int]
-ConstBool = ct.Constant[bool]
-
-LOG2_E = 1.4426950408889634
-LN_2 = math.log(2.0)
-
-# ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
-NO_MASK = 0
-BOOL_MASK = 1
-ADDITIVE_MASK = 2
-
-# Zero padding past the ends of Q/K/V: a padded V row must be 0, not NaN, because it meets a
-# p of 0 in P V (0 * NaN = NaN); padded head-dim columns must be 0 so they add nothing to q.k;
-# padded K rows are masked and padded Q rows are never stored.
-ZERO = ct.PaddingMode.ZERO
-
-
-def _clamp(x, lo, hi):
-    return min(max(x, lo), hi)
-
-
-def _kv_tile_runs(m_start, k_len, diag_offset, window_left, window_right,
-                  TILE_M: ConstInt, TILE_N: ConstInt,
-                  MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool):
-    """(n_start, n_inner, n_outer, n_end) of the query tile starting at row m_start."""
-    n_tiles = ct.cdiv(k_len, TILE_N)
-    # First and last key any row of the tile may see (+1 for the end); the bounds of the first
-    # row (left) and last row (right) are the loosest, those of the opposite rows the tightest.
-    n_start = 0
-    inner_lo = 0  # first key visible to every row
-    if MASK_LEFT:
-        n_start = _clamp(m_start + diag_offset - window_left, 0, k_len) // TILE_N
-        inner_lo = m_start + TILE_M - 1 + diag_offset - window_left
-    n_end = n_tiles
-    inner_hi = k_len  # one past the last key visible to every row
-    if MASK_RIGHT:
-        n_end = ct.cdiv(_clamp(m_start + TILE_M + diag_offset + window_right, 0, k_len), TILE_N)
-        inner_hi = min(m_start + diag_offset + window_right + 1, k_len)
-    # Clamp before dividing: the bounds can be negative or past the end.
-    n_inner = _clamp(ct.cdiv(_clamp(inner_lo, 0, k_len), TILE_N), n_start, n_end)
-    n_outer = _clamp(max(inner_hi, 0) // TILE_N, n_inner, n_end)
-    return n_start, n_inner, n_outer, n_end
+from ._tiles import (ADDITIVE_MASK, BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+                     alibi_bias_log2, load_mask_tile, tile_runs, visible)
 
 
 def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc,
@@ -122,12 +82,10 @@ def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, 
         score_scale = 1.0
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
     if ALIBI:
-        distance = ct.abs(offs_m + diag_offset - offs_n)  # [TILE_M, TILE_N]
-        s = s * score_scale - (slope * LOG2_E) * distance.astype(ct.float32)
+        s = s * score_scale + alibi_bias_log2(offs_m, offs_n, diag_offset, slope)
         score_scale = 1.0
     if ATTN_MASK != NO_MASK:
-        mask = ct.load(Mask, index=(batch, head, tile_m, j), shape=(1, 1, q.shape[0], TILE_N),
-                       padding_mode=ZERO).reshape((q.shape[0], TILE_N))
+        mask = load_mask_tile(Mask, batch, head, tile_m, j, q.shape[0], TILE_N, False)
         if ATTN_MASK == BOOL_MASK:
             s = ct.where(mask, s, -math.inf)
         else:
@@ -135,14 +93,9 @@ def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, 
             score_scale = 1.0
 
     if MASKED:
-        visible = ct.full((q.shape[0], TILE_N), True, dtype=ct.bool_)
-        if not EVEN_N:
-            visible = visible & (offs_n < k_len)
-        if MASK_LEFT:
-            visible = visible & (offs_n >= offs_m + diag_offset - window_left)
-        if MASK_RIGHT:
-            visible = visible & (offs_n <= offs_m + diag_offset + window_right)
-        s = ct.where(visible, s, -math.inf)
+        keep = visible(offs_m, offs_n, k_len, diag_offset, window_left, window_right,
+                       (q.shape[0], TILE_N), MASK_LEFT, MASK_RIGHT, EVEN_N)
+        s = ct.where(keep, s, -math.inf)
 
     # The max is taken before scaling: the scale is positive.
     m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * score_scale)  # [TILE_M, 1]
@@ -189,8 +142,9 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
 
-    n_start, n_inner, n_outer, n_end = _kv_tile_runs(
-        m_start, k_len, diag_offset, window_left, window_right, TILE_M, TILE_N,
+    # Key tiles: row i sees j in [i + diag_offset - left, i + diag_offset + right].
+    n_start, n_inner, n_outer, n_end = tile_runs(
+        m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
         MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for j in range(n_start, n_inner):

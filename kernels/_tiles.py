@@ -1,0 +1,94 @@
+"""Tile helpers shared by the forward and backward kernels: which tiles a band mask lets
+through, the mask and bias of one tile pair, and the constants both sides agree on.
+
+Masks are written for two index vectors that broadcast against each other: ``offs_q`` holds
+query rows and ``offs_k`` key columns, as [M, 1] and [1, N] for a score tile S, or as [1, M]
+and [N, 1] for its transpose S^T (the backward's dK/dV kernel). Query row i sees key j iff
+
+    i + diag_offset - window_left <= j        (when MASK_LEFT)
+    j <= i + diag_offset + window_right       (when MASK_RIGHT)
+    j < k_len                                 (unless EVEN_N)
+"""
+
+import math
+
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+
+LOG2_E = 1.4426950408889634
+LN_2 = math.log(2.0)
+
+# ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
+NO_MASK = 0
+BOOL_MASK = 1
+ADDITIVE_MASK = 2
+
+# Zero padding past the ends of Q/K/V/dO: a padded V or dO row must be 0, not NaN, because it
+# meets a p of 0 in a matmul (0 * NaN = NaN); padded head-dim columns must be 0 so that they
+# add nothing to a dot product; padded K rows are masked and padded Q rows never stored.
+ZERO = ct.PaddingMode.ZERO
+
+
+def clamp(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+def tile_runs(start, other_len, lo_offset, hi_offset,
+              TILE: ConstInt, TILE_OTHER: ConstInt, HAS_LO: ConstBool, HAS_HI: ConstBool):
+    """Runs of the other side's tiles for the tile of TILE rows at ``start`` of one side,
+    where row a of this side sees index b of the other iff a + lo_offset <= b (if HAS_LO) and
+    b <= a + hi_offset (if HAS_HI), and b < other_len.
+
+    Returns (t_start, t_inner, t_outer, t_end): tiles [t_start, t_inner) and
+    [t_outer, t_end) need a mask, [t_inner, t_outer) are visible to every row, the rest to
+    none. The bounds of the first row (lo) and of the last (hi) are the loosest, those of the
+    opposite rows the tightest; rows past this side's end count too (they are never stored).
+    """
+    t_start = 0
+    inner_lo = 0  # first index visible to every row
+    if HAS_LO:
+        t_start = clamp(start + lo_offset, 0, other_len) // TILE_OTHER
+        inner_lo = start + TILE - 1 + lo_offset
+    t_end = ct.cdiv(other_len, TILE_OTHER)
+    inner_hi = other_len  # one past the last index visible to every row
+    if HAS_HI:
+        t_end = ct.cdiv(clamp(start + TILE + hi_offset, 0, other_len), TILE_OTHER)
+        inner_hi = min(start + hi_offset + 1, other_len)
+    # Clamp before dividing: the bounds can be negative or past the end.
+    t_inner = clamp(ct.cdiv(clamp(inner_lo, 0, other_len), TILE_OTHER), t_start, t_end)
+    t_outer = clamp(max(inner_hi, 0) // TILE_OTHER, t_inner, t_end)
+    return t_start, t_inner, t_outer, t_end
+
+
+def visible(offs_q, offs_k, k_len, diag_offset, window_left, window_right, SHAPE,
+            MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool):
+    """Boolean tile of ``SHAPE``: which (query, key) pairs of the broadcast offsets are
+    visible."""
+    keep = ct.full(SHAPE, True, dtype=ct.bool_)
+    if not EVEN_N:
+        keep = keep & (offs_k < k_len)
+    if MASK_LEFT:
+        keep = keep & (offs_k >= offs_q + diag_offset - window_left)
+    if MASK_RIGHT:
+        keep = keep & (offs_k <= offs_q + diag_offset + window_right)
+    return keep
+
+
+def alibi_bias_log2(offs_q, offs_k, diag_offset, slope):
+    """-slope * |i + diag_offset - j| in log2 units, fp32, for the broadcast offsets."""
+    distance = ct.abs(offs_q + diag_offset - offs_k)
+    return (slope * -LOG2_E) * distance.astype(ct.float32)
+
+
+def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,
+                   TRANSPOSED: ConstBool):
+    """The [TILE_Q, TILE_K] tile (or its [TILE_K, TILE_Q] transpose) of Mask [B, H, Lq, Lk]."""
+    if TRANSPOSED:
+        tile = ct.load(Mask, index=(batch, head, tile_k, tile_q), shape=(1, 1, TILE_K, TILE_Q),
+                       order=(0, 1, 3, 2), padding_mode=ZERO)
+        return tile.reshape((TILE_K, TILE_Q))
+    tile = ct.load(Mask, index=(batch, head, tile_q, tile_k), shape=(1, 1, TILE_Q, TILE_K),
+                   padding_mode=ZERO)
+    return tile.reshape((TILE_Q, TILE_K))
