@@ -1,0 +1,257 @@
+"""Flash-attention backward in cuTile: recompute P from the saved LSE, never store it.
+
+Maths (FlashAttention-2, Dao 2023, Alg. 2). With the forward's final scores s_ij (see
+``attention_fwd``), p_ij = exp(s_ij - lse_i) and o_i = sum_j p_ij v_j, the gradients of a loss
+with output gradient dO are
+
+    Delta_i = sum_d dO_id O_id                         (preprocess, fp32 [B, H, Lq])
+    dV_j    = sum_i p_ij dO_i
+    dS_ij   = p_ij (dO_i . v_j - Delta_i)              (gradient of the final scores)
+    dX_ij   = dS_ij * ds_ij/dx_ij                      (x_ij = q_i . k_j, the raw product)
+    dQ_i    = sum_j dX_ij k_j,        dK_j = sum_i dX_ij q_i
+
+where ds/dx = scale for plain scores and scale * (1 - t_ij^2) with t_ij = tanh(scale x_ij /
+softcap) under SOFTCAP; ALiBi and an additive mask do not depend on q or k, so they only shift
+s. P is recomputed per tile in log2 units as exp2(s' - lse * log2(e)); the forward's +inf LSE
+of rows that see no key makes their P exactly 0.
+
+Two passes, each summing in registers and storing once, so the result does not depend on the
+order programs run in (deterministic, no atomics):
+  - dK/dV: one program per (key tile, key/value head, batch) walks the query tiles of every
+    query head of its GQA group, working on S^T = K Q^T so that P^T feeds dV += P^T dO and
+    dK += dX^T Q without a transpose in registers;
+  - dQ: one program per (query tile, head, batch) walks the key tiles, as the forward does.
+Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
+whole (``_tiles.tile_runs``).
+
+Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
+[B, H, Lq, Dv]; Lse (natural log) and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
+[B, H, Lq, Lk]. Any strides, as in the forward.
+"""
+
+import math
+
+import cuda.tile as ct
+
+from ._tiles import (ADDITIVE_MASK, BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+                     alibi_bias_log2, load_mask_tile, tile_runs, visible)
+
+# Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
+POS_INF = ct.PaddingMode.POS_INF
+
+
+def _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_q, tile_k, k_len,
+           qk_scale, softcap, diag_offset, window_left, window_right,
+           TILE_Q: ConstInt, TILE_K: ConstInt, MASKED: ConstBool, MASK_LEFT: ConstBool,
+           MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+           ATTN_MASK: ConstInt, TRANSPOSED: ConstBool):
+    """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed."""
+    if SOFTCAP:
+        t = ct.tanh(s * (qk_scale / softcap))
+        s = t * (softcap * LOG2_E)
+        dscore = qk_scale * (1.0 - t * t)
+    else:
+        s = s * (qk_scale * LOG2_E)
+        dscore = qk_scale
+    if ALIBI:
+        s = s + alibi_bias_log2(offs_q, offs_k, diag_offset, slope)
+    if ATTN_MASK != NO_MASK:
+        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
+        if ATTN_MASK == BOOL_MASK:
+            s = ct.where(mask, s, -math.inf)
+        else:
+            s = s + mask.astype(ct.float32) * LOG2_E
+    if MASKED:
+        keep = visible(offs_q, offs_k, k_len, diag_offset, window_left, window_right, s.shape,
+                       MASK_LEFT, MASK_RIGHT, EVEN_N)
+        s = ct.where(keep, s, -math.inf)
+    return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
+
+
+def _preprocess_impl(Out, dOut, Delta, TILE_M: ConstInt, TILE_DV: ConstInt):
+    tile_m = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    o = ct.load(Out, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
+                padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    do = ct.load(dOut, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
+                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
+    ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
+
+
+def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, offs_k, k_len,
+               qk_scale, softcap, diag_offset, window_left, window_right,
+               TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+               MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+               EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """Query tile i of one head against this program's key tile; returns the new (dk, dv)."""
+    q = ct.load(Q, index=(batch, head, i, 0), shape=(1, 1, TILE_M, TILE_D),
+                padding_mode=ZERO).reshape((TILE_M, TILE_D))
+    do = ct.load(dOut, index=(batch, head, i, 0), shape=(1, 1, TILE_M, TILE_DV),
+                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    lse = ct.load(Lse, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=POS_INF)
+    delta = ct.load(Delta, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=ZERO)
+    offs_q = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]  # [1, TILE_M]
+
+    s_t = ct.mma(k, ct.transpose(q), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
+    p_t, dscore = _probs(s_t, offs_q, offs_k, lse.reshape((1, TILE_M)) * LOG2_E, Mask, slope,
+                         batch, head, i, ct.bid(0), k_len, qk_scale, softcap, diag_offset,
+                         window_left, window_right, TILE_M, TILE_N, MASKED, MASK_LEFT,
+                         MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, True)  # [TILE_N, TILE_M]
+    dv = ct.mma(p_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
+    dp_t = ct.mma(v, ct.transpose(do), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
+    dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
+    dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
+    return dk, dv
+
+
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
+               diag_offset, window_left, window_right,
+               TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+               MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
+               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """dK, dV of key tile bid(0) of key/value head bid(1) of batch bid(2)."""
+    tile_n = ct.bid(0)
+    kv_head = ct.bid(1)
+    batch = ct.bid(2)
+    group = Q.shape[1] // K.shape[1]
+    q_len = Q.shape[2]
+    k_len = K.shape[2]
+    n_start = tile_n * TILE_N
+    k = ct.load(K, index=(batch, kv_head, tile_n, 0), shape=(1, 1, TILE_N, TILE_D),
+                padding_mode=ZERO).reshape((TILE_N, TILE_D))
+    v = ct.load(V, index=(batch, kv_head, tile_n, 0), shape=(1, 1, TILE_N, TILE_DV),
+                padding_mode=ZERO).reshape((TILE_N, TILE_DV))
+    offs_k = n_start + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # [TILE_N, 1]
+    dk = ct.zeros((TILE_N, TILE_D), dtype=ct.float32)
+    dv = ct.zeros((TILE_N, TILE_DV), dtype=ct.float32)
+
+    # Query tiles: key j is seen by row i iff j - diag_offset - right <= i <= j - diag_offset
+    # + left, the forward's band seen from the key side.
+    i_start, i_inner, i_outer, i_end = tile_runs(
+        n_start, q_len, -diag_offset - window_right, window_left - diag_offset, TILE_N, TILE_M,
+        MASK_RIGHT, MASK_LEFT)
+    for g in range(group):  # the query heads sharing this key/value head, summed in place
+        head = kv_head * group + g
+        slope = 0.0
+        if ALIBI:
+            slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
+        for i in range(i_start, i_inner):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv,
+                                offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
+                                window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+        for i in range(i_inner, i_outer):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv,
+                                offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
+                                window_right, TILE_M, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT,
+                                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+        for i in range(i_outer, i_end):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv,
+                                offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
+                                window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+    ct.store(dK, index=(batch, kv_head, tile_n, 0),
+             tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
+    ct.store(dV, index=(batch, kv_head, tile_n, 0),
+             tile=dv.astype(dV.dtype).reshape((1, 1, TILE_N, TILE_DV)))
+
+
+def _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m, j, dq,
+             offs_q, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
+             TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+             MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """Key tile j against this program's query tile; returns the new dq."""
+    k = ct.load(K, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
+                padding_mode=ZERO).reshape((TILE_N, TILE_D))
+    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
+                padding_mode=ZERO).reshape((TILE_N, TILE_DV))
+    offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
+    s = ct.mma(q, ct.transpose(k), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
+    p, dscore = _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_m, j, k_len,
+                       qk_scale, softcap, diag_offset, window_left, window_right, TILE_M,
+                       TILE_N, MASKED, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
+                       False)  # [TILE_M, TILE_N]
+    dp = ct.mma(do, ct.transpose(v), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
+    dx = p * (dp - delta) * dscore  # [TILE_M, TILE_N]
+    return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
+
+
+def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
+             window_left, window_right,
+             TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+             MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
+             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """dQ of query tile bid(0) of head bid(1) of batch bid(2)."""
+    tile_m = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    kv_head = head // (Q.shape[1] // K.shape[1])
+    k_len = K.shape[2]
+    m_start = tile_m * TILE_M
+    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
+                padding_mode=ZERO).reshape((TILE_M, TILE_D))
+    do = ct.load(dOut, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
+                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    lse = ct.load(Lse, index=(batch, head, tile_m), shape=(1, 1, TILE_M), padding_mode=POS_INF)
+    lse_log2 = lse.reshape((TILE_M, 1)) * LOG2_E
+    delta = ct.load(Delta, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
+                    padding_mode=ZERO).reshape((TILE_M, 1))
+    offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
+    slope = 0.0
+    if ALIBI:
+        slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
+    dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
+
+    n_start, n_inner, n_outer, n_end = tile_runs(
+        m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
+        MASK_LEFT, MASK_RIGHT)
+    for j in range(n_start, n_inner):
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
+                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
+                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+    for j in range(n_inner, n_outer):
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
+                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
+                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT,
+                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+    for j in range(n_outer, n_end):
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
+                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
+                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+    ct.store(dQ, index=(batch, head, tile_m, 0),
+             tile=dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)))
+
+
+@ct.kernel
+def attention_bwd_preprocess(Out, dOut, Delta, TILE_M: ConstInt, TILE_DV: ConstInt):
+    """Delta = rowsum(dO * O). Grid (cdiv(Lq, TILE_M), H, B)."""
+    _preprocess_impl(Out, dOut, Delta, TILE_M, TILE_DV)
+
+
+@ct.kernel
+def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale: float,
+                       softcap: float, diag_offset: int, window_left: int, window_right: int,
+                       TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                       MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
+                       SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """dK and dV. Grid (cdiv(Lk, TILE_N), H_kv, B)."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap, diag_offset,
+               window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
+               MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+
+
+@ct.kernel
+def attention_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale: float,
+                     softcap: float, diag_offset: int, window_left: int, window_right: int,
+                     TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                     MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
+                     SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+    """dQ. Grid (cdiv(Lq, TILE_M), H, B)."""
+    _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
+             window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+             EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
