@@ -73,19 +73,57 @@ def visible_keys(q_len: int, k_len: int, diag_offset: int = 0,
 
 
 def _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n, diag_offset):
-    """The kernel's S' for one tile pair: scores in log2 units, scale, softcap, ALiBi and the
-    attention mask applied. ``slopes`` is [B, H, 1, 1] or None, ``mask`` the tile's
-    [B, H, rows, cols] slice of a bool or additive mask, or None."""
+    """The kernels' S' for one tile pair: scores in log2 units, scale, softcap, ALiBi and the
+    attention mask applied; and ds/dx, the derivative of the final scores with respect to the
+    raw products q.k (the backward needs it). ``slopes`` is [B, H, 1, 1] or None, ``mask`` the
+    tile's [B, H, rows, cols] slice of a bool or additive mask, or None."""
     s = q_tile @ k_tile.transpose(-1, -2)  # [B, H, rows, cols] raw scores
     if softcap > 0.0:
-        s = softcap * torch.tanh(s * scale / softcap)
+        t = torch.tanh(s * scale / softcap)
+        s, dscore = softcap * t, scale * (1.0 - t * t)
     else:
-        s = s * scale
+        s, dscore = s * scale, scale
     if slopes is not None:
         s = s - slopes * (offs_m + diag_offset - offs_n).abs()
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
-    return s * LOG2_E
+    return s * LOG2_E, dscore
+
+
+def _prepare(q, k, v, scale, alibi_slopes, attn_mask):
+    """float64 CPU copies with K/V expanded to every query head (GQA), the default scale, and
+    slopes and mask broadcast to [B, H, ...]."""
+    q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    batch, heads, q_len, head_dim = q.shape
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)[..., None, None]
+    if attn_mask is not None:
+        attn_mask = attn_mask.detach().cpu().expand(batch, heads, q_len, k.shape[2])
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(torch.float64)
+    return q, k, v, scale, slopes, attn_mask, group
+
+
+def _tile_scores(q, k, scale, softcap, slopes, attn_mask, m_start, n_start, diag_offset, window,
+                 masked):
+    """(S' [B, H, rows, cols], ds/dx) of the query tile at m_start and key tile at n_start;
+    ``masked`` applies the window/causal band (the kernels' masked runs)."""
+    rows, cols = q.shape[2], k.shape[2]
+    offs_m = torch.arange(m_start, m_start + rows)[:, None]
+    offs_n = torch.arange(n_start, n_start + cols)[None, :]
+    mask = None if attn_mask is None else attn_mask[
+        :, :, m_start:m_start + rows, n_start:n_start + cols]
+    s, dscore = _scores_log2(q, k, scale, softcap, slopes, mask, offs_m, offs_n, diag_offset)
+    # The kernels load a zero-padded tile at the ragged ends and mask the padding; here those
+    # tiles are simply shorter, so only the band needs a mask.
+    if masked:
+        hidden = ~visible_keys(rows, cols, m_start + diag_offset - n_start, window)
+        s = s.masked_fill(hidden, -math.inf)
+    return s, dscore
 
 
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -105,46 +143,25 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
     """
-    q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
-    batch, heads, q_len, head_dim = q.shape
-    group = heads // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # GQA
+    q, k, v, scale, slopes, attn_mask, _ = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
+    batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)[..., None, None]
-    if attn_mask is not None:
-        attn_mask = attn_mask.detach().cpu().expand(batch, heads, q_len, k_len)
-        if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(torch.float64)
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
 
     for m_start in range(0, q_len, tile_m):
         q_tile = q[:, :, m_start:m_start + tile_m]  # [B, H, rows, D], rows <= TILE_M
         rows = q_tile.shape[2]
-        offs_m = torch.arange(m_start, m_start + rows)[:, None]  # [rows, 1]
         m_i = torch.full((batch, heads, rows, 1), -math.inf, dtype=torch.float64)
         l_i = torch.zeros(batch, heads, rows, 1, dtype=torch.float64)
         acc = torch.zeros(batch, heads, rows, v.shape[3], dtype=torch.float64)
         n_start, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
                                                         diag_offset, window)
         for j in range(n_start, n_end):
-            n_start_j = j * tile_n
-            k_tile = k[:, :, n_start_j:n_start_j + tile_n]  # [B, H, cols, D], cols <= TILE_N
-            v_tile = v[:, :, n_start_j:n_start_j + tile_n]
-            offs_n = torch.arange(n_start_j, n_start_j + k_tile.shape[2])[None, :]
-            mask = None if attn_mask is None else attn_mask[
-                :, :, m_start:m_start + rows, n_start_j:n_start_j + k_tile.shape[2]]
-            s = _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n,
-                             diag_offset)
-            # The kernel loads a zero-padded tile at the ragged end and masks the padding;
-            # here that tile is simply shorter, so only the window needs a mask.
-            if not n_inner <= j < n_outer:
-                hidden = ~visible_keys(rows, k_tile.shape[2], m_start + diag_offset - n_start_j,
-                                       window)
-                s = s.masked_fill(hidden, -math.inf)
+            k_tile = k[:, :, j * tile_n:(j + 1) * tile_n]  # [B, H, cols, D], cols <= TILE_N
+            v_tile = v[:, :, j * tile_n:(j + 1) * tile_n]
+            s, _ = _tile_scores(q_tile, k_tile, scale, softcap, slopes, attn_mask, m_start,
+                                j * tile_n, diag_offset, window, not n_inner <= j < n_outer)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
             p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
@@ -157,6 +174,64 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         lse_tile = torch.where(empty, math.inf, m_i * math.log(2.0) + torch.log(l_i))
         lse[:, :, m_start:m_start + rows] = lse_tile[..., 0]
     return out, lse
+
+
+def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                             scale: float | None = None, diag_offset: int = 0,
+                             window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None,
+                             attn_mask: torch.Tensor | None = None, tile_m: int = 64,
+                             tile_n: int = 64) -> tuple[torch.Tensor, ...]:
+    """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
+    ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
+
+    Arguments as ``attention_tiles`` plus the forward's ``out`` [B, H, Lq, Dv] and ``lse``
+    [B, H, Lq] and the output gradient ``dout`` [B, H, Lq, Dv]. dK/dV are computed per key tile
+    over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
+    group; dQ per query tile over ``kv_tile_runs``.
+    """
+    q, k, v, scale, slopes, attn_mask, group = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
+    out, lse, dout = (t.detach().to("cpu", torch.float64) for t in (out, lse, dout))
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[2]
+    delta = (dout * out).sum(dim=-1)  # [B, H, Lq], the preprocess
+    lse_log2 = lse * LOG2_E
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def probs(m_start, n_start, masked):
+        """P [B, H, rows, cols] and ds/dx for one tile pair, from the saved LSE."""
+        q_tile = q[:, :, m_start:m_start + tile_m]
+        k_tile = k[:, :, n_start:n_start + tile_n]
+        s, dscore = _tile_scores(q_tile, k_tile, scale, softcap, slopes, attn_mask, m_start,
+                                 n_start, diag_offset, window, masked)
+        return torch.exp2(s - lse_log2[:, :, m_start:m_start + tile_m, None]), dscore
+
+    def dx(p, dscore, m_start, n_start):
+        """dS * ds/dx: the gradient of the raw products q.k of one tile pair."""
+        rows = slice(m_start, m_start + tile_m)
+        dp = dout[:, :, rows] @ v[:, :, n_start:n_start + tile_n].transpose(-1, -2)
+        return p * (dp - delta[:, :, rows, None]) * dscore
+
+    for n_start in range(0, k_len, tile_n):  # dK/dV: one key tile, its query tiles
+        i_start, i_inner, i_outer, i_end = q_tile_runs(n_start, tile_n, tile_m, q_len,
+                                                       diag_offset, window)
+        keys = slice(n_start, n_start + tile_n)
+        for i in range(i_start, i_end):
+            p, dscore = probs(i * tile_m, n_start, not i_inner <= i < i_outer)
+            rows = slice(i * tile_m, (i + 1) * tile_m)
+            dv[:, :, keys] += p.transpose(-1, -2) @ dout[:, :, rows]
+            dk[:, :, keys] += dx(p, dscore, i * tile_m, n_start).transpose(-1, -2) @ q[:, :, rows]
+    for m_start in range(0, q_len, tile_m):  # dQ: one query tile, its key tiles
+        n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
+                                                        diag_offset, window)
+        for j in range(n_first, n_end):
+            p, dscore = probs(m_start, j * tile_n, not n_inner <= j < n_outer)
+            dq[:, :, m_start:m_start + tile_m] += (
+                dx(p, dscore, m_start, j * tile_n) @ k[:, :, j * tile_n:(j + 1) * tile_n])
+    # Each key/value head's gradient is the sum over the query heads of its group.
+    kv_shape = (batch, heads // group, group, k_len)
+    return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
 
 
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
