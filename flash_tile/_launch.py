@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from flash_tile.kernels.attention_fwd import (ADDITIVE_MASK, BOOL_MASK, NO_MASK, attention_fwd,
-                                             attention_fwd_int64)
+from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK
+from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
+                                             attention_bwd_preprocess)
+from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
 from flash_tile.variants import TileConfig
 
 
@@ -33,9 +35,12 @@ class ForwardSpec:
     store_lse: bool
 
     def constants(self) -> tuple:
+        return (*self.backward_constants(), self.store_lse)
+
+    def backward_constants(self) -> tuple:
+        """The dK/dV and dQ kernels take the forward's switches but STORE_LSE."""
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
-                self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask,
-                self.store_lse)
+                self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
 
 
 def _tile_width(dim: int) -> int:
@@ -64,6 +69,11 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse)
 
 
+def _hinted(kernel, config: TileConfig):
+    hints = config.hints()
+    return kernel.replace_hints(**hints) if hints else kernel
+
+
 @functools.cache
 def hinted_kernel(config: TileConfig, int64_index: bool = False):
     """The forward entry point (32- or 64-bit indexing) with ``config``'s compiler hints, made
@@ -72,14 +82,19 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
     ``replace_hints`` returns a kernel with its own JIT cache, so making one per call would
     recompile (or reload from disk) on every launch.
     """
-    kernel = attention_fwd_int64 if int64_index else attention_fwd
-    hints = config.hints()
-    return kernel.replace_hints(**hints) if hints else kernel
+    return _hinted(attention_fwd_int64 if int64_index else attention_fwd, config)
+
+
+@functools.cache
+def hinted_backward_kernels(config: TileConfig) -> tuple:
+    """(preprocess, dK/dV, dQ) with ``config``'s hints, made once per config."""
+    return (_hinted(attention_bwd_preprocess, config), _hinted(attention_bwd_dkdv, config),
+            _hinted(attention_bwd_dq, config))
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
     """Whether an element offset of any tensor reaches 2**31 (32-bit shapes and strides would
-    overflow)."""
+    overflow): those take the 64-bit-index entry point."""
     return any(sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31 - 1
                for t in tensors)
 
@@ -88,6 +103,15 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
     """One program per (query tile, head, batch); query tiles of a head are neighbours in
     launch order, so they read the same K/V while it is still in L2."""
     return (ct.cdiv(q_len, config.tile_m), heads, batch)
+
+
+def _fill_unused(device, lse, alibi_slopes, attn_mask):
+    """Placeholders for the optional arrays: the kernels never touch Lse without STORE_LSE,
+    Slopes without ALIBI nor Mask without ATTN_MASK, but each parameter needs an array."""
+    unused = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+    return (unused[0] if lse is None else lse,
+            unused[0, 0] if alibi_slopes is None else alibi_slopes,
+            unused if attn_mask is None else attn_mask)
 
 
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -106,17 +130,40 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     batch, heads, q_len, head_dim = q.shape
     spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None)
-    # The kernel never touches Lse without STORE_LSE, Slopes without ALIBI nor Mask without
-    # ATTN_MASK, but each parameter needs an array.
-    unused = None
-    if lse is None or alibi_slopes is None or attn_mask is None:
-        unused = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    lse = unused[0] if lse is None else lse
-    slopes = unused[0, 0] if alibi_slopes is None else alibi_slopes
-    attn_mask = unused if attn_mask is None else attn_mask
+    lse, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
     args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *spec.constants())
     grid = forward_grid(q_len, heads, batch, config)
     kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
+
+
+def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, alibi_slopes: torch.Tensor | None,
+                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
+                    diag_offset: int, window: tuple[int, int], config: TileConfig) -> None:
+    """Launch the backward (preprocess, dK/dV, dQ) on the current stream of ``q``'s device.
+
+    Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
+    output gradient ``dout`` [B, H, Lq, Dv]; writes dq (q's shape), dk and dv (k's and v's
+    shapes) in the inputs' dtype. 32-bit indexing only.
+    """
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,
+                        alibi_slopes is not None, mask_kind(attn_mask), True)
+    _, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
+    delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
+    scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]))
+    preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
+    stream = torch.cuda.current_stream(q.device)
+    grid_q = forward_grid(q_len, heads, batch, config)
+    with torch.cuda.device(q.device):
+        ct.launch(stream, grid_q, preprocess, (out, dout, delta, spec.tile_m, spec.tile_dv))
+        ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
+                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
+                   *spec.backward_constants()))
+        ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes, attn_mask,
+                                              *scalars, *spec.backward_constants()))

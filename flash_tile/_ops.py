@@ -1,28 +1,42 @@
-"""The forward as a torch custom op, so that torch.compile and fake tensors see one opaque call.
+"""The forward and backward as torch custom ops, with fake kernels and autograd, so that
+torch.compile, fake tensors and autograd each see one opaque call.
 
-The op takes [B, H, L, D] views (any strides with a unit last stride; K/V may have fewer heads,
-GQA) and returns the output as [B, H, Lq, Dv] whose memory is laid out as [B, Lq, H, Dv]
-(flash-attn's layout, and what torch's own flash backend returns), plus the LSE [B, H, Lq] fp32
-when asked (else an empty tensor). The variant is the default of the device's architecture and
-head dim (``flash_tile.variants``).
+``attention_forward`` takes [B, H, L, D] views (any strides with a unit last stride; K/V may
+have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is laid out as
+[B, Lq, H, Dv] (flash-attn's layout, and what torch's own flash backend returns), plus the LSE
+[B, H, Lq] fp32 when ``return_lse`` (else an empty tensor; the public functions ask for it
+whenever a gradient will be needed, since the backward recomputes P from it).
+``attention_backward`` returns dQ, dK, dV laid out the same way. The variants are the
+defaults of the device's architecture and head dim (``flash_tile.variants``).
 """
 
 import torch
 
 from flash_tile import variants
-from flash_tile._launch import launch_forward
+from flash_tile._launch import launch_backward, launch_forward
 from flash_tile._validate import device_properties
 
 
-def _empty_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+def _empty_blhd(shape, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised [B, H, L, D] tensor whose memory is laid out as [B, L, H, D]."""
+    batch, heads, length, dim = shape
+    return torch.empty_strided(shape, (length * heads * dim, dim, heads * dim, 1),
+                               dtype=like.dtype, device=like.device)
+
+
+def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
     batch, heads, q_len, _ = q.shape
-    v_dim = v.shape[-1]
-    out = torch.empty_strided((batch, heads, q_len, v_dim),
-                              (q_len * heads * v_dim, v_dim, heads * v_dim, 1),
-                              dtype=q.dtype, device=q.device)
+    out = _empty_blhd((batch, heads, q_len, v.shape[-1]), q)
     lse_shape = (batch, heads, q_len) if return_lse else (0,)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    return out, lse
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
+
+
+def _head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
+    return max(q.shape[-1], v.shape[-1])
 
 
 @torch.library.custom_op("flash_tile::attention_forward", mutates_args=(), device_types="cuda")
@@ -30,9 +44,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                       scale: float, softcap: float, diag_offset: int, window_left: int,
                       window_right: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _empty_outputs(q, v, return_lse)
-    head_dim = max(q.shape[-1], v.shape[-1])
-    config = variants.default_config(device_properties(q.device)[0], head_dim)
+    out, lse = _forward_outputs(q, v, return_lse)
+    config = variants.default_config(device_properties(q.device)[0], _head_dim(q, v))
     launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask, scale,
                    softcap, diag_offset, (window_left, window_right), config)
     return out, lse
@@ -41,4 +54,49 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
                             window_left, window_right, return_lse):
-    return _empty_outputs(q, v, return_lse)
+    return _forward_outputs(q, v, return_lse)
+
+
+@torch.library.custom_op("flash_tile::attention_backward", mutates_args=(), device_types="cuda")
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, alibi_slopes: torch.Tensor | None,
+                       attn_mask: torch.Tensor | None, scale: float, softcap: float,
+                       diag_offset: int, window_left: int,
+                       window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward_outputs(q, k, v)
+    config = variants.default_backward_config(device_properties(q.device)[0], _head_dim(q, v))
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    launch_backward(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, attn_mask, scale,
+                    softcap, diag_offset, (window_left, window_right), config)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, attn_mask, scale, softcap,
+                             diag_offset, window_left, window_right):
+    return _backward_outputs(q, k, v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, left, right, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
+    ctx.scale, ctx.softcap, ctx.diag_offset, ctx.window = scale, softcap, diag_offset, (left,
+                                                                                      right)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    if dlse is not None:
+        raise NotImplementedError("gradients through the returned LSE are not supported; "
+                                  "use it detached")
+    q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
+    if lse.numel() == 0:
+        raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
+                           "call it through flash_tile's public functions")
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, alibi_slopes, attn_mask, ctx.scale,
+                                    ctx.softcap, ctx.diag_offset, *ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -13,6 +13,8 @@ import shutil
 
 import torch
 
+from flash_tile._launch import needs_int64_index
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 MIN_CAPABILITY = (8, 0)
@@ -176,7 +178,18 @@ def check_compiler() -> None:
                            f"`{INSTALL_HINT}` or put a CUDA 13.1+ toolkit's bin on PATH")
 
 
-def check_grad(*tensors: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("the backward pass is not implemented yet: call under "
-                                  "torch.no_grad() or pass tensors that do not require grad")
+def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inputs) -> bool:
+    """Whether the backward will be needed; raises for what it cannot do. ``no_grad_inputs``
+    (alibi_slopes, attn_mask) get no gradient, so they must not ask for one."""
+    if not torch.is_grad_enabled():
+        return False
+    for name, t in no_grad_inputs.items():
+        if t is not None and t.requires_grad:
+            raise NotImplementedError(f"{name}: gradients with respect to {name} are not "
+                                      "supported; detach it")
+    if not any(t.requires_grad for t in (q, k, v)):
+        return False
+    if needs_int64_index(q, k, v):
+        raise NotImplementedError("the backward of tensors with 2**31 elements or more is not "
+                                  "supported yet; split the batch")
+    return True

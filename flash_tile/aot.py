@@ -21,8 +21,8 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
-from flash_tile._launch import forward_spec, hinted_kernel
-from flash_tile.kernels.attention_fwd import ADDITIVE_MASK, BOOL_MASK, NO_MASK
+from flash_tile._launch import forward_spec, hinted_backward_kernels, hinted_kernel
+from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
 
@@ -56,29 +56,65 @@ def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32) -> ArrayConstra
                            base_addr_divisible_by=16)
 
 
+def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n,
+                     store_lse, config, index):
+    """(spec, constraint of Q/K, of V/Out, of fp32 [B, H, L] rows, of Slopes, of Mask,
+    scalar constraints) shared by the forward and backward signatures."""
+    k_len = config.tile_n * 4 + (0 if even_n else 1)
+    kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
+    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
+                        store_lse)
+    qk = _array(DTYPES[dtype], 4, head_dim, index)
+    vo = _array(DTYPES[dtype], 4, v_head_dim, index)
+    rows = _array(ct.float32, 3, index_dtype=index)
+    # A mask broadcast over batch, heads or query rows has zero strides: no assumption.
+    mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,
+                           index_dtype=index, stride_lower_bound_incl=0, alias_groups=(),
+                           may_alias_internally=True)
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
+               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
+    return spec, qk, vo, rows, _array(ct.float32, 2), mask, scalars
+
+
 def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                       softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                       store_lse: bool, config: variants.TileConfig,
                       int64_index: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N."""
-    k_len = config.tile_n * 4 + (0 if even_n else 1)
-    kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
-    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
-                        store_lse)
-    index = ct.int64 if int64_index else ct.int32
-    qk = _array(DTYPES[dtype], 4, head_dim, index)
-    vo = _array(DTYPES[dtype], 4, v_head_dim, index)
-    # A mask broadcast over batch, heads or query rows has zero strides: no assumption.
-    mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,
-                           index_dtype=index, stride_lower_bound_incl=0, alias_groups=(),
-                           may_alias_internally=True)
-    params = [qk, qk, vo, vo, _array(ct.float32, 3, index_dtype=index), _array(ct.float32, 2),
-              mask,
-              ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
-              ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32),
-              *spec.constants()]
+    spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
+        dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
+        ct.int64 if int64_index else ct.int32)
+    params = [qk, qk, vo, vo, rows, slopes, mask, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
+
+
+def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
+                        softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
+                        config: variants.TileConfig) -> tuple[KernelSignature, ...]:
+    """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order."""
+    spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
+        dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, True, config,
+        ct.int32)
+    cc = CallingConvention.cutile_python_v1()
+    consts = spec.backward_constants()
+    return (KernelSignature([vo, vo, rows, spec.tile_m, spec.tile_dv], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
+                             *consts], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, slopes, mask, *scalars, *consts],
+                            cc))
+
+
+def _default_config(arch, head_dim, v_head_dim, backward=False):
+    major, minor = divmod(int(arch.removeprefix("sm_")), 10)
+    pick = variants.default_backward_config if backward else variants.default_config
+    return pick((major, minor), max(head_dim, v_head_dim or 0))
+
+
+def _export(kernel, signature, arch) -> bytes:
+    buffer = io.BytesIO()
+    export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
+    return buffer.getvalue()
 
 
 def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
@@ -89,18 +125,29 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     int64_index: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
-    None, "bool" or "additive"; ``int64_index``
-    compiles the 64-bit-index entry point used for tensors of 2**31 elements or more."""
-    if config is None:
-        major, minor = divmod(int(arch.removeprefix("sm_")), 10)
-        config = variants.default_config((major, minor), max(head_dim, v_head_dim or 0))
+    None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
+    tensors of 2**31 elements or more."""
+    config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index)
-    buffer = io.BytesIO()
-    export_kernel(hinted_kernel(config, int64_index), [sig], buffer, gpu_code=arch,
-                  output_format="cubin")
-    return buffer.getvalue()
+    return _export(hinted_kernel(config, int64_index), sig, arch)
+
+
+def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
+                     v_head_dim: int | None = None, causal: bool = True,
+                     window: tuple[int, int] = (-1, -1), softcap: bool = False,
+                     alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
+                     config: variants.TileConfig | None = None) -> dict[str, bytes]:
+    """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
+    ``compile_forward``; the config defaults to the architecture's backward default."""
+    config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
+    window = (window[0], 0) if causal else tuple(window)
+    sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
+                               attn_mask, even_n, config)
+    names = ("preprocess", "dkdv", "dq")
+    return {name: _export(kernel, sig, arch)
+            for name, kernel, sig in zip(names, hinted_backward_kernels(config), sigs)}
 
 
 def _cuda_tool(name: str) -> str:

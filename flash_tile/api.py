@@ -65,11 +65,12 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1])
     extra = () if alibi_slopes is None else (alibi_slopes,)
     _validate.check_device(q, k, v, *extra)
-    _validate.check_grad(q, k, v)
+    needs_grad = _validate.check_grad(q, k, v, alibi_slopes=alibi_slopes)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
-                                 k.shape[2] - q.shape[2], left, right, return_lse)
+                                 k.shape[2] - q.shape[2], left, right, return_lse or needs_grad)
     out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
 
@@ -97,7 +98,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
         deterministic: accepted for compatibility; the forward is deterministic either way.
         return_attn_probs: must be False (probabilities are not returned).
-        return_lse: also return the row log-sum-exp of the final scores.
+        return_lse: also return the row log-sum-exp of the final scores (no gradient flows
+            through it).
+
+    Gradients flow to q, k and v (not to alibi_slopes) when they require grad: the backward
+    is flash_tile's cuTile kernels, deterministic (no atomics), recomputing the attention
+    matrix from the saved LSE.
 
     Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
     an output of 0 and an LSE of +inf, as in flash-attn.
@@ -171,7 +177,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Returns:
         [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
-        the autocast dtype first, as torch does.
+        the autocast dtype first, as torch does. Gradients flow to query, key and value (not
+        to attn_mask) through flash_tile's backward kernels.
     """
     if dropout_p != 0.0:
         raise NotImplementedError("dropout_p: dropout is not supported yet; pass 0.0")
@@ -200,9 +207,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mask = None if attn_mask is None else attn_mask.reshape(-1, *attn_mask.shape[-3:])
     scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
     _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
-    _validate.check_grad(query, key, value)
+    needs_grad = _validate.check_grad(q, k, v, attn_mask=mask)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     right = 0 if is_causal else -1
-    out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, False)
+    out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad)
     return out.reshape(*lead, *out.shape[-2:])

@@ -81,13 +81,37 @@ def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConf
     A capability with no entry (sm_86, sm_89, sm_103, a newer GPU) gets the entry of the
     nearest older one.
     """
-    known = [c for c in _DEFAULTS if c <= tuple(capability)]
+    return _lookup(_DEFAULTS, capability, head_dim)
+
+
+def _lookup(table, capability, head_dim):
+    known = [c for c in table if c <= tuple(capability)]
     if not known:
         raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
-    for max_dim, config in _DEFAULTS[max(known)]:
+    for max_dim, config in table[max(known)]:
         if head_dim <= max_dim:
             return config
     raise ValueError(f"no tile config for head dim {head_dim}: the largest is {max_dim}")
+
+
+# The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
+# forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed:
+# sm_90 64x64 compiles the plain causal dK/dV and dQ kernels with no spill (softcap + ALiBi +
+# a mask spill 3804 LDL/STL in dK/dV); sm_100 64x64 with 8 worker warps has none at D=64 and
+# D=128 (64x64 alone spills 1641 at D=64); sm_120 32x32 with 4 worker warps has none at D=128
+# (508 at D=64). On sm_80 every shape tried spills in dK/dV (32x32/8 warps: 1299 at D=128,
+# 16x32/4: 797-1125, 64x32/8: 200-2339): the mma.sync path needs work there.
+_BACKWARD_DEFAULTS = {
+    (8, 0): ((256, SM80_WIDE),),
+    (9, 0): ((256, TileConfig(tile_m=64, tile_n=64)),),
+    (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
+    (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=4)),),
+}
+
+
+def default_backward_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
+    """The default variant of the backward kernels, looked up as ``default_config``."""
+    return _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
 
 
 def arch_name(capability: tuple[int, int]) -> str:

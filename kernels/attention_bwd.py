@@ -33,7 +33,7 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (ADDITIVE_MASK, BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
                      alibi_bias_log2, load_mask_tile, tile_runs, visible)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.

@@ -57,7 +57,7 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (ADDITIVE_MASK, BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+from ._tiles import (BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
                      alibi_bias_log2, load_mask_tile, tile_runs, visible)
 
 

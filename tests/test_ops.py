@@ -1,0 +1,59 @@
+"""The custom ops' fake kernels and autograd wiring, without a GPU: fake CUDA tensors for the
+shapes, meta tensors for autograd (the engine would look for CUDA streams with fake CUDA ones)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flash_tile._ops  # noqa: F401  (registers flash_tile::attention_forward/backward)
+
+FWD = torch.ops.flash_tile.attention_forward
+BWD = torch.ops.flash_tile.attention_backward
+
+
+def _qkv(requires_grad=False, device="cuda"):
+    q = torch.empty(2, 8, 100, 64, device=device, dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 120, 64, device=device, dtype=torch.bfloat16)
+    v = torch.empty(2, 2, 120, 40, device=device, dtype=torch.bfloat16)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def test_fake_forward_shapes_and_layout():
+    with FakeTensorMode():
+        q, k, v = _qkv()
+        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+        assert out.shape == (2, 8, 100, 40) and out.dtype == torch.bfloat16
+        assert out.transpose(1, 2).is_contiguous()  # memory laid out as [B, Lq, H, Dv]
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+        _, no_lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
+        assert no_lse.shape == (0,)
+
+
+def test_fake_backward_shapes():
+    with FakeTensorMode():
+        q, k, v = _qkv()
+        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, 0.125, 0.0, 20, -1, 0)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
+def test_autograd_reaches_the_backward_op():
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    out, _ = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_gradient_through_the_lse_is_refused():
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    with pytest.raises(NotImplementedError, match="LSE"):
+        (out.sum() + lse.sum()).backward()
+
+
+def test_backward_without_lse_is_an_error():
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    out, _ = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
+    with pytest.raises(RuntimeError, match="without its LSE"):
+        out.sum().backward()
