@@ -111,9 +111,9 @@ def _default_config(arch, head_dim, v_head_dim, backward=False):
     return pick((major, minor), max(head_dim, v_head_dim or 0))
 
 
-def _export(kernel, signature, arch) -> bytes:
+def _export(kernel, signature, arch, output_format="cubin") -> bytes:
     buffer = io.BytesIO()
-    export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format="cubin")
+    export_kernel(kernel, [signature], buffer, gpu_code=arch, output_format=output_format)
     return buffer.getvalue()
 
 
@@ -122,16 +122,17 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     window: tuple[int, int] = (-1, -1), softcap: bool = False,
                     alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
-                    int64_index: bool = False) -> bytes:
+                    int64_index: bool = False, output_format: str = "cubin") -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
-    tensors of 2**31 elements or more."""
+    tensors of 2**31 elements or more; ``output_format="tileir_bytecode"`` stops before
+    tileiras and returns the Tile IR (``disassemble_tile_ir`` prints it)."""
     config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index)
-    return _export(hinted_kernel(config, int64_index), sig, arch)
+    return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 
 def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
@@ -151,6 +152,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
 
 
 def _cuda_tool(name: str) -> str:
+    """A CUDA tool from the nvidia wheels' bin (cuobjdump, nvdisasm, tileirdisasm) or PATH."""
     try:
         import nvidia.cu13
 
@@ -159,13 +161,14 @@ def _cuda_tool(name: str) -> str:
         found = None
     found = found or shutil.which(name)
     if found is None:
-        raise RuntimeError(f"{name} was not found; install it with `pip install "
-                           f"nvidia-cuda-{name}` (part of flash-tile's dev extra)")
+        wheel = "cuda-tile[tileiras]" if name == "tileirdisasm" else f"nvidia-cuda-{name}"
+        raise RuntimeError(f"{name} was not found; install it with `pip install {wheel}` "
+                           "(flash-tile's dev extra has them all)")
     return found
 
 
 def _run_on_cubin(tool: str, args: list[str], cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    with tempfile.NamedTemporaryFile() as f:
         f.write(cubin)
         f.flush()
         done = subprocess.run([_cuda_tool(tool), *args, f.name], capture_output=True, text=True)
@@ -177,6 +180,17 @@ def _run_on_cubin(tool: str, args: list[str], cubin: bytes) -> str:
 def disassemble(cubin: bytes) -> str:
     """The SASS listing of a cubin (cuobjdump -sass)."""
     return _run_on_cubin("cuobjdump", ["-sass"], cubin)
+
+
+def disassemble_tile_ir(bytecode: bytes) -> str:
+    """The Tile IR text of a bytecode file (tileirdisasm, shipped beside tileiras)."""
+    return _run_on_cubin("tileirdisasm", [], bytecode)
+
+
+def tile_ir_ops(text: str, top: int = 12) -> list[tuple[str, int]]:
+    """The ``top`` most frequent operations of a Tile IR listing."""
+    ops = re.findall(r"=\s+([a-z_][a-z0-9_.]*)", text)
+    return Counter(ops).most_common(top)
 
 
 def resource_usage(cubin: bytes) -> dict:

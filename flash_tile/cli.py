@@ -5,12 +5,16 @@
                                        kernel for --arch, summarise its SASS, run the CPU twin
     flash-tile inspect --arch sm_90    compile one variant for any arch (no GPU needed) and show
                                        what it becomes: tensor-core, TMA, exp2, barrier counts,
-                                       registers, shared memory, top opcodes
+                                       registers, shared memory, top opcodes, Tile IR ops
+    flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
+                                       tileiras), which variant it gets, and a smoke test
 
 Errors print one line with the fix; ``--traceback`` shows the whole trace.
 """
 
 import argparse
+import importlib.metadata
+import subprocess
 import sys
 
 import torch
@@ -18,7 +22,8 @@ import torch
 from flash_tile import _validate, aot, variants
 
 
-def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None):
+def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
+                           tile_ir_out=None):
     print(f"compiling the forward for {arch}: {dtype}, D={head_dim}, "
           f"{'causal' if causal else 'not causal'}, {config}")
     cubin = aot.compile_forward(arch, dtype, head_dim, causal=causal, even_n=False,
@@ -37,6 +42,14 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None)
         with open(sass_out, "w") as f:
             f.write(sass)
         print(f"  full SASS written to {sass_out}")
+    tile_ir = aot.disassemble_tile_ir(aot.compile_forward(
+        arch, dtype, head_dim, causal=causal, even_n=False, store_lse=True, config=config,
+        output_format="tileir_bytecode"))
+    print("  top Tile IR ops: " + ", ".join(f"{op} {n}" for op, n in aot.tile_ir_ops(tile_ir, 10)))
+    if tile_ir_out:
+        with open(tile_ir_out, "w") as f:
+            f.write(tile_ir)
+        print(f"  full Tile IR written to {tile_ir_out}")
 
 
 def _config_for(arch, head_dim, tile_m=None, tile_n=None):
@@ -52,7 +65,7 @@ def _cpu_reference_demo():
     from flash_tile.reference import attention_tiles
 
     q, k, v = (torch.randn(2, 4, n, 64, dtype=torch.float64) for n in (203, 113, 113))
-    out, _ = attention_tiles(q, k, v, causal=True, causal_offset=0)
+    out, _ = attention_tiles(q, k, v, window=(-1, 0))  # causal, top-left like SDPA
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     print("CPU tile reference (float64, 64x64 tiles, the kernel's loop) vs torch SDPA, "
           f"[2, 4, 203/113, 64] causal: max error {(out - ref).abs().max().item():.2e}")
@@ -108,7 +121,84 @@ def inspect(args):
     _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
     config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
-                           args.sass_out)
+                           args.sass_out, args.tile_ir_out)
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_version():
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+        return done.stdout.split()[0] if done.returncode == 0 and done.stdout.split() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def doctor(args):
+    """Print what flash_tile finds here; return the number of problems (each with its fix)."""
+    problems = []
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA "
+          f"{torch.version.cuda or 'none: a CPU build'}), cuda-tile {_version('cuda-tile')}, "
+          f"flash-tile {_version('flash-tile')}")
+    tileiras = _validate.find_tileiras()
+    if tileiras:
+        release = subprocess.run([tileiras, "--version"], capture_output=True, text=True).stdout
+        print(f"tileiras: {tileiras} ({release.strip().splitlines()[-2].strip()})")
+    else:
+        problems.append(f"tileiras not found: {_validate.INSTALL_HINT}")
+    if not torch.cuda.is_available():
+        why = "torch is a CPU build" if torch.version.cuda is None else "no GPU is visible"
+        problems.append(f"no CUDA GPU ({why}): install a CUDA build of torch on a machine with "
+                        "an NVIDIA GPU of compute capability 8.0+ and driver r580+; "
+                        "`flash-tile inspect` works without one")
+    else:
+        driver = _driver_version()
+        print(f"driver: {driver or 'unknown (nvidia-smi not found)'}")
+        if driver and int(driver.split(".")[0]) < 580:
+            problems.append(f"driver {driver} is older than r580 (CUDA 13), which cuTile needs: "
+                            "update the NVIDIA driver")
+        for index in range(torch.cuda.device_count()):
+            capability, name = _validate.device_properties(torch.device("cuda", index))
+            print(f"cuda:{index}: {name}, {variants.arch_name(capability)}")
+            if capability < _validate.MIN_CAPABILITY:
+                problems.append(f"cuda:{index} ({name}) is older than sm_80: not supported")
+                continue
+            print(f"  forward variant {variants.default_config(capability)}")
+            print(f"  backward variant {variants.default_backward_config(capability)}")
+        if not problems:
+            _smoke_test(problems)
+    for problem in problems:
+        print(f"problem: {problem}")
+    print("ok" if not problems else f"{len(problems)} problem(s)")
+    return len(problems)
+
+
+def _smoke_test(problems):
+    import time
+
+    import flash_tile
+    from flash_tile.reference import check_error
+
+    q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    start = time.perf_counter()
+    out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    report = check_error(out, sdpa(q.float(), k.float(), v.float(), is_causal=True),
+                         sdpa(q, k, v, is_causal=True))
+    print(f"smoke test (compile + run, {time.perf_counter() - start:.1f} s): max error "
+          f"{report['max_err']:.1e} vs torch's {report['max_err_torch']:.1e}: "
+          f"{'ok' if report['ok'] else 'WRONG'}")
+    if not report["ok"]:
+        problems.append("the kernel's result does not match SDPA: please report it with this "
+                        "output")
 
 
 def main(argv=None):
@@ -130,17 +220,20 @@ def main(argv=None):
     p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
     p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")
     p.add_argument("--sass-out", help="write the full SASS listing to this file")
+    p.add_argument("--tile-ir-out", help="write the Tile IR listing to this file")
     p.set_defaults(func=inspect)
+
+    p = sub.add_parser("doctor", help="check this machine and run a smoke test")
+    p.set_defaults(func=doctor)
 
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        return 1 if args.func(args) else 0
     except (RuntimeError, ValueError, NotImplementedError) as e:
         if args.traceback:
             raise
         print(f"flash-tile: error: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""The flash-tile command on a machine without a GPU: what it prints and returns."""
+
+import pytest
+import torch
+
+from flash_tile.cli import main
+
+
+def test_inspect_summarises_sass_and_tile_ir(tmp_path, capsys):
+    sass, tile_ir = tmp_path / "k.sass", tmp_path / "k.tileir"
+    assert main(["inspect", "--arch", "sm_90", "--head-dim", "64", "--sass-out", str(sass),
+                 "--tile-ir-out", str(tile_ir)]) == 0
+    out = capsys.readouterr().out
+    assert "tensor-core matmuls (HGMMA expected)" in out and "TMA loads" in out
+    assert "HGMMA" in sass.read_text() and "mmaf" in tile_ir.read_text()
+
+
+def test_errors_are_one_line(capsys):
+    assert main(["inspect", "--tile-m", "48"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flash-tile: error: tile_m must be a power of two") and \
+        err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU report")
+def test_doctor_without_gpu_names_the_problem_and_fix(capsys):
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "tileiras:" in out and "problem: no CUDA GPU" in out and "inspect" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_demo_without_gpu_compiles_and_runs_the_twin(capsys):
+    assert main(["demo", "--arch", "sm_80"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU" in out and "HMMA expected" in out and "CPU tile reference" in out
