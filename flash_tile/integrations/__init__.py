@@ -1,0 +1,1 @@
+"""Integrations with other libraries; each is imported explicitly and needs its library."""

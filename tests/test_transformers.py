@@ -1,0 +1,111 @@
+"""attn_implementation="cutile" (flash_tile) in Hugging Face Transformers.
+
+On the CPU, flash_tile's public functions are swapped for torch's SDPA (the kernels need a GPU),
+which checks the registration and everything the integration maps: masks (causal, padding,
+sliding window), GQA, scaling, the output layout. On a GPU the real kernels run against
+attn_implementation="sdpa". (Why not "flash_tile": flash_tile/integrations/transformers.py.)
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+flash_tile_hf = pytest.importorskip("flash_tile.integrations.transformers")
+
+import flash_tile  # noqa: E402
+
+NAME = flash_tile_hf.NAME
+
+
+def _model(kind, attn_implementation, device="cpu", dtype=torch.float32):
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+    else:
+        config = transformers.MistralConfig(**common, sliding_window=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.to(device).eval()
+
+
+def _batch(device="cpu"):
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0  # left padding in the second sequence
+    return ids.to(device), mask.to(device)
+
+
+def _torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa)
+
+
+def test_registered():
+    assert NAME in transformers.AttentionInterface._global_mapping
+    from transformers.masking_utils import AttentionMaskInterface
+
+    assert NAME in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_mapping_matches_sdpa_on_cpu(kind, monkeypatch):
+    calls = []
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append(kwargs)
+        return _torch_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", recording_sdpa)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ours = _model(kind, NAME)(input_ids=ids, attention_mask=mask).logits
+        ref = _model(kind, "sdpa")(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert calls and all(c["enable_gqa"] for c in calls)  # GQA runs in the kernel
+    assert all(c["attn_mask"] is not None and c["attn_mask"].dtype == torch.bool for c in calls)
+
+
+def test_set_attn_implementation_and_generate_on_cpu(monkeypatch):
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    model = _model("llama", "sdpa")
+    ids, _ = _batch()
+    with torch.no_grad():
+        ref = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+        model.set_attn_implementation(NAME)
+        ours = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours, ref)
+
+
+def test_unsupported_requests_raise():
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="position biases"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, position_bias=q)
+    with pytest.raises(NotImplementedError, match="softcap together"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 3, 3) > 0,
+                                        softcap=30.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_logits_and_greedy_generation_on_gpu(kind):
+    ids, mask = _batch("cuda")
+    with torch.no_grad():
+        ours_model = _model(kind, NAME, "cuda", torch.bfloat16)
+        ref_model = _model(kind, "sdpa", "cuda", torch.bfloat16)
+        ours = ours_model(input_ids=ids, attention_mask=mask).logits.float()
+        ref = ref_model(input_ids=ids, attention_mask=mask).logits.float()
+        exact = _model(kind, "sdpa", "cuda", torch.float32)(input_ids=ids,
+                                                            attention_mask=mask).logits
+        valid = mask.bool()
+        err = (ours - exact)[valid].abs().max().item()
+        err_torch = (ref - exact)[valid].abs().max().item()
+        assert err <= 2 * err_torch + 1e-2, (err, err_torch)
+        gen_ours = ours_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        gen_ref = ref_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert torch.equal(gen_ours, gen_ref)
