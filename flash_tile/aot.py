@@ -44,16 +44,20 @@ _COUNTED = {
 _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
-def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32) -> ArrayConstraint:
-    """An array as torch allocates it: unit last stride, 16-byte aligned base, and outer
-    strides that are multiples of the row length ``row`` (so of gcd(row, 16 bytes))."""
+def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32,
+           length: int = 1) -> ArrayConstraint:
+    """An array as torch allocates it and the JIT sees it: unit last stride, 16-byte aligned
+    base, outer strides that are multiples of the row length ``row`` (so of gcd(row, 16
+    bytes)), and, as the JIT specialises, the last two extents (``length`` rows of ``row``)
+    marked divisible by 16 where they are."""
     elems_16b = 16 // (2 if dtype in (ct.float16, ct.bfloat16) else 4)
     divisor = math.gcd(row, elems_16b)
+    shape_div = (1,) * (ndim - 2) + tuple(16 if n % 16 == 0 else 1 for n in (length, row))
     return ArrayConstraint(dtype, ndim, index_dtype=index_dtype, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=False,
                            stride_constant=(None,) * (ndim - 1) + (1,),
                            stride_divisible_by=(divisor,) * (ndim - 1) + (1,),
-                           base_addr_divisible_by=16)
+                           shape_divisible_by=shape_div, base_addr_divisible_by=16)
 
 
 def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n,
@@ -64,8 +68,10 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
                         store_lse)
-    qk = _array(DTYPES[dtype], 4, head_dim, index)
-    vo = _array(DTYPES[dtype], 4, v_head_dim, index)
+    # Even instances get lengths that are multiples of the tiles (so of 16); ragged ones not.
+    length = k_len if even_n else 1
+    qk = _array(DTYPES[dtype], 4, head_dim, index, length)
+    vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)
     rows = _array(ct.float32, 3, index_dtype=index)
     # A mask broadcast over batch, heads or query rows has zero strides: no assumption.
     mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,

@@ -44,11 +44,11 @@ class TileConfig:
 # At D=256 it compiles without spills (255 registers); not yet timed.
 SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 
-# Ampere and Ada: 64x64 spills to local memory (1789 LDL/STL at D=128, 464 at D=64, 255
-# registers), and so do 128x64 and 32x64; 64x32 with 8 worker warps is the largest tile that
-# compiles with no spill at D=64 and D=128 (201-216 registers). Above D=128 it spills too (805
-# at D=256); 32x32 with 8 worker warps does not (229 registers) [2026-11-30, cuobjdump of
-# tileiras 13.4 cubins for sm_80 and sm_89; not yet timed on such a GPU].
+# Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (160 and
+# 218 registers, cp.async + 128-bit loads); 64x64 spills 16 LDL/STL at D=64. Above D=128 64x32
+# spills (434 at D=256) and 32x32 with 8 worker warps does not (227 registers). [2026-11-30,
+# cuobjdump of tileiras 13.4 cubins for sm_80 with the JIT's shape/stride specialisation
+# reproduced (flash_tile.aot); not yet timed on such a GPU.]
 SM80_DEFAULT = TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)
 SM80_WIDE = TileConfig(tile_m=32, tile_n=32, num_worker_warps=8)
 
@@ -57,8 +57,8 @@ SM80_WIDE = TileConfig(tile_m=32, tile_n=32, num_worker_warps=8)
 SM100_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 
 # Blackwell consumer (sm_120, mma.sync + TMA): 64x64 has no spill up to D=128; at D=256 it
-# spills (399 LDL/STL), 64x32 too (190); 32x64 with 8 worker warps does not (168 registers)
-# [2026-11-30, cuobjdump of tileiras 13.4 cubins; not yet timed on such a GPU].
+# spills (440 LDL/STL); 32x64 with 8 worker warps does not (168 registers) [2026-11-30,
+# cuobjdump of tileiras 13.4 cubins; not yet timed on such a GPU].
 SM120_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 
@@ -96,14 +96,15 @@ def _lookup(table, capability, head_dim):
 
 # The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
 # forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed:
-# sm_90 64x64 compiles the plain causal dK/dV and dQ kernels with no spill (softcap + ALiBi +
-# a mask spill 3804 LDL/STL in dK/dV); sm_100 64x64 with 8 worker warps has none at D=64 and
-# D=128 (64x64 alone spills 1641 at D=64); sm_120 32x32 with 4 worker warps has none at D=128
-# (508 at D=64). On sm_80 every shape tried spills in dK/dV (32x32/8 warps: 1299 at D=128,
-# 16x32/4: 797-1125, 64x32/8: 200-2339): the mma.sync path needs work there.
+# sm_90 64x64 has no spill at D=128 but 1913 LDL/STL in dK/dV at D=64, where 8 worker warps
+# remove them (and add 323 at D=128); sm_100 64x64 with 8 worker warps has none at D=64 and
+# D=128; sm_120 32x32 with 4 worker warps none at D=128 (508 at D=64). On sm_80 every shape
+# tried spills in dK/dV (32x32/8 warps: 409-470, 64x64: 473-2018, 32x64/8: 625-2696): the
+# mma.sync path needs work there.
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, SM80_WIDE),),
-    (9, 0): ((256, TileConfig(tile_m=64, tile_n=64)),),
+    (9, 0): ((64, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
+             (256, TileConfig(tile_m=64, tile_n=64))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=4)),),
 }
