@@ -82,6 +82,12 @@ def alibi_bias_log2(offs_q, offs_k, diag_offset, slope):
     return (slope * -LOG2_E) * distance.astype(ct.float32)
 
 
+def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt):
+    """The [ROWS, COLS] tile ``index`` of rows of A[batch, head] ([B, H, L, C]), zero-padded."""
+    tile = ct.load(A, index=(batch, head, index, 0), shape=(1, 1, ROWS, COLS), padding_mode=ZERO)
+    return tile.reshape((ROWS, COLS))
+
+
 def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,
                    TRANSPOSED: ConstBool):
     """The [TILE_Q, TILE_K] tile (or its [TILE_K, TILE_Q] transpose) of Mask [B, H, Lq, Lk]."""

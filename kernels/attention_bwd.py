@@ -33,8 +33,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     alibi_bias_log2, load_mask_tile, tile_runs, visible)
+from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, alibi_bias_log2,
+                     load_mask_tile, load_rows, tile_runs, visible)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -72,10 +72,8 @@ def _preprocess_impl(Out, dOut, Delta, TILE_M: ConstInt, TILE_DV: ConstInt):
     tile_m = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
-    o = ct.load(Out, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
-                padding_mode=ZERO).reshape((TILE_M, TILE_DV))
-    do = ct.load(dOut, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
-                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    o = load_rows(Out, batch, head, tile_m, TILE_M, TILE_DV)
+    do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
     ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
 
@@ -86,10 +84,8 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, o
                MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
     """Query tile i of one head against this program's key tile; returns the new (dk, dv)."""
-    q = ct.load(Q, index=(batch, head, i, 0), shape=(1, 1, TILE_M, TILE_D),
-                padding_mode=ZERO).reshape((TILE_M, TILE_D))
-    do = ct.load(dOut, index=(batch, head, i, 0), shape=(1, 1, TILE_M, TILE_DV),
-                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    q = load_rows(Q, batch, head, i, TILE_M, TILE_D)
+    do = load_rows(dOut, batch, head, i, TILE_M, TILE_DV)
     lse = ct.load(Lse, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=POS_INF)
     delta = ct.load(Delta, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=ZERO)
     offs_q = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]  # [1, TILE_M]
@@ -119,10 +115,8 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
     q_len = Q.shape[2]
     k_len = K.shape[2]
     n_start = tile_n * TILE_N
-    k = ct.load(K, index=(batch, kv_head, tile_n, 0), shape=(1, 1, TILE_N, TILE_D),
-                padding_mode=ZERO).reshape((TILE_N, TILE_D))
-    v = ct.load(V, index=(batch, kv_head, tile_n, 0), shape=(1, 1, TILE_N, TILE_DV),
-                padding_mode=ZERO).reshape((TILE_N, TILE_DV))
+    k = load_rows(K, batch, kv_head, tile_n, TILE_N, TILE_D)
+    v = load_rows(V, batch, kv_head, tile_n, TILE_N, TILE_DV)
     offs_k = n_start + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # [TILE_N, 1]
     dk = ct.zeros((TILE_N, TILE_D), dtype=ct.float32)
     dv = ct.zeros((TILE_N, TILE_DV), dtype=ct.float32)
@@ -164,10 +158,8 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, ti
              MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
              EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
     """Key tile j against this program's query tile; returns the new dq."""
-    k = ct.load(K, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_D),
-                padding_mode=ZERO).reshape((TILE_N, TILE_D))
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
-                padding_mode=ZERO).reshape((TILE_N, TILE_DV))
+    k = load_rows(K, batch, kv_head, j, TILE_N, TILE_D)
+    v = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV)
     offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
     s = ct.mma(q, ct.transpose(k), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
     p, dscore = _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_m, j, k_len,
@@ -191,10 +183,8 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     kv_head = head // (Q.shape[1] // K.shape[1])
     k_len = K.shape[2]
     m_start = tile_m * TILE_M
-    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
-                padding_mode=ZERO).reshape((TILE_M, TILE_D))
-    do = ct.load(dOut, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_DV),
-                 padding_mode=ZERO).reshape((TILE_M, TILE_DV))
+    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D)
+    do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     lse = ct.load(Lse, index=(batch, head, tile_m), shape=(1, 1, TILE_M), padding_mode=POS_INF)
     lse_log2 = lse.reshape((TILE_M, 1)) * LOG2_E
     delta = ct.load(Delta, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
