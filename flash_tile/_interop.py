@@ -11,6 +11,9 @@ import torch
 
 
 def _is_cupy(x) -> bool:
+    # Torch tensors and plain Python values first: cheap, and traceable by torch.compile.
+    if x is None or isinstance(x, (torch.Tensor, bool, int, float, tuple, list)):
+        return False
     return type(x).__module__.split(".")[0] == "cupy"
 
 

@@ -168,9 +168,13 @@ _compiler_found = False
 
 
 def check_compiler() -> None:
-    """tileiras must be installed; once found it is not looked for again in this process."""
+    """tileiras must be installed; once found it is not looked for again in this process.
+
+    Skipped while torch.compile traces (a file-system search would break the graph); a missing
+    compiler then surfaces at the launch, as cuTile's own error with the same install hint.
+    """
     global _compiler_found
-    if _compiler_found:
+    if _compiler_found or torch.compiler.is_compiling():
         return
     _compiler_found = find_tileiras() is not None
     if not _compiler_found:
