@@ -1,8 +1,9 @@
-"""Builds the grid and argument tuple of the forward kernel and launches it.
+"""Builds the grids and argument tuples of the forward and backward kernels and launches them.
 
-This is the one place that knows the kernel's parameter order: the JIT launch here and the
-ahead-of-time compile in ``flash_tile.aot`` both take their compile-time constants from
-``ForwardSpec.constants``. It knows nothing of validation: callers pass checked tensors.
+This is the one place that knows the kernels' parameter order: the JIT launches here and the
+ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
+``ForwardSpec`` (``constants`` for the forward, ``backward_constants`` for dK/dV and dQ). It
+knows nothing of validation: callers pass checked tensors.
 """
 
 import functools
