@@ -106,10 +106,16 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
     return (ct.cdiv(q_len, config.tile_m), heads, batch)
 
 
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    # One per device for the process: never read nor written, so it is safe on any stream.
+    return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+
+
 def _fill_unused(device, lse, alibi_slopes, attn_mask):
     """Placeholders for the optional arrays: the kernels never touch Lse without STORE_LSE,
     Slopes without ALIBI nor Mask without ATTN_MASK, but each parameter needs an array."""
-    unused = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+    unused = _placeholder(device)
     return (unused[0] if lse is None else lse,
             unused[0, 0] if alibi_slopes is None else alibi_slopes,
             unused if attn_mask is None else attn_mask)
