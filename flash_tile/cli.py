@@ -8,6 +8,9 @@
                                        registers, shared memory, top opcodes, Tile IR ops
     flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
                                        tileiras), which variant it gets, and a smoke test
+    flash-tile bench [forward|features|backward] [ARGS]
+                                       the benchmarks of the source tree's bench/ (table, JSON,
+                                       plot); ARGS go to the script (--help lists them)
 
 Errors print one line with the fix; ``--traceback`` shows the whole trace.
 """
@@ -124,6 +127,25 @@ def inspect(args):
                            args.sass_out, args.tile_ir_out)
 
 
+BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
+              "backward": "bench_backward.py"}
+
+
+def bench(args):
+    """Run one of bench/'s scripts with the remaining arguments."""
+    import pathlib
+    import runpy
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "bench"
+    script = folder / BENCHMARKS[args.suite]
+    if not script.exists():
+        raise RuntimeError(f"{script} not found: the benchmarks ship with the source tree; "
+                           "clone flash_tile and install it with `pip install -e .`")
+    sys.argv = [str(script), *args.script_args]
+    sys.path.insert(0, str(folder))  # the scripts import each other
+    runpy.run_path(str(script), run_name="__main__")
+
+
 def _version(package):
     try:
         return importlib.metadata.version(package)
@@ -225,6 +247,12 @@ def main(argv=None):
 
     p = sub.add_parser("doctor", help="check this machine and run a smoke test")
     p.set_defaults(func=doctor)
+
+    p = sub.add_parser("bench", help="run a benchmark of the source tree's bench/")
+    p.add_argument("suite", nargs="?", default="forward", choices=sorted(BENCHMARKS))
+    p.add_argument("script_args", nargs=argparse.REMAINDER,
+                   help="arguments for the benchmark script")
+    p.set_defaults(func=bench)
 
     args = parser.parse_args(argv)
     try:

@@ -34,3 +34,15 @@ def test_demo_without_gpu_compiles_and_runs_the_twin(capsys):
     assert main(["demo", "--arch", "sm_80"]) == 0
     out = capsys.readouterr().out
     assert "no CUDA GPU" in out and "HMMA expected" in out and "CPU tile reference" in out
+
+
+def test_bench_runs_the_source_tree_scripts(tmp_path):
+    """`flash-tile bench forward --replot` redraws the committed H200 results (no GPU)."""
+    import pathlib
+
+    results = pathlib.Path(__file__).parent.parent / "bench" / "results" / "forward-h200.json"
+    out = tmp_path / "replot"
+    assert main(["bench", "forward", "--replot", str(results), "--out", str(out)]) == 0
+    table = (tmp_path / "replot.md").read_text()
+    assert "| bfloat16 | 4 | 16 | 4096 | 128 | yes | 492.0 |" in table
+    assert (tmp_path / "replot.png").stat().st_size > 10_000
