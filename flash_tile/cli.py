@@ -141,9 +141,13 @@ def bench(args):
     if not script.exists():
         raise RuntimeError(f"{script} not found: the benchmarks ship with the source tree; "
                            "clone flash_tile and install it with `pip install -e .`")
+    saved = sys.argv, list(sys.path)
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(folder))  # the scripts import each other
-    runpy.run_path(str(script), run_name="__main__")
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved
 
 
 def _version(package):
