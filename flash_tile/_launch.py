@@ -171,6 +171,6 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         ct.launch(stream, grid_q, preprocess, (out, dout, delta, spec.tile_m, spec.tile_dv))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
-                   *spec.backward_constants()))
+                   *spec.backward_constants(), heads // kv_heads, config.group_inner))
         ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes, attn_mask,
                                               *scalars, *spec.backward_constants()))

@@ -15,7 +15,8 @@ class TileConfig:
     ``tile_m`` query rows per program, ``tile_n`` key rows per step of the K-loop; both powers
     of two (cuTile tiles are). ``occupancy`` is the CTAs-per-SM hint, ``num_ctas`` the CGA size
     hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
-    tileiras.
+    tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
+    all query heads of a GQA group per query tile (True) or one head at a time (False).
     """
 
     tile_m: int = 64
@@ -23,6 +24,7 @@ class TileConfig:
     occupancy: int | None = None
     num_ctas: int | None = None
     num_worker_warps: int | None = None
+    group_inner: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n"):
@@ -95,18 +97,18 @@ def _lookup(table, capability, head_dim):
 
 
 # The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
-# forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed:
-# sm_90 64x64 has no spill at D=128 but 1913 LDL/STL in dK/dV at D=64, where 8 worker warps
-# remove them (and add 323 at D=128); sm_100 64x64 with 8 worker warps has none at D=64 and
-# D=128; sm_120 32x32 with 4 worker warps none at D=128 (508 at D=64). On sm_80 every shape
-# tried spills in dK/dV (32x32/8 warps: 409-470, 64x64: 473-2018, 32x64/8: 625-2696): the
-# mma.sync path needs work there.
+# forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed;
+# each compiles the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1
+# and 4. On the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps remove
+# them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried)
+# came from walking the GQA group's heads in an outer loop: with the heads inside each query
+# tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on sm_90.
 _BACKWARD_DEFAULTS = {
-    (8, 0): ((256, SM80_WIDE),),
+    (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
              (256, TileConfig(tile_m=64, tile_n=64))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
-    (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=4)),),
+    (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
 }
 
 

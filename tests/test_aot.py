@@ -94,14 +94,14 @@ def test_int64_index_entry_point(arch):
 
 BACKWARD_VARIANTS = {
     "fp16-d128-causal-ragged": dict(dtype="float16", head_dim=128, causal=True, even_n=False),
+    "bf16-d64-gqa4": dict(dtype="bfloat16", head_dim=64, causal=True, even_n=False, group=4),
     "bf16-d64-window-softcap-alibi-mask": dict(dtype="bfloat16", head_dim=64, causal=True,
                                                window=(96, -1), softcap=True, alibi=True,
                                                attn_mask="bool", even_n=False),
 }
-# The backward's dK/dV kernel still spills on the mma.sync architectures and with every
-# feature on (variants.py has the numbers); these must not.
-BACKWARD_NO_SPILL = {("sm_90", "fp16-d128-causal-ragged"), ("sm_100", "fp16-d128-causal-ragged"),
-                     ("sm_120", "fp16-d128-causal-ragged")}
+# With every feature on, the dK/dV kernel still spills on some architectures; the plain and
+# GQA instances must not spill anywhere.
+BACKWARD_MAY_SPILL = {"bf16-d64-window-softcap-alibi-mask"}
 
 
 @pytest.mark.parametrize("arch", variants.ARCHS)
@@ -114,7 +114,7 @@ def test_backward_kernels_use_tensor_cores(arch):
                 continue
             assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (arch, name, kernel,
                                                                         summary)
-            if (arch, name) in BACKWARD_NO_SPILL:
+            if name not in BACKWARD_MAY_SPILL:
                 assert summary["local_memory"] == 0, (arch, name, kernel, summary)
             if arch in aot.TMA_ARCHS:
                 assert summary["tma_load"] > 0, (arch, name, kernel, summary)
