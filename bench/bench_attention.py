@@ -20,7 +20,6 @@ import importlib.metadata
 import json
 import math
 import os
-import subprocess
 import time
 
 import torch
@@ -29,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from flash_tile._timing import cuda_time_ms, flops
+from flash_tile._validate import driver_version
 from flash_tile.reference import check_error
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -118,11 +118,7 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
 
 
 def machine_info():
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.strip().splitlines()[0]
-    except (OSError, IndexError):
-        driver = None
+    driver = driver_version()
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,

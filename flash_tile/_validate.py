@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import shutil
+import subprocess
 
 import torch
 
@@ -146,22 +147,38 @@ def check_capability(capability: tuple[int, int], name: str = "this GPU") -> Non
                            "8.0 or newer (Ampere, Ada, Hopper, Blackwell)")
 
 
-def find_tileiras() -> str | None:
-    """Where cuTile will find its compiler: the nvidia-cuda-tileiras wheel, then PATH, then
-    $CUDA_HOME/bin (cuTile's own search order); None if nowhere."""
+def find_cuda_tool(name: str) -> str | None:
+    """A CUDA tool (tileiras, cuobjdump, nvdisasm, tileirdisasm) where cuTile looks for its
+    compiler: the nvidia wheels' bin, then PATH, then $CUDA_HOME/bin; None if nowhere."""
     try:
         import nvidia.cu13
 
-        found = shutil.which("tileiras", path=os.path.join(nvidia.cu13.__path__[0], "bin"))
+        found = shutil.which(name, path=os.path.join(nvidia.cu13.__path__[0], "bin"))
         if found:
             return found
     except (ImportError, AttributeError, IndexError):
         pass
-    found = shutil.which("tileiras")
+    found = shutil.which(name)
     if found:
         return found
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    return shutil.which("tileiras", path=os.path.join(cuda_home, "bin")) if cuda_home else None
+    return shutil.which(name, path=os.path.join(cuda_home, "bin")) if cuda_home else None
+
+
+def find_tileiras() -> str | None:
+    """Where cuTile will find its compiler, or None."""
+    return find_cuda_tool("tileiras")
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version nvidia-smi reports, or None where there is none."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    words = done.stdout.split()
+    return words[0] if done.returncode == 0 and words else None
 
 
 _compiler_found = False

@@ -9,9 +9,7 @@ kernel runs on tensor cores, loads through TMA, and how many exp2 and barriers i
 
 import io
 import math
-import os
 import re
-import shutil
 import subprocess
 import tempfile
 from collections import Counter
@@ -22,6 +20,7 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 
 from flash_tile import variants
 from flash_tile._launch import forward_spec, hinted_backward_kernels, hinted_kernel
+from flash_tile._validate import find_cuda_tool
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
@@ -114,9 +113,8 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False):
-    major, minor = divmod(int(arch.removeprefix("sm_")), 10)
     pick = variants.default_backward_config if backward else variants.default_config
-    return pick((major, minor), max(head_dim, v_head_dim or 0))
+    return pick(variants.capability_of(arch), max(head_dim, v_head_dim or 0))
 
 
 def _export(kernel, signature, arch, output_format="cubin") -> bytes:
@@ -162,14 +160,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
 
 
 def _cuda_tool(name: str) -> str:
-    """A CUDA tool from the nvidia wheels' bin (cuobjdump, nvdisasm, tileirdisasm) or PATH."""
-    try:
-        import nvidia.cu13
-
-        found = shutil.which(name, path=os.path.join(nvidia.cu13.__path__[0], "bin"))
-    except (ImportError, AttributeError, IndexError):
-        found = None
-    found = found or shutil.which(name)
+    found = find_cuda_tool(name)
     if found is None:
         wheel = "cuda-tile[tileiras]" if name == "tileirdisasm" else f"nvidia-cuda-{name}"
         raise RuntimeError(f"{name} was not found; install it with `pip install {wheel}` "

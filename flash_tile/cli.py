@@ -56,8 +56,7 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
 
 
 def _config_for(arch, head_dim, tile_m=None, tile_n=None):
-    major, minor = divmod(int(arch.removeprefix("sm_")), 10)
-    config = variants.default_config((major, minor), head_dim)
+    config = variants.default_config(variants.capability_of(arch), head_dim)
     if tile_m or tile_n:
         config = variants.TileConfig(tile_m or config.tile_m, tile_n or config.tile_n,
                                      config.occupancy, config.num_ctas, config.num_worker_warps)
@@ -157,15 +156,6 @@ def _version(package):
         return None
 
 
-def _driver_version():
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20)
-        return done.stdout.split()[0] if done.returncode == 0 and done.stdout.split() else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
 def doctor(args):
     """Print what flash_tile finds here; return the number of problems (each with its fix)."""
     problems = []
@@ -184,7 +174,7 @@ def doctor(args):
                         "an NVIDIA GPU of compute capability 8.0+ and driver r580+; "
                         "`flash-tile inspect` works without one")
     else:
-        driver = _driver_version()
+        driver = _validate.driver_version()
         print(f"driver: {driver or 'unknown (nvidia-smi not found)'}")
         if driver and int(driver.split(".")[0]) < 580:
             problems.append(f"driver {driver} is older than r580 (CUDA 13), which cuTile needs: "

@@ -121,3 +121,8 @@ def arch_name(capability: tuple[int, int]) -> str:
     """``(9, 0)`` -> ``"sm_90"``."""
     major, minor = capability
     return f"sm_{major}{minor}"
+
+
+def capability_of(arch: str) -> tuple[int, int]:
+    """``"sm_90"`` -> ``(9, 0)``, the inverse of ``arch_name``."""
+    return divmod(int(arch.removeprefix("sm_")), 10)
