@@ -224,9 +224,15 @@ def main():
     plot(rows, args.out + ".png")
 
 
-def save(rows, info, out):
+def save_json(rows, info, out):
+    """<out>.json with the machine and every row so far (called after each row, so a run cut
+    short keeps what it measured)."""
     with open(out + ".json", "w") as f:
         json.dump({"machine": info, "rows": rows}, f, indent=1)
+
+
+def save(rows, info, out):
+    save_json(rows, info, out)
     with open(out + ".md", "w") as f:
         f.write(f"Forward TFLOP/s on {info['gpu']} ({info['date']}, torch {info['torch']}, "
                 f"cuda-tile {info['cuda_tile']}, driver {info['driver']}); batch*seqlen = "

@@ -10,8 +10,7 @@ measured in the same run.
 """
 
 import argparse
-import json
-import math
+import functools
 import os
 
 import torch
@@ -19,28 +18,19 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import SDPA_BACKENDS, TOKENS, WIDTH, _peak_bytes, machine_info
+from bench_attention import (SDPA_BACKENDS, TOKENS, WIDTH, _naive, _peak_bytes, _sdpa,
+                             machine_info, save_json)
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile.reference import check_error
 
 
-def _naive(q, k, v, causal):
-    s = (q @ k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
-                          -math.inf)
-    return torch.softmax(s, dim=-1).to(q.dtype) @ v
-
-
 def _runners(causal):
+    """Runners taking (q, k, v): flash_tile, each SDPA backend and naive attention."""
     runners = {"flash_tile": lambda q, k, v: flash_tile.scaled_dot_product_attention(
         q, k, v, is_causal=causal)}
-    for name, backend in SDPA_BACKENDS.items():
-        def run(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        runners[name] = run
-    runners["naive"] = lambda q, k, v: _naive(q, k, v, causal)
+    runners.update({name: functools.partial(_sdpa(b), causal=causal)
+                    for name, b in SDPA_BACKENDS.items()})
+    runners["naive"] = functools.partial(_naive, causal=causal)
     return runners
 
 
@@ -62,7 +52,8 @@ def bench_row(batch, heads, length, head_dim, causal, dtype):
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "dtype": str(dtype).removeprefix("torch."), "fwd_bwd_tflops": {},
            "bwd_tflops": {}, "peak_mib": {}, "skipped": {}}
-    f = flops(batch, heads, length, length, head_dim, causal)
+    f_fwd_bwd, f_bwd = (flops(batch, heads, length, length, head_dim, causal, mode)
+                        for mode in ("fwd_bwd", "bwd"))
     for name, run in runners.items():
         try:
             got = _grads(run, q, k, v, dout)
@@ -80,8 +71,8 @@ def bench_row(batch, heads, length, head_dim, causal, dtype):
 
         total = cuda_time_ms(fwd_bwd)
         forward = cuda_time_ms(lambda: run(q, k, v))
-        row["fwd_bwd_tflops"][name] = round(3.5 * f / total / 1e9, 1)
-        row["bwd_tflops"][name] = round(2.5 * f / max(total - forward, 1e-6) / 1e9, 1)
+        row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
+        row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
         row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
     for key in ("fwd_bwd", "bwd"):
         ours, cudnn = row[f"{key}_tflops"].get("flash_tile"), row[f"{key}_tflops"].get(
@@ -110,8 +101,7 @@ def main():
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
                       f"bwd {r['bwd_tflops']} peak MiB {r['peak_mib']} {r['skipped'] or ''}",
                       flush=True)
-                with open(args.out + ".json", "w") as f:
-                    json.dump({"machine": info, "rows": rows}, f, indent=1)
+                save_json(rows, info, args.out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ mask leaves visible: 4 D per pair, so windowed rows are comparable to full ones.
 """
 
 import argparse
-import json
 import os
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import SDPA_BACKENDS, machine_info, measure
+from bench_attention import SDPA_BACKENDS, machine_info, measure, save_json
 from flash_tile.reference import visible_keys
 
 # (label, batch, heads, kv_heads, seqlen, head_dim, window (left, right) or None for none,
@@ -108,8 +107,7 @@ def main():
         r = rows[-1]
         print(f"{r['label']} causal={r['causal']}: {r['tflops']} "
               f"ratio_vs_best_sdpa={r['ratio_vs_best_sdpa']} {r['skipped'] or ''}", flush=True)
-        with open(args.out + ".json", "w") as f:  # after every row: a cut-short run keeps rows
-            json.dump({"machine": info, "rows": rows}, f, indent=1)
+        save_json(rows, info, args.out)
     text = (f"Forward features, TFLOP/s of visible (query, key) pairs, on {info['gpu']} "
             f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}).\n\n"
             f"{table(rows)}\n")
