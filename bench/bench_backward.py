@@ -11,6 +11,7 @@ measured in the same run.
 
 import argparse
 import functools
+import json
 import os
 
 import torch
@@ -19,17 +20,29 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from bench_attention import (SDPA_BACKENDS, TOKENS, WIDTH, _naive, _peak_bytes, _sdpa,
-                             machine_info, save_json)
+                             machine_info)
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile.reference import check_error
 
 
+def _tilegym_backward():
+    """TileGym's cuTile attention with its backward, or None when it cannot be imported."""
+    try:
+        from tilegym.ops.cutile.attention import tile_fmha_with_backward
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    return lambda q, k, v, causal: tile_fmha_with_backward(q, k, v, is_causal=causal)
+
+
 def _runners(causal):
-    """Runners taking (q, k, v): flash_tile, each SDPA backend and naive attention."""
+    """Runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention."""
     runners = {"flash_tile": lambda q, k, v: flash_tile.scaled_dot_product_attention(
         q, k, v, is_causal=causal)}
     runners.update({name: functools.partial(_sdpa(b), causal=causal)
                     for name, b in SDPA_BACKENDS.items()})
+    tilegym = _tilegym_backward()
+    if tilegym is not None:
+        runners["tilegym"] = functools.partial(tilegym, causal=causal)
     runners["naive"] = functools.partial(_naive, causal=causal)
     return runners
 
@@ -38,6 +51,20 @@ def _grads(run, q, k, v, dout):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     run(q, k, v).backward(dout)
     return q.grad, k.grad, v.grad
+
+
+def _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd):
+    """Forward+backward and forward-only medians, backward-only TFLOP/s as their difference."""
+    q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd_bwd():
+        run(q_, k_, v_).backward(dout)
+
+    total = cuda_time_ms(fwd_bwd)
+    forward = cuda_time_ms(lambda: run(q, k, v))
+    row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
+    row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
+    row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
 
 
 def bench_row(batch, heads, length, head_dim, causal, dtype):
@@ -57,23 +84,16 @@ def bench_row(batch, heads, length, head_dim, causal, dtype):
     for name, run in runners.items():
         try:
             got = _grads(run, q, k, v, dout)
+            reports = [check_error(g, r, p, 3.0) for g, r, p in zip(got, ref, low)]
+            del got
+            if not all(r["ok"] for r in reports):
+                row["skipped"][name] = f"wrong gradients: {reports}"
+                continue
+            _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             row["skipped"][name] = f"failed: {str(e).splitlines()[0][:120]}"
-            continue
-        reports = [check_error(g, r, p, 3.0) for g, r, p in zip(got, ref, low)]
-        if not all(r["ok"] for r in reports):
-            row["skipped"][name] = f"wrong gradients: {reports}"
-            continue
-        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-
-        def fwd_bwd():
-            run(q_, k_, v_).backward(dout)
-
-        total = cuda_time_ms(fwd_bwd)
-        forward = cuda_time_ms(lambda: run(q, k, v))
-        row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
-        row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
-        row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
+        finally:
+            torch.cuda.empty_cache()
     for key in ("fwd_bwd", "bwd"):
         ours, cudnn = row[f"{key}_tflops"].get("flash_tile"), row[f"{key}_tflops"].get(
             "sdpa_cudnn")
@@ -81,17 +101,67 @@ def bench_row(batch, heads, length, head_dim, causal, dtype):
     return row
 
 
+def memory_row(length, dtype, heads=16, head_dim=128):
+    """Peak MiB of one causal forward+backward at batch 1, naive attention included (or the
+    out-of-memory it ends in)."""
+    q, k, v = (torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    row = {"seqlen": length, "heads": heads, "head_dim": head_dim, "peak_mib": {},
+           "skipped": {}}
+    for name, run in _runners(True).items():
+        try:
+            row["peak_mib"][name] = round(
+                _peak_bytes(lambda: _grads(run, q, k, v, dout)) / 2**20, 1)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            row["skipped"][name] = f"failed: {str(e).splitlines()[0][:120]}"
+        finally:
+            torch.cuda.empty_cache()
+    return row
+
+
+def table(rows, memory):
+    names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "tilegym"]
+    head = ["B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
+            *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ratio = r["bwd_ratio_vs_cudnn"]
+        cells = [r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                 "yes" if r["causal"] else "no",
+                 *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
+                 *(r["bwd_tflops"].get(n, "-") for n in names),
+                 f"{ratio:.2f}x" if ratio else "-"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    mem_names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "naive"]
+    lines += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 (MiB):",
+              "", "| L | " + " | ".join(mem_names) + " |", "|" + "---|" * (len(mem_names) + 1)]
+    for r in memory:
+        cells = [r["seqlen"], *(r["peak_mib"].get(n, "out of memory" if n in r["skipped"]
+                                                  else "-") for n in mem_names)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def save(rows, memory, info, out):
+    """<out>.json with the machine and every row so far, kept when a run is cut short."""
+    with open(out + ".json", "w") as f:
+        json.dump({"machine": info, "rows": rows, "memory": memory}, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--memory-lengths", nargs="*", type=int,
+                        default=[4096, 8192, 16384, 32768])
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
     args = parser.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    rows = []
+    rows, memory = [], []
     for head_dim in args.head_dims:
         for length in args.lengths:
             for causal in (False, True):
@@ -99,9 +169,18 @@ def main():
                                       causal, dtype))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
-                      f"bwd {r['bwd_tflops']} peak MiB {r['peak_mib']} {r['skipped'] or ''}",
-                      flush=True)
-                save_json(rows, info, args.out)
+                      f"bwd {r['bwd_tflops']} {r['skipped'] or ''}", flush=True)
+                save(rows, memory, info, args.out)
+    for length in args.memory_lengths:
+        memory.append(memory_row(length, dtype))
+        print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
+        save(rows, memory, info, args.out)
+    text = (f"Forward+backward and backward-only TFLOP/s ({args.dtype}) on {info['gpu']} "
+            f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}).\n\n"
+            f"{table(rows, memory)}\n")
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":

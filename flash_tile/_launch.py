@@ -148,27 +148,30 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, alibi_slopes: torch.Tensor | None,
-                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
-                    diag_offset: int, window: tuple[int, int], config: TileConfig) -> None:
+                    dv: torch.Tensor, dlse: torch.Tensor | None,
+                    alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
+                    scale: float, softcap: float, diag_offset: int, window: tuple[int, int],
+                    config: TileConfig) -> None:
     """Launch the backward (preprocess, dK/dV, dQ) on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
-    output gradient ``dout`` [B, H, Lq, Dv]; writes dq (q's shape), dk and dv (k's and v's
+    output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
+    LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None); writes dq (q's shape), dk and dv (k's and v's
     shapes) in the inputs' dtype. 32-bit indexing only.
     """
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), True)
-    _, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
+    dlse_arg, slopes, attn_mask = _fill_unused(q.device, dlse, alibi_slopes, attn_mask)
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]))
     preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
     grid_q = forward_grid(q_len, heads, batch, config)
     with torch.cuda.device(q.device):
-        ct.launch(stream, grid_q, preprocess, (out, dout, delta, spec.tile_m, spec.tile_dv))
+        ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta, spec.tile_m,
+                                               spec.tile_dv, dlse is not None))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
                    *spec.backward_constants(), heads // kv_heads, config.group_inner))

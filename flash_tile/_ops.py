@@ -6,7 +6,8 @@ have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is 
 [B, Lq, H, Dv] (flash-attn's layout, and what torch's own flash backend returns), plus the LSE
 [B, H, Lq] fp32 when ``return_lse`` (else an empty tensor; the public functions ask for it
 whenever a gradient will be needed, since the backward recomputes P from it).
-``attention_backward`` returns dQ, dK, dV laid out the same way. The variants are the
+``attention_backward`` returns dQ, dK, dV laid out the same way; it takes the LSE's gradient too
+(None when nothing differentiates through the LSE). The variants are the
 defaults of the device's architecture and head dim (``flash_tile.variants``).
 """
 
@@ -59,21 +60,23 @@ def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, di
 
 @torch.library.custom_op("flash_tile::attention_backward", mutates_args=(), device_types="cuda")
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, alibi_slopes: torch.Tensor | None,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                       alibi_slopes: torch.Tensor | None,
                        attn_mask: torch.Tensor | None, scale: float, softcap: float,
                        diag_offset: int, window_left: int,
                        window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _backward_outputs(q, k, v)
     config = variants.default_backward_config(device_properties(q.device)[0], _head_dim(q, v))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    launch_backward(dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, attn_mask, scale,
+    dlse = None if dlse is None else dlse.float().contiguous()
+    launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask, scale,
                     softcap, diag_offset, (window_left, window_right), config)
     return dq, dk, dv
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, attn_mask, scale, softcap,
-                             diag_offset, window_left, window_right):
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
+                             softcap, diag_offset, window_left, window_right):
     return _backward_outputs(q, k, v)
 
 
@@ -87,15 +90,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, dlse):
-    if dlse is not None:
-        raise NotImplementedError("gradients through the returned LSE are not supported; "
-                                  "use it detached")
     q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
+    if dout is None:  # only the LSE reaches the loss
+        dout = torch.zeros_like(out)
     if lse.numel() == 0:
         raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
                            "call it through flash_tile's public functions")
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, alibi_slopes, attn_mask, ctx.scale,
-                                    ctx.softcap, ctx.diag_offset, *ctx.window)
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask,
+                                    ctx.scale, ctx.softcap, ctx.diag_offset, *ctx.window)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -96,16 +96,16 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
 
 def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                         softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
-                        config: variants.TileConfig,
-                        group: int = 1) -> tuple[KernelSignature, ...]:
+                        config: variants.TileConfig, group: int = 1,
+                        lse_grad: bool = False) -> tuple[KernelSignature, ...]:
     """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order;
-    ``group`` query heads per key/value head."""
+    ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, True, config,
         ct.int32)
     cc = CallingConvention.cutile_python_v1()
     consts = spec.backward_constants()
-    return (KernelSignature([vo, vo, rows, spec.tile_m, spec.tile_dv], cc),
+    return (KernelSignature([vo, vo, rows, rows, spec.tile_m, spec.tile_dv, lse_grad], cc),
             KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
                              *consts, group, config.group_inner], cc),
             KernelSignature([qk, qk, vo, vo, rows, rows, qk, slopes, mask, *scalars, *consts],
@@ -145,15 +145,15 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      v_head_dim: int | None = None, causal: bool = True,
                      window: tuple[int, int] = (-1, -1), softcap: bool = False,
                      alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
-                     config: variants.TileConfig | None = None,
-                     group: int = 1) -> dict[str, bytes]:
+                     config: variants.TileConfig | None = None, group: int = 1,
+                     lse_grad: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
-    ``compile_forward`` plus ``group`` (query heads per key/value head); the config defaults
-    to the architecture's backward default."""
+    ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
+    gradient reaches the LSE); the config defaults to the architecture's backward default."""
     config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                               attn_mask, even_n, config, group)
+                               attn_mask, even_n, config, group, lse_grad)
     names = ("preprocess", "dkdv", "dq")
     return {name: _export(kernel, sig, arch)
             for name, kernel, sig in zip(names, hinted_backward_kernels(config), sigs)}

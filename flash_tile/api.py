@@ -98,8 +98,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
         deterministic: accepted for compatibility; the forward is deterministic either way.
         return_attn_probs: must be False (probabilities are not returned).
-        return_lse: also return the row log-sum-exp of the final scores (no gradient flows
-            through it).
+        return_lse: also return the row log-sum-exp of the final scores; gradients flow
+            through it too (as ring attention needs when it merges partial results).
 
     Gradients flow to q, k and v (not to alibi_slopes) when they require grad: the backward
     is flash_tile's cuTile kernels, deterministic (no atomics), recomputing the attention

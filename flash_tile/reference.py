@@ -182,12 +182,14 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: torch.Tensor | None = None,
                              attn_mask: torch.Tensor | None = None, tile_m: int = 64,
-                             tile_n: int = 64) -> tuple[torch.Tensor, ...]:
+                             tile_n: int = 64,
+                             dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
 
     Arguments as ``attention_tiles`` plus the forward's ``out`` [B, H, Lq, Dv] and ``lse``
-    [B, H, Lq] and the output gradient ``dout`` [B, H, Lq, Dv]. dK/dV are computed per key tile
+    [B, H, Lq], the output gradient ``dout`` [B, H, Lq, Dv] and optionally the LSE's
+    gradient ``dlse`` [B, H, Lq], which only shifts Delta. dK/dV are computed per key tile
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
     group; dQ per query tile over ``kv_tile_runs``.
     """
@@ -196,6 +198,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
     delta = (dout * out).sum(dim=-1)  # [B, H, Lq], the preprocess
+    if dlse is not None:
+        delta = delta - dlse.detach().to("cpu", torch.float64)
     lse_log2 = lse * LOG2_E
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
@@ -237,9 +241,12 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    attn_mask: torch.Tensor | None = None,
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
-    ``attention_tiles`` with the same layout and conventions; rows that see no key return 0."""
+    ``attention_tiles`` with the same layout and conventions; rows that see no key return 0.
+    With ``return_lse`` also the natural-log LSE [B, H, Lq] (+inf where no key is seen), which
+    autograd differentiates like the kernels' LSE."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -258,21 +265,34 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         visible = visible & attn_mask
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
-    return p.to(v.dtype) @ v
+    out = p.to(v.dtype) @ v
+    if not return_lse:
+        return out
+    empty = ~visible.any(dim=-1)  # [B or 1, H or 1, Lq]
+    # Zero the empty rows' scores first so that their (unused) LSE has a zero gradient.
+    lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)
+    return out, torch.where(empty, math.inf, lse)
 
 
 def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,
-                factor: float = 2.0) -> dict:
+                factor: float = 2.0, atol: float = 1e-5) -> dict:
     """flash-attn's tolerance rule, applied to a low-precision result.
 
     ``out`` passes when its max error against the fp32 reference ``out_ref`` is at most
     ``factor`` times the max error of PyTorch's own low-precision result ``out_pt`` against
     the same reference, plus twice the rounding of ``out``'s dtype at the reference's
-    magnitude (flash-attn uses 2 for outputs, 3 for gradients). Returns the numbers and "ok".
+    magnitude (flash-attn uses 2 for outputs, 3 for gradients), plus ``atol``: where the
+    reference is exactly 0 (dQ with a single key) both terms are 0 and fp32 summation order
+    alone leaves ~1e-7. Infinities (an LSE's empty rows) must match exactly. Returns the
+    numbers and "ok".
     """
-    ref = out_ref.float()
-    floor = ((ref + 0.3 - 0.3).to(out.dtype).float() - ref).abs().max().item()
-    err = (out.float() - ref).abs().max().item()
-    err_pt = (out_pt.float() - ref).abs().max().item()
-    ok = err <= factor * err_pt + 2 * floor and not out.isnan().any().item()
+    dtype, ref = out.dtype, out_ref.float()
+    inf = ref.isinf()
+    if not torch.equal(inf, out.float().isinf()) or not torch.equal(out.float()[inf], ref[inf]):
+        return {"ok": False, "max_err": math.inf, "max_err_torch": math.nan, "floor": 0.0}
+    ref, out, out_pt = (t.float().masked_fill(inf, 0.0) for t in (ref, out, out_pt))
+    floor = ((ref + 0.3 - 0.3).to(dtype).float() - ref).abs().max().item()
+    err = (out - ref).abs().max().item()
+    err_pt = (out_pt - ref).abs().max().item()
+    ok = err <= factor * err_pt + 2 * floor + atol and not out.isnan().any().item()
     return {"ok": ok, "max_err": err, "max_err_torch": err_pt, "floor": floor}

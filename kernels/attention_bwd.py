@@ -4,13 +4,15 @@ Maths (FlashAttention-2, Dao 2023, Alg. 2). With the forward's final scores s_ij
 ``attention_fwd``), p_ij = exp(s_ij - lse_i) and o_i = sum_j p_ij v_j, the gradients of a loss
 with output gradient dO are
 
-    Delta_i = sum_d dO_id O_id                         (preprocess, fp32 [B, H, Lq])
+    Delta_i = sum_d dO_id O_id - dLSE_i                (preprocess, fp32 [B, H, Lq])
     dV_j    = sum_i p_ij dO_i
     dS_ij   = p_ij (dO_i . v_j - Delta_i)              (gradient of the final scores)
     dX_ij   = dS_ij * ds_ij/dx_ij                      (x_ij = q_i . k_j, the raw product)
     dQ_i    = sum_j dX_ij k_j,        dK_j = sum_i dX_ij q_i
 
-where ds/dx = scale for plain scores and scale * (1 - t_ij^2) with t_ij = tanh(scale x_ij /
+and dLSE is the gradient reaching the returned LSE (zero unless the caller differentiates
+through it): d lse_i / d s_ij = p_ij, so it enters dS only as a shift of Delta. Here
+ds/dx = scale for plain scores and scale * (1 - t_ij^2) with t_ij = tanh(scale x_ij /
 softcap) under SOFTCAP; ALiBi and an additive mask do not depend on q or k, so they only shift
 s. P is recomputed per tile in log2 units as exp2(s' - lse * log2(e)); the forward's +inf LSE
 of rows that see no key makes their P exactly 0.
@@ -68,13 +70,18 @@ def _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_q, tile_k
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
-def _preprocess_impl(Out, dOut, Delta, TILE_M: ConstInt, TILE_DV: ConstInt):
+def _preprocess_impl(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt,
+                     LSE_GRAD: ConstBool):
     tile_m = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
     o = load_rows(Out, batch, head, tile_m, TILE_M, TILE_DV)
     do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
+    if LSE_GRAD:
+        dlse = ct.load(dLse, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
+                       padding_mode=ZERO)
+        delta = delta - dlse.reshape((TILE_M,))
     ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
 
 
@@ -265,9 +272,10 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
 
 
 @ct.kernel
-def attention_bwd_preprocess(Out, dOut, Delta, TILE_M: ConstInt, TILE_DV: ConstInt):
-    """Delta = rowsum(dO * O). Grid (cdiv(Lq, TILE_M), H, B)."""
-    _preprocess_impl(Out, dOut, Delta, TILE_M, TILE_DV)
+def attention_bwd_preprocess(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt,
+                             LSE_GRAD: ConstBool):
+    """Delta = rowsum(dO * O) (- dLse under LSE_GRAD). Grid (cdiv(Lq, TILE_M), H, B)."""
+    _preprocess_impl(Out, dOut, dLse, Delta, TILE_M, TILE_DV, LSE_GRAD)
 
 
 @ct.kernel

@@ -94,7 +94,8 @@ def test_int64_index_entry_point(arch):
 
 BACKWARD_VARIANTS = {
     "fp16-d128-causal-ragged": dict(dtype="float16", head_dim=128, causal=True, even_n=False),
-    "bf16-d64-gqa4": dict(dtype="bfloat16", head_dim=64, causal=True, even_n=False, group=4),
+    "bf16-d64-gqa4-lse-grad": dict(dtype="bfloat16", head_dim=64, causal=True, even_n=False,
+                                   group=4, lse_grad=True),
     "bf16-d64-window-softcap-alibi-mask": dict(dtype="bfloat16", head_dim=64, causal=True,
                                                window=(96, -1), softcap=True, alibi=True,
                                                attn_mask="bool", even_n=False),

@@ -71,6 +71,39 @@ def test_gradients(case, dtype):
         assert report["ok"], f"{name}: {report}"
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[7]], ids=["ragged", "gqa", "softcap"])
+def test_gradients_through_lse(case):
+    """A loss on both outputs, as ring attention's merge makes: dLSE shifts Delta."""
+    shape, causal, window, softcap, _ = case
+    q, k, v = _inputs(shape, torch.bfloat16)
+    dout = torch.randn(shape[0], shape[3], shape[1], shape[6], device="cuda",
+                       dtype=torch.bfloat16)
+    dlse = torch.randn(shape[0], shape[1], shape[3], device="cuda")
+    offset, eff_window = shape[4] - shape[3], ((window[0], 0) if causal else window)
+
+    def grads(fn, q, k, v):
+        q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = fn(q, k, v)
+        torch.autograd.backward((out, lse), (dout.to(out.dtype), dlse))
+        return lse.detach(), q.grad, k.grad, v.grad
+
+    def ours(q, k, v):
+        return flash_tile.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                          softcap=softcap, return_lse=True)
+
+    def dense(q, k, v):
+        out, lse = attention_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   None, offset, eff_window, softcap, return_lse=True)
+        return out.transpose(1, 2), lse
+
+    got = grads(ours, q, k, v)
+    ref = grads(dense, q.float(), k.float(), v.float())
+    low = grads(dense, q, k, v)
+    for name, g, r, p in zip(("lse", "dq", "dk", "dv"), got, ref, low):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+
+
 def test_deterministic():
     q, k, v = _inputs((2, 8, 2, 300, 300, 128, 128), torch.bfloat16)
     dout = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16)

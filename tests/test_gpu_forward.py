@@ -80,7 +80,7 @@ def test_launch_writes_every_element(shape, causal, dtype):
     scale, offset = 1.0 / math.sqrt(head_dim), k_len - q_len
     window = (-1, 0) if causal else (-1, -1)
     config = variants.default_config(torch.cuda.get_device_capability(), head_dim)
-    _launch.launch_forward(q, k, v, out, lse, None, scale, 0.0, offset, window, config)
+    _launch.launch_forward(q, k, v, out, lse, None, None, scale, 0.0, offset, window, config)
 
     _check(out, *_references(q, k, v, scale, offset, window), "out")
     assert not lse.isnan().any()

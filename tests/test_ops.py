@@ -33,7 +33,7 @@ def test_fake_backward_shapes():
     with FakeTensorMode():
         q, k, v = _qkv()
         out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, 0.125, 0.0, 20, -1, 0)
+        dq, dk, dv = BWD(out, q, k, v, out, lse, lse, None, None, 0.125, 0.0, 20, -1, 0)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
@@ -45,11 +45,12 @@ def test_autograd_reaches_the_backward_op():
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
-def test_gradient_through_the_lse_is_refused():
+@pytest.mark.parametrize("loss", ["out+lse", "lse only"])
+def test_gradient_through_the_lse_reaches_the_backward_op(loss):
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-    with pytest.raises(NotImplementedError, match="LSE"):
-        (out.sum() + lse.sum()).backward()
+    (lse.sum() + (out.sum() if loss == "out+lse" else 0)).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 def test_backward_without_lse_is_an_error():

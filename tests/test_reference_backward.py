@@ -22,16 +22,18 @@ CASES = [
 ]
 
 
-def _autograd_reference(q, k, v, scale, offset, window, softcap, slopes, mask, dout):
+def _autograd_reference(q, k, v, scale, offset, window, softcap, slopes, mask, dout, dlse):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = attention_dense(q, k, v, scale, offset, window, softcap, slopes, mask)
-    out.backward(dout)
+    out, lse = attention_dense(q, k, v, scale, offset, window, softcap, slopes, mask,
+                               return_lse=True)
+    torch.autograd.backward((out, lse), (dout, torch.zeros_like(lse) if dlse is None else dlse))
     return out.detach(), q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("lse_grad", [False, True], ids=["dout", "dout+dlse"])
 @pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (32, 16)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_backward_twin_matches_autograd(case, tiles):
+def test_backward_twin_matches_autograd(case, tiles, lse_grad):
     (batch, heads, kv_heads, q_len, k_len, d, dv), window, softcap, alibi, mask_kind = case
     gen = torch.Generator().manual_seed(q_len * 7 + k_len)
 
@@ -41,6 +43,7 @@ def test_backward_twin_matches_autograd(case, tiles):
     q, k, v = randn(batch, heads, q_len, d), randn(batch, kv_heads, k_len, d), \
         randn(batch, kv_heads, k_len, dv)
     dout = randn(batch, heads, q_len, dv)
+    dlse = randn(batch, heads, q_len) if lse_grad else None  # as when ring attention merges
     slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64) * 0.3 if alibi else None
     mask = None
     if mask_kind == "bool":
@@ -53,9 +56,9 @@ def test_backward_twin_matches_autograd(case, tiles):
     out, lse = attention_tiles(q, k, v, scale, offset, window, softcap, slopes, mask,
                                tile_m, tile_n)
     grads = attention_tiles_backward(q, k, v, out, lse, dout, scale, offset, window, softcap,
-                                     slopes, mask, tile_m, tile_n)
+                                     slopes, mask, tile_m, tile_n, dlse)
     ref_out, *ref_grads = _autograd_reference(q, k, v, scale, offset, window, softcap, slopes,
-                                              mask, dout)
+                                              mask, dout, dlse)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert grad.shape == ref.shape, name
