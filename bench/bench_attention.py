@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
+from flash_tile import autotune, variants
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile._validate import driver_version
 from flash_tile.reference import check_error
@@ -114,7 +115,26 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
     cudnn = row["tflops"].get("sdpa_cudnn")
     ours = row["tflops"].get("flash_tile")
     row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
+    row["variant"], row["variant_ms"] = chosen_variant(q, length, length, causal)
     return row
+
+
+def chosen_variant(q, q_len, k_len, causal, backward=False):
+    """(the tile variant flash_tile launched for this problem, the tuner's timings of every
+    candidate) from the autotune cache, or the default variant and None when untuned."""
+    capability = torch.cuda.get_device_capability(q.device)
+    head_dim = q.shape[-1]
+    default = (variants.default_backward_config if backward else variants.default_config)(
+        capability, head_dim)
+    if not autotune.enabled():
+        return autotune.describe(default) + " (default)", None
+    key = autotune.problem_key(backward, capability, q.dtype, head_dim, head_dim, q_len, k_len,
+                               1, (-1, 0) if causal else (-1, -1), False, False, None)
+    cache = autotune.Cache(autotune.cache_path(q.device))
+    entry = cache.entries.get(key)
+    if entry is None:
+        return autotune.describe(default) + " (default)", None
+    return autotune.describe(cache.get(key)), entry["results"]
 
 
 def machine_info():
@@ -123,19 +143,20 @@ def machine_info():
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cuda_tile": importlib.metadata.version("cuda-tile"),
-            "flash_tile": flash_tile.__version__,
+            "flash_tile": flash_tile.__version__, "autotune": autotune.enabled(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def table(rows):
     names = [n for n in BACKENDS if any(n in r["tflops"] for r in rows)]
-    head = ["dtype", "B", "H", "L", "D", "causal", *names, "vs cuDNN"]
+    head = ["dtype", "B", "H", "L", "D", "causal", *names, "vs cuDNN", "flash_tile variant"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
                  "yes" if r["causal"] else "no"]
         cells += [r["tflops"].get(n, "-") for n in names]
         cells.append(f"{r['ratio_vs_cudnn']:.2f}x" if r["ratio_vs_cudnn"] else "-")
+        cells.append(r.get("variant", "-"))
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -231,12 +252,35 @@ def save_json(rows, info, out):
         json.dump({"machine": info, "rows": rows}, f, indent=1)
 
 
+# Issue 5's targets for flash_tile's forward: (baseline, least ratio) on every row.
+TARGETS = (("sdpa_cudnn", 1.0), ("sdpa_flash", 1.3), ("tilegym", 1.2))
+
+
+def targets(rows):
+    """One plain line per target: on how many rows it is met, and the worst and median ratio."""
+    lines = []
+    for name, goal in TARGETS:
+        ratios = sorted(r["tflops"]["flash_tile"] / r["tflops"][name] for r in rows
+                        if "flash_tile" in r["tflops"] and name in r["tflops"])
+        if not ratios:
+            lines.append(f"- >= {goal}x {name}: not measured")
+            continue
+        met = sum(x >= goal for x in ratios)
+        verdict = "met" if met == len(ratios) else "NOT met"
+        lines.append(f"- >= {goal}x {name}: {verdict} on {met}/{len(ratios)} rows (worst "
+                     f"{ratios[0]:.2f}x, median {ratios[len(ratios) // 2]:.2f}x, best "
+                     f"{ratios[-1]:.2f}x)")
+    return "\n".join(lines)
+
+
 def save(rows, info, out):
     save_json(rows, info, out)
+    tuned = "autotuned" if info.get("autotune") else "default variants (no autotuning)"
     with open(out + ".md", "w") as f:
         f.write(f"Forward TFLOP/s on {info['gpu']} ({info['date']}, torch {info['torch']}, "
-                f"cuda-tile {info['cuda_tile']}, driver {info['driver']}); batch*seqlen = "
-                f"{TOKENS}, heads*head_dim = {WIDTH}.\n\n{table(rows)}\n")
+                f"cuda-tile {info['cuda_tile']}, driver {info['driver']}; flash_tile "
+                f"{tuned}); batch*seqlen = {TOKENS}, heads*head_dim = {WIDTH}.\n\n"
+                f"{table(rows)}\n\nTargets:\n{targets(rows)}\n")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is 
 whenever a gradient will be needed, since the backward recomputes P from it).
 ``attention_backward`` returns dQ, dK, dV laid out the same way; it takes the LSE's gradient too
 (None when nothing differentiates through the LSE). The variants are the
-defaults of the device's architecture and head dim (``flash_tile.variants``).
+autotuner's choice among the registered variants of the device's architecture and head dim, or
+their default with ``FLASH_TILE_AUTOTUNE=0`` (``flash_tile.autotune``).
 """
 
 import torch
 
-from flash_tile import variants
+from flash_tile import autotune, variants
 from flash_tile._launch import launch_backward, launch_forward
 from flash_tile._validate import device_properties
 
@@ -36,8 +37,19 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
 
 
-def _head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
-    return max(q.shape[-1], v.shape[-1])
+def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, run):
+    """The tile variant for this call: the architecture's default, or the autotuner's pick
+    among the registered candidates (``flash_tile.autotune``)."""
+    capability = device_properties(q.device)[0]
+    head_dim = max(q.shape[-1], v.shape[-1])
+    configs = variants.candidates(capability, head_dim, backward)
+    if not autotune.enabled() or len(configs) == 1:
+        return configs[0]
+    mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
+    key = autotune.problem_key(backward, capability, q.dtype, q.shape[-1], v.shape[-1],
+                               q.shape[2], k.shape[2], q.shape[1] // k.shape[1], window,
+                               softcap > 0.0, alibi_slopes is not None, mask)
+    return autotune.choose(key, q.device, configs, run)
 
 
 @torch.library.custom_op("flash_tile::attention_forward", mutates_args=(), device_types="cuda")
@@ -45,11 +57,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                       scale: float, softcap: float, diag_offset: int, window_left: int,
                       window_right: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _forward_outputs(q, v, return_lse)
-    config = variants.default_config(device_properties(q.device)[0], _head_dim(q, v))
-    launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask, scale,
-                   softcap, diag_offset, (window_left, window_right), config)
-    return out, lse
+    def run(config):
+        out, lse = _forward_outputs(q, v, return_lse)
+        launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask,
+                       scale, softcap, diag_offset, (window_left, window_right), config)
+        return out, lse
+
+    window = (window_left, window_right)
+    config = _choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, run)
+    return run(config)
 
 
 @attention_forward.register_fake
@@ -65,13 +81,17 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        attn_mask: torch.Tensor | None, scale: float, softcap: float,
                        diag_offset: int, window_left: int,
                        window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _backward_outputs(q, k, v)
-    config = variants.default_backward_config(device_properties(q.device)[0], _head_dim(q, v))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
-    launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask, scale,
-                    softcap, diag_offset, (window_left, window_right), config)
-    return dq, dk, dv
+    window = (window_left, window_right)
+
+    def run(config):
+        dq, dk, dv = _backward_outputs(q, k, v)
+        launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask,
+                        scale, softcap, diag_offset, window, config)
+        return dq, dk, dv
+
+    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, run))
 
 
 @attention_backward.register_fake

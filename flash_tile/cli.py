@@ -8,6 +8,7 @@
                                        registers, shared memory, top opcodes, Tile IR ops
     flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
                                        tileiras), which variant it gets, and a smoke test
+    flash-tile tune [--backward]       pre-tune a grid of shapes into the autotune cache
     flash-tile bench [forward|features|backward] [ARGS]
                                        the benchmarks of the source tree's bench/ (table, JSON,
                                        plot); ARGS go to the script (--help lists them)
@@ -158,6 +159,39 @@ def bench(args):
         sys.argv, sys.path[:] = saved
 
 
+def tune(args):
+    """Tune a grid of shapes into the autotune cache: each (dtype, head dim, length, causal)
+    runs once through ``flash_attn_func`` (and its backward), which tunes its problem class
+    if the cache does not have it yet. Returns nothing: every failure raises."""
+    import flash_tile
+    from flash_tile import autotune
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning needs a CUDA GPU and torch with CUDA; `flash-tile doctor` "
+                           "says what is missing")
+    if not autotune.enabled():
+        raise RuntimeError(f"{autotune.ENV_SWITCH} turns tuning off here; unset it to tune")
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    grid = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.lengths
+            for c in causals]
+    for i, (dtype, head_dim, length, causal) in enumerate(grid, 1):
+        batch, heads = max(1, args.tokens // length), max(1, args.width // head_dim)
+        print(f"[{i}/{len(grid)}] {dtype} D={head_dim} L={length} causal={causal} "
+              f"(B={batch}, H={heads})", flush=True)
+        q, k, v = (torch.randn(batch, length, heads, head_dim, device="cuda",
+                               dtype=dtypes[dtype], requires_grad=args.backward)
+                   for _ in range(3))
+        out = flash_tile.flash_attn_func(q, k, v, causal=causal)
+        if args.backward:
+            out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+    path = autotune.cache_path(torch.device("cuda"))
+    print(f"tuned {len(grid)} shapes; the winners, in {path}:")
+    for key, entry in sorted(autotune.Cache(path).entries.items()):
+        print(f"  {key}: {autotune.describe(variants.TileConfig(**entry['config']))}")
+
+
 def _version(package):
     try:
         return importlib.metadata.version(package)
@@ -249,6 +283,16 @@ def main(argv=None):
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="arguments for the benchmark script")
     p.set_defaults(func=bench)
+
+    p = sub.add_parser("tune", help="pre-tune a grid of shapes into the autotune cache")
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--backward", action="store_true", help="tune the backward kernels too")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * length of each shape")
+    p.add_argument("--width", type=int, default=2048, help="heads * head dim of each shape")
+    p.set_defaults(func=tune)
 
     args = parser.parse_args(argv)
     try:

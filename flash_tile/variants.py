@@ -103,10 +103,14 @@ def _lookup(table, capability, head_dim):
 # them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried)
 # came from walking the GQA group's heads in an outer loop: with the heads inside each query
 # tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on sm_90.
+# At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and
+# 32x32 all spill 380-740 in one kernel or the other). On sm_80/sm_120 32x32 still spills at
+# D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
-             (256, TileConfig(tile_m=64, tile_n=64))),
+             (128, TileConfig(tile_m=64, tile_n=64)),
+             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
 }
@@ -115,6 +119,60 @@ _BACKWARD_DEFAULTS = {
 def default_backward_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
     """The default variant of the backward kernels, looked up as ``default_config``."""
     return _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
+
+
+# Candidates the autotuner times (``flash_tile.autotune``), per architecture family, as
+# (largest head dim, config); the family's defaults are always among them. Adding a variant is
+# one entry here: tests/test_aot.py compiles every entry for the family's architectures.
+_FORWARD_CANDIDATES = {
+    # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
+    # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
+    (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
+    # 128x64 o2 was the fastest plain cuTile shape at D=64 and at D=128 non-causal, 64x128 at
+    # D=256; 128x64 fell to ~65 TFLOP/s at D=256 [H200, ../shared/perf-baseline.md].
+    (9, 0): ((256, SM90_DEFAULT),
+             (128, TileConfig(tile_m=128, tile_n=64, occupancy=2)),
+             (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
+             (256, TileConfig(tile_m=64, tile_n=128)),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
+    (10, 0): ((256, SM100_DEFAULT),
+              (256, TileConfig(tile_m=128, tile_n=64)),
+              (128, TileConfig(tile_m=128, tile_n=128))),
+    (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE),
+              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8))),
+}
+_BACKWARD_CANDIDATES = {
+    (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
+             (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
+    # Neither spills at D<=128; 32x64 spills 410 in dQ at D=128.
+    (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
+             (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8)),
+             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8))),
+    (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
+              (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
+    (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],
+              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
+}
+
+
+def candidates(capability: tuple[int, int], head_dim: int = 128,
+               backward: bool = False) -> tuple[TileConfig, ...]:
+    """The variants the autotuner times for a compute capability and head dim, the default
+    first; families are looked up as in ``default_config``."""
+    default = (default_backward_config if backward else default_config)(capability, head_dim)
+    fitting = [config for max_dim, config in registered(capability, backward)
+               if head_dim <= max_dim]
+    return (default, *(c for c in fitting if c != default))
+
+
+def registered(capability: tuple[int, int],
+               backward: bool = False) -> tuple[tuple[int, TileConfig], ...]:
+    """Every (largest head dim, config) entry registered for a capability's family."""
+    table = _BACKWARD_CANDIDATES if backward else _FORWARD_CANDIDATES
+    known = [c for c in table if c <= tuple(capability)]
+    if not known:
+        raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
+    return table[max(known)]
 
 
 def arch_name(capability: tuple[int, int]) -> str:

@@ -1,9 +1,16 @@
-"""GPU tests carry the ``gpu`` marker and are skipped, with the reason, where they cannot run."""
+"""GPU tests carry the ``gpu`` marker and are skipped, with the reason, where they cannot run.
+
+The tests run the fixed default variants (no autotuning, which would time a dozen variants per
+shape class); ``tests/test_gpu_variants.py`` checks every registered variant and the tuner.
+"""
 
 import functools
+import os
 
 import pytest
 import torch
+
+os.environ.setdefault("FLASH_TILE_AUTOTUNE", "0")
 
 
 @functools.cache

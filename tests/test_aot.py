@@ -14,7 +14,7 @@ Each compile takes a few seconds, which keeps this file near two minutes on two 
 
 import pytest
 
-from flash_tile import aot, variants
+from flash_tile import aot, autotune, variants
 
 VARIANTS = {
     "fp16-d128-causal-ragged-lse": dict(dtype="float16", head_dim=128, causal=True,
@@ -119,3 +119,54 @@ def test_backward_kernels_use_tensor_cores(arch):
                 assert summary["local_memory"] == 0, (arch, name, kernel, summary)
             if arch in aot.TMA_ARCHS:
                 assert summary["tma_load"] > 0, (arch, name, kernel, summary)
+
+
+# Every registered variant (variants.registered: the defaults and the autotuning candidates),
+# compiled for each architecture of its family at the largest head dim it is registered for: a
+# new entry in the registry is picked up here with no edit. None may spill, except as listed.
+CANDIDATE_SPILLS = {
+    ("sm_80", "bwd", 256, "32x32"): "dK/dV 592, dQ 198 LDL/STL",
+    ("sm_86", "bwd", 256, "32x32"): "as sm_80",
+    ("sm_89", "bwd", 256, "32x32"): "as sm_80",
+    ("sm_100", "bwd", 256, "64x64"): "dK/dV 1080 LDL/STL",
+    ("sm_120", "bwd", 256, "32x32"): "dK/dV 479 LDL/STL",
+}
+
+
+def _registered(backward):
+    return [(arch, max_dim, config) for arch in variants.ARCHS
+            for max_dim, config in variants.registered(variants.capability_of(arch), backward)]
+
+
+def _name(arch, head_dim, config):
+    return f"{arch}-d{head_dim}-{autotune.describe(config).replace(' ', '-')}"
+
+
+def _may_spill(arch, kind, head_dim, config):
+    return (arch, kind, head_dim, f"{config.tile_m}x{config.tile_n}") in CANDIDATE_SPILLS
+
+
+FORWARD_REGISTERED, BACKWARD_REGISTERED = _registered(False), _registered(True)
+
+
+@pytest.mark.parametrize("arch,head_dim,config", FORWARD_REGISTERED,
+                         ids=[_name(*c) for c in FORWARD_REGISTERED])
+def test_every_registered_forward_variant_compiles(arch, head_dim, config):
+    cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=True, config=config)
+    summary = aot.summarize(aot.disassemble(cubin))
+    assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
+    if arch in aot.TMA_ARCHS:
+        assert summary["tma_load"] > 0, summary
+    if not _may_spill(arch, "fwd", head_dim, config):
+        assert summary["local_memory"] == 0, summary
+
+
+@pytest.mark.parametrize("arch,head_dim,config", BACKWARD_REGISTERED,
+                         ids=[_name(*c) for c in BACKWARD_REGISTERED])
+def test_every_registered_backward_variant_compiles(arch, head_dim, config):
+    cubins = aot.compile_backward(arch, "bfloat16", head_dim, causal=True, config=config)
+    for kernel in ("dkdv", "dq"):
+        summary = aot.summarize(aot.disassemble(cubins[kernel]))
+        assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (kernel, summary)
+        if not _may_spill(arch, "bwd", head_dim, config):
+            assert summary["local_memory"] == 0, (kernel, summary)

@@ -1,0 +1,224 @@
+"""Autotuning: the fastest registered tile variant per problem class, measured once per machine.
+
+A problem class (``problem_key``) is the pass (forward or backward), the architecture, the
+dtype, the head dims rounded up to the kernel's tile width, the band (full, causal, window),
+the GQA group size, the optional features (softcap, ALiBi, mask kind) and the query and key
+lengths rounded up to a power of two. The first call of a class times every candidate of
+``variants.candidates`` on that call's own inputs, rejects any candidate whose result differs
+from the default variant's by more than rounding (a fast wrong variant never wins), and keeps
+the fastest. The winner is launched from then on with exactly the hints it was timed with: the
+config is the key of ``_launch.hinted_kernel``'s cache.
+
+Winners persist in a JSON file per machine identity (GPU name, driver, cuda-tile and
+flash_tile versions) in ``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class
+is tuned once per machine, not once per process; ``flash-tile tune`` fills it ahead of time.
+
+``FLASH_TILE_AUTOTUNE=0`` turns tuning off: every call gets the architecture's fixed default
+(``variants.default_config``), deterministic and with no timing or cache. Calls made while a
+CUDA graph is being captured never tune (timing needs synchronisation): they use a cached
+winner or the default.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from flash_tile import variants
+from flash_tile._timing import cuda_time_ms
+
+ENV_SWITCH = "FLASH_TILE_AUTOTUNE"
+ENV_CACHE_DIR = "FLASH_TILE_CACHE_DIR"
+
+# Timing per candidate: a few launches are enough to rank variants that differ by >2%.
+_WARMUP, _ITERS = 2, 10
+
+
+def enabled() -> bool:
+    """False when ``FLASH_TILE_AUTOTUNE`` is 0/false/off/no."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _pow2_at_least(n: int, low: int = 16) -> int:
+    return max(low, 1 << max(0, n - 1).bit_length())
+
+
+def length_bucket(length: int) -> int:
+    """Lengths share a tuning result per power of two, from 64 up to 16k (longer ones tile the
+    same way as 16k)."""
+    return min(_pow2_at_least(length, 64), 16384)
+
+
+def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
+                head_dim: int, v_head_dim: int, q_len: int, k_len: int, group: int,
+                window: tuple[int, int], softcap: bool, alibi: bool,
+                mask_kind: str | None) -> str:
+    """The problem class a tuning result holds for, as a readable string."""
+    left, right = window
+    band = "full" if (left, right) == (-1, -1) else "causal" if (left, right) == (-1, 0) \
+        else "window"
+    features = [name for name, on in (("softcap", softcap), ("alibi", alibi)) if on]
+    if mask_kind:
+        features.append(f"{mask_kind}-mask")
+    return "|".join([
+        "bwd" if backward else "fwd", variants.arch_name(capability),
+        str(dtype).removeprefix("torch."),
+        f"d{_pow2_at_least(head_dim)}x{_pow2_at_least(v_head_dim)}", band, f"group{group}",
+        "+".join(features) or "plain", f"q{length_bucket(q_len)}", f"k{length_bucket(k_len)}"])
+
+
+def _agree(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
+    """Whether a candidate's outputs equal the default's up to rounding: the same infinities
+    (an LSE's empty rows) and, elsewhere, a max difference within 8 units of the output
+    dtype's precision at the reference's scale. A variant that drops or repeats a tile is off
+    by the size of the values themselves."""
+    for a, b in zip(got, want, strict=True):
+        if a.shape != b.shape:
+            return False
+        # fp32 outputs (the LSE) still differ by the summation order of fp32 sums.
+        eps = max(torch.finfo(b.dtype).eps, 1e-6)
+        a, b = a.float(), b.float()
+        inf = b.isinf()
+        if not torch.equal(inf, a.isinf()) or not torch.equal(a[inf], b[inf]):
+            return False
+        if a.isnan().any():
+            return False
+        if b.numel() == 0:
+            continue
+        a, b = a.masked_fill(inf, 0.0), b.masked_fill(inf, 0.0)
+        scale = max(1.0, b.abs().max().item())
+        if (a - b).abs().max().item() > 8 * eps * scale:
+            return False
+    return True
+
+
+def tune(configs: Sequence[variants.TileConfig],
+         run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]],
+         time_ms: Callable[[Callable[[], object]], float] | None = None,
+         log: Callable[[str], None] | None = None) -> tuple[variants.TileConfig, dict]:
+    """Time ``run(config)`` for each config (the first is the default and the reference) and
+    return the fastest whose outputs agree with the default's, with every candidate's result:
+    milliseconds, or why it was rejected."""
+    time_ms = time_ms or (lambda fn: cuda_time_ms(fn, _WARMUP, _ITERS))
+    log = log or (lambda line: None)
+    reference = [t.clone() for t in run(configs[0])]
+    results, best = {}, None
+    for config in configs:
+        name = describe(config)
+        try:
+            if not _agree(run(config), reference):
+                results[name] = "rejected: its result differs from the default variant's"
+                log(f"  {name}: rejected (wrong result)")
+                continue
+            ms = time_ms(lambda: run(config))
+        except Exception as e:  # noqa: BLE001 - a candidate that fails to build or run loses
+            results[name] = f"failed: {str(e).splitlines()[0][:200] if str(e) else type(e)}"
+            log(f"  {name}: failed ({results[name]})")
+            continue
+        results[name] = round(ms, 4)
+        log(f"  {name}: {ms:.3f} ms")
+        if best is None or ms < results[describe(best)]:
+            best = config
+    if best is None:
+        raise RuntimeError("flash_tile autotune: no variant ran correctly, not even the "
+                           f"default: {results}")
+    return best, results
+
+
+def describe(config: variants.TileConfig) -> str:
+    """``64x64 occupancy=2``: the tile shape and the hints that are set."""
+    hints = " ".join(f"{k}={v}" for k, v in config.hints().items())
+    order = " group_inner" if config.group_inner else ""
+    return f"{config.tile_m}x{config.tile_n}{(' ' + hints) if hints else ''}{order}"
+
+
+class Cache:
+    """Winners on disk, one JSON file per machine identity, read once per process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = {}
+        if path.exists():
+            try:
+                self.entries = json.loads(path.read_text()).get("entries", {})
+            except (OSError, ValueError):
+                self.entries = {}  # unreadable: tune again and overwrite it
+
+    def get(self, key: str) -> variants.TileConfig | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        try:
+            return variants.TileConfig(**entry["config"])
+        except (KeyError, TypeError, ValueError):
+            return None  # written by another flash_tile: tune again
+
+    def put(self, key: str, config: variants.TileConfig, results: dict) -> None:
+        self.entries[key] = {"config": dataclasses.asdict(config), "results": results}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so that a process reading it never sees half a file.
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False,
+                                         suffix=".tmp") as f:
+            json.dump({"entries": self.entries}, f, indent=1, sort_keys=True)
+        os.replace(f.name, self.path)
+
+
+def cache_path(device: torch.device) -> Path:
+    """The cache file for this machine: named after the GPU, driver, cuda-tile and flash_tile
+    versions, so that an upgrade of any of them tunes afresh."""
+    from importlib.metadata import version
+
+    from flash_tile import __version__
+    from flash_tile._validate import device_properties, driver_version
+
+    name = device_properties(device)[1]
+    parts = [name, f"driver{driver_version() or 'unknown'}", f"cuda-tile{version('cuda-tile')}",
+             f"flash-tile{__version__}"]
+    slug = "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
+    root = os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "flash_tile"
+    return Path(root) / f"autotune-{slug}.json"
+
+
+_caches: dict[str, Cache] = {}
+
+
+def _cache_for(device: torch.device) -> Cache:
+    path = cache_path(device)
+    if str(path) not in _caches:
+        _caches[str(path)] = Cache(path)
+    return _caches[str(path)]
+
+
+def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig],
+           run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]]) -> variants.TileConfig:
+    """The variant to launch for problem class ``key``: the default (``configs[0]``) when
+    tuning is off or there is nothing to choose from, else the cached winner, else the winner
+    of a tuning run now (printed to stderr as it goes, then cached)."""
+    if not enabled() or len(configs) == 1:
+        return configs[0]
+    cache = _cache_for(device)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached
+    if torch.cuda.is_current_stream_capturing():
+        return configs[0]
+
+    def log(line):
+        print(f"flash_tile autotune: {line}", file=sys.stderr, flush=True)
+
+    log(f"tuning {key} over {len(configs)} variants (once per machine; "
+        f"{ENV_SWITCH}=0 skips it)")
+    best, results = tune(configs, run, log=log)
+    log(f"  -> {describe(best)}")
+    cache.put(key, best, results)
+    return best
+
+
+def clear_memory_cache() -> None:
+    """Forget the cache files read by this process (tests and ``flash-tile tune`` use it)."""
+    _caches.clear()

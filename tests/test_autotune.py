@@ -1,0 +1,154 @@
+"""The autotuner's logic on the CPU: problem classes, the choice among timed variants (a fast
+wrong one never wins), the on-disk cache and the off switch. Timing and launches are stand-ins
+here; tests/test_gpu_variants.py tunes real kernels."""
+
+import json
+
+import pytest
+import torch
+
+from flash_tile import autotune, variants
+
+A = variants.TileConfig(tile_m=64, tile_n=64, occupancy=2)
+B = variants.TileConfig(tile_m=128, tile_n=64, occupancy=2)
+C = variants.TileConfig(tile_m=64, tile_n=128)
+
+
+def _key(**overrides):
+    args = dict(backward=False, capability=(9, 0), dtype=torch.bfloat16, head_dim=128,
+                v_head_dim=128, q_len=4096, k_len=4096, group=1, window=(-1, 0),
+                softcap=False, alibi=False, mask_kind=None)
+    args.update(overrides)
+    return autotune.problem_key(**args)
+
+
+def test_problem_key_names_every_field():
+    assert _key() == "fwd|sm_90|bfloat16|d128x128|causal|group1|plain|q4096|k4096"
+    assert _key(backward=True, head_dim=72, v_head_dim=40, window=(64, 0), softcap=True,
+                alibi=True, mask_kind="bool", group=4, q_len=1, k_len=100000) == \
+        "bwd|sm_90|bfloat16|d128x64|window|group4|softcap+alibi+bool-mask|q64|k16384"
+    assert _key(window=(-1, -1)).split("|")[4] == "full"
+
+
+@pytest.mark.parametrize("length,bucket", [(1, 64), (64, 64), (65, 128), (1000, 1024),
+                                           (4096, 4096), (4097, 8192), (300000, 16384)])
+def test_length_buckets(length, bucket):
+    assert autotune.length_bucket(length) == bucket
+
+
+def _runner(outputs, calls=None):
+    """run(config) returning fixed outputs per config, recording the calls."""
+    def run(config):
+        if calls is not None:
+            calls.append(config)
+        result = outputs[config]
+        if isinstance(result, Exception):
+            raise result
+        return tuple(t.clone() for t in result)
+    return run
+
+
+def _tune(outputs, times):
+    last = []
+
+    def run(config):
+        last.append(config)
+        return _runner(outputs)(config)
+
+    best, results = autotune.tune([A, B, C], run, time_ms=lambda fn: (fn(), times[last[-1]])[1])
+    return best, results
+
+
+def test_the_fastest_correct_variant_wins():
+    out = torch.randn(4, 8, dtype=torch.bfloat16)
+    rounded_differently = out + torch.finfo(torch.bfloat16).eps * out.sign()  # about an ulp
+    best, results = _tune({A: (out,), B: (rounded_differently,), C: (out,)},
+                          {A: 1.0, B: 0.5, C: 0.7})
+    assert best == B
+    assert results == {"64x64 occupancy=2": 1.0, "128x64 occupancy=2": 0.5, "64x128": 0.7}
+
+
+def test_a_fast_wrong_variant_never_wins():
+    out = torch.randn(4, 8)
+    wrong = out.clone()
+    wrong[2, 3] += 0.5  # one element off: a dropped or repeated tile looks like this
+    best, results = _tune({A: (out,), B: (wrong,), C: (out,)}, {A: 1.0, B: 0.1, C: 0.7})
+    assert best == C
+    assert results["128x64 occupancy=2"].startswith("rejected")
+
+
+def test_infinities_must_match_and_nan_is_rejected():
+    lse = torch.tensor([1.0, float("inf"), 2.0])
+    finite = torch.tensor([1.0, 5.0, 2.0])
+    nan = torch.tensor([1.0, float("inf"), float("nan")])
+    best, results = _tune({A: (lse,), B: (finite,), C: (nan,)}, {A: 1.0, B: 0.1, C: 0.1})
+    assert best == A
+    assert all(results[n].startswith("rejected") for n in ("128x64 occupancy=2", "64x128"))
+
+
+def test_a_variant_that_fails_to_build_loses_but_a_failing_default_raises():
+    out = torch.randn(3)
+    best, results = _tune({A: (out,), B: RuntimeError("tileiras: out of registers"), C: (out,)},
+                          {A: 1.0, C: 2.0})
+    assert best == A and results["128x64 occupancy=2"].startswith("failed: tileiras")
+    with pytest.raises(RuntimeError, match="boom"):  # as the call would without tuning
+        autotune.tune([B], _runner({B: RuntimeError("boom")}), time_ms=lambda fn: 1.0)
+
+
+def test_cache_round_trip_and_a_corrupt_file(tmp_path):
+    path = tmp_path / "sub" / "autotune-x.json"
+    cache = autotune.Cache(path)
+    assert cache.get("k") is None
+    cache.put("k", B, {"128x64 occupancy=2": 0.5})
+    assert autotune.Cache(path).get("k") == B  # a new process reads it back
+    assert json.loads(path.read_text())["entries"]["k"]["results"] == {"128x64 occupancy=2": 0.5}
+    path.write_text("{not json")
+    assert autotune.Cache(path).get("k") is None  # tuned again, not a crash
+    path.write_text(json.dumps({"entries": {"k": {"config": {"tile_m": 48}}}}))
+    assert autotune.Cache(path).get("k") is None  # not a valid config: tuned again
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "cache_path", lambda device: tmp_path / "autotune-test.json")
+    autotune.clear_memory_cache()
+    yield tmp_path
+    autotune.clear_memory_cache()
+
+
+def test_choose_tunes_once_then_reads_the_cache(cache_dir, monkeypatch):
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    out = torch.randn(5)
+    calls = []
+    run = _runner({A: (out,), B: (out,), C: (out,)}, calls)
+    times = iter([3.0, 1.0, 2.0])
+    monkeypatch.setattr(autotune, "cuda_time_ms", lambda fn, *a: (fn(), next(times))[1])
+    assert autotune.choose("k", torch.device("cpu"), [A, B, C], run) == B
+    calls.clear()
+    autotune.clear_memory_cache()  # a new process: from the file, with nothing launched
+    assert autotune.choose("k", torch.device("cpu"), [A, B, C], run) == B
+    assert calls == []
+
+
+def test_switched_off_or_capturing_gives_the_default_untimed(cache_dir, monkeypatch):
+    def run(config):
+        raise AssertionError("nothing may launch")
+
+    monkeypatch.setenv(autotune.ENV_SWITCH, "0")
+    assert not autotune.enabled()
+    assert autotune.choose("k", torch.device("cpu"), [A, B], run) == A
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert autotune.choose("k", torch.device("cpu"), [A, B], run) == A
+    assert not (cache_dir / "autotune-test.json").exists()
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("backward", [False, True])
+def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head_dim, backward):
+    configs = variants.candidates(capability, head_dim, backward)
+    pick = variants.default_backward_config if backward else variants.default_config
+    assert configs[0] == pick(capability, head_dim)
+    assert len(set(configs)) == len(configs)

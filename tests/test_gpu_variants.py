@@ -1,0 +1,103 @@
+"""Every registered tile variant of this GPU's architecture, and the autotuner, on the GPU.
+
+Each candidate the tuner may pick (``variants.candidates``) is launched directly, forward and
+backward, and checked against the fp32 reference with flash-attn's rules (2x for outputs, 3x
+for gradients), so that the tuner's own check against the default variant is a second line,
+not the only one. The end-to-end test tunes into a temporary cache and reads it back.
+"""
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import _launch, autotune, variants
+from flash_tile.reference import attention_dense, check_error
+
+pytestmark = pytest.mark.gpu
+
+_CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+# (head dim, candidate) for the head dims the variants are bucketed by.
+CASES = [(d, c) for d in (64, 128, 256) for c in variants.candidates(_CAPABILITY, d)]
+BACKWARD_CASES = [(d, c) for d in (64, 128, 256)
+                  for c in variants.candidates(_CAPABILITY, d, backward=True)]
+
+
+def _ids(cases):
+    return [f"d{d}-{autotune.describe(c).replace(' ', '-')}" for d, c in cases]
+
+
+def _inputs(head_dim, requires_grad=False):
+    # GQA 2, Lq != Lk, ragged lengths, bottom-right causal: every masked path of the kernels.
+    shapes = [(2, 4, 203, head_dim), (2, 2, 333, head_dim), (2, 2, 333, head_dim)]
+    return [torch.randn(*s, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+            for s in shapes]
+
+
+@pytest.mark.parametrize("head_dim,config", CASES, ids=_ids(CASES))
+def test_every_forward_variant(head_dim, config):
+    q, k, v = _inputs(head_dim)
+    out = torch.full((2, 4, 203, head_dim), torch.nan, device="cuda", dtype=q.dtype)
+    offset, window, scale = 333 - 203, (-1, 0), head_dim ** -0.5
+    _launch.launch_forward(q, k, v, out, None, None, None, scale, 0.0, offset, window, config)
+    ref = attention_dense(q.float(), k.float(), v.float(), scale, offset, window)
+    low = attention_dense(q, k, v, scale, offset, window)
+    report = check_error(out, ref, low)
+    assert report["ok"], report
+
+
+@pytest.mark.parametrize("head_dim,config", BACKWARD_CASES, ids=_ids(BACKWARD_CASES))
+def test_every_backward_variant(head_dim, config):
+    q, k, v = _inputs(head_dim, requires_grad=True)
+    offset, window, scale = 333 - 203, (-1, 0), head_dim ** -0.5
+    dout = torch.randn(2, 4, 203, head_dim, device="cuda", dtype=q.dtype)
+    out = attention_dense(q.float(), k.float(), v.float(), scale, offset, window)
+    lse = attention_dense(q.float(), k.float(), v.float(), scale, offset, window,
+                          return_lse=True)[1]
+    grads = [torch.full_like(t, torch.nan) for t in (q, k, v)]
+    _launch.launch_backward(dout, q.detach(), k.detach(), v.detach(), out.to(q.dtype).detach(),
+                            lse.detach(), *grads, None, None, None, scale, 0.0, offset, window,
+                            config)
+
+    def autograd(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        attention_dense(*leaves, scale, offset, window).backward(dout.to(dtype))
+        return [t.grad for t in leaves]
+
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, autograd(torch.float32),
+                             autograd(q.dtype)):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+
+
+def test_autotune_tunes_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    autotune.clear_memory_cache()
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def run():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flash_tile.flash_attn_func(qq, kk, vv, causal=True)
+        out.backward(dout)
+        return out.detach(), qq.grad, kk.grad, vv.grad
+
+    first = run()
+    [path] = tmp_path.glob("autotune-*.json")
+    entries = autotune.Cache(path).entries
+    assert {key.split("|")[0] for key in entries} == {"fwd", "bwd"}
+    for entry in entries.values():
+        assert len(entry["results"]) > 1  # more than the default was timed
+
+    # A new process reads the winners back and launches them without timing anything.
+    autotune.clear_memory_cache()
+    monkeypatch.setattr(autotune, "tune", lambda *a, **k: pytest.fail("tuned twice"))
+    second = run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)  # the same variant, deterministic
+    ref = attention_dense(*(t.detach().float().transpose(1, 2) for t in (q, k, v)), None,
+                          0, (-1, 0)).transpose(1, 2)
+    low = attention_dense(*(t.detach().transpose(1, 2) for t in (q, k, v)), None, 0,
+                          (-1, 0)).transpose(1, 2)
+    assert check_error(second[0], ref, low)["ok"]
