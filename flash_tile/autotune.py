@@ -20,6 +20,7 @@ winner or the default.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -142,7 +143,7 @@ class Cache:
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries = {}
+        self.entries, self._configs = {}, {}
         if path.exists():
             try:
                 self.entries = json.loads(path.read_text()).get("entries", {})
@@ -150,16 +151,21 @@ class Cache:
                 self.entries = {}  # unreadable: tune again and overwrite it
 
     def get(self, key: str) -> variants.TileConfig | None:
+        if key in self._configs:  # the hot path: every call after the first
+            return self._configs[key]
         entry = self.entries.get(key)
         if entry is None:
             return None
         try:
-            return variants.TileConfig(**entry["config"])
+            config = variants.TileConfig(**entry["config"])
         except (KeyError, TypeError, ValueError):
             return None  # written by another flash_tile: tune again
+        self._configs[key] = config
+        return config
 
     def put(self, key: str, config: variants.TileConfig, results: dict) -> None:
         self.entries[key] = {"config": dataclasses.asdict(config), "results": results}
+        self._configs[key] = config
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Write then rename, so that a process reading it never sees half a file.
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False,
@@ -168,20 +174,27 @@ class Cache:
         os.replace(f.name, self.path)
 
 
-def cache_path(device: torch.device) -> Path:
-    """The cache file for this machine: named after the GPU, driver, cuda-tile and flash_tile
-    versions, so that an upgrade of any of them tunes afresh."""
+@functools.cache
+def _machine_slug(gpu_name: str) -> str:
+    """GPU name, driver, cuda-tile and flash_tile versions as a file-name fragment; looked up
+    once per process (the driver query runs nvidia-smi, far too slow for every call)."""
     from importlib.metadata import version
 
     from flash_tile import __version__
-    from flash_tile._validate import device_properties, driver_version
+    from flash_tile._validate import driver_version
 
-    name = device_properties(device)[1]
-    parts = [name, f"driver{driver_version() or 'unknown'}", f"cuda-tile{version('cuda-tile')}",
-             f"flash-tile{__version__}"]
-    slug = "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
+    parts = [gpu_name, f"driver{driver_version() or 'unknown'}",
+             f"cuda-tile{version('cuda-tile')}", f"flash-tile{__version__}"]
+    return "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
+
+
+def cache_path(device: torch.device) -> Path:
+    """The cache file for this machine: named after the GPU, driver, cuda-tile and flash_tile
+    versions, so that an upgrade of any of them tunes afresh."""
+    from flash_tile._validate import device_properties
+
     root = os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "flash_tile"
-    return Path(root) / f"autotune-{slug}.json"
+    return Path(root) / f"autotune-{_machine_slug(device_properties(device)[1])}.json"
 
 
 _caches: dict[str, Cache] = {}
