@@ -39,17 +39,25 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, run):
     """The tile variant for this call: the architecture's default, or the autotuner's pick
-    among the registered candidates (``flash_tile.autotune``)."""
-    capability = device_properties(q.device)[0]
-    head_dim = max(q.shape[-1], v.shape[-1])
-    configs = variants.candidates(capability, head_dim, backward)
-    if not autotune.enabled() or len(configs) == 1:
-        return configs[0]
+    among the registered candidates (``flash_tile.autotune``). After the first call of a
+    problem class the answer comes from ``autotune.decided``, a dict hit of a few
+    microseconds: this runs on every call."""
     mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
-    key = autotune.problem_key(backward, capability, q.dtype, q.shape[-1], v.shape[-1],
-                               q.shape[2], k.shape[2], q.shape[1] // k.shape[1], window,
-                               softcap > 0.0, alibi_slopes is not None, mask)
-    return autotune.choose(key, q.device, configs, run)
+    problem = (backward, q.device, q.dtype, q.shape[-1], v.shape[-1],
+               autotune.length_bucket(q.shape[2]), autotune.length_bucket(k.shape[2]),
+               q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None, mask,
+               autotune.settings())
+    config = autotune.decided.get(problem)
+    if config is None:
+        capability = device_properties(q.device)[0]
+        configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward)
+        config = configs[0]
+        if autotune.enabled() and len(configs) > 1:
+            key = autotune.problem_key(backward, capability, *problem[2:12])
+            config = autotune.choose(key, q.device, configs, run)
+        if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
+            autotune.decided[problem] = config
+    return config
 
 
 @torch.library.custom_op("flash_tile::attention_forward", mutates_args=(), device_types="cuda")

@@ -45,6 +45,16 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def settings() -> tuple[str | None, str | None]:
+    """The environment the choice depends on, part of ``decided``'s keys."""
+    return os.environ.get(ENV_SWITCH), os.environ.get(ENV_CACHE_DIR)
+
+
+#: The variant chosen per problem in this process, keyed by the caller's (cheap) tuple of
+#: everything ``problem_key`` reads plus ``settings()``; emptied by ``clear_memory_cache``.
+decided: dict[tuple, variants.TileConfig] = {}
+
+
 def _pow2_at_least(n: int, low: int = 16) -> int:
     return max(low, 1 << max(0, n - 1).bit_length())
 
@@ -233,5 +243,7 @@ def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig
 
 
 def clear_memory_cache() -> None:
-    """Forget the cache files read by this process (tests and ``flash-tile tune`` use it)."""
+    """Forget the cache files read and the choices made by this process (as a new process
+    would); the tests use it."""
     _caches.clear()
+    decided.clear()

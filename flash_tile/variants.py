@@ -39,12 +39,17 @@ class TileConfig:
         return {k: v for k, v in hints.items() if v is not None}
 
 
-# Hopper. 64x64 with occupancy 2: a plain cuTile forward went from about 400 to about 510
-# TFLOP/s at D=128 with the occupancy hint, and 128x128 tiles fell to about 250 from register
-# pressure [2026-11-30, H200, cuda-tile 1.7.0 / tileiras 13.4, ../shared/perf-baseline.md].
-# Measured in flash_tile's benchmark: 0.70-0.91x SDPA cuDNN at D=64/128 (bench/results/).
-# At D=256 it compiles without spills (255 registers); not yet timed.
+# Hopper, the autotuner's winners on the H200 [2026-11-30, bf16, cuda-tile 1.7.0 / tileiras
+# 13.4, B*L = 16k, H*D = 2048; every candidate's time in bench/results/tuning-h200.json]:
+# - D<=64: 128x64 occupancy 2, 8-16% faster than 64x64 o2 at L 1k/4k/16k, causal or not
+#   (e.g. 4.92 against 5.44 ms at 16k); occupancy 1 is 40-50% slower.
+# - D=128: 64x64 occupancy 2 at L 1k/4k and for GQA 4/32 (9-14% ahead of 128x64 o2); at 16k
+#   non-causal the two tie (3.87 against 3.90 ms). The occupancy hint moved a plain forward
+#   from about 400 to about 510 TFLOP/s; 128x128 fell to about 250 (register pressure).
+# - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills.
+SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
+SM90_WIDE = TileConfig(tile_m=64, tile_n=128)
 
 # Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (160 and
 # 218 registers, cp.async + 128-bit loads); 64x64 spills 16 LDL/STL at D=64. Above D=128 64x32
@@ -68,7 +73,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # the larger of the query/key and value head dims.
 _DEFAULTS = {
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    (9, 0): ((256, SM90_DEFAULT),),
+    (9, 0): ((64, SM90_NARROW), (128, SM90_DEFAULT), (256, SM90_WIDE)),
     (10, 0): ((256, SM100_DEFAULT),),
     (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE)),
 }
@@ -103,13 +108,14 @@ def _lookup(table, capability, head_dim):
 # them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried)
 # came from walking the GQA group's heads in an outer loop: with the heads inside each query
 # tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on sm_90.
-# At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and
+# On sm_90 at D=128 the autotuner's winner, 128x64 with 8 worker warps, is the default (see the
+# candidates below). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and
 # 32x32 all spill 380-740 in one kernel or the other). On sm_80/sm_120 32x32 still spills at
 # D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
-             (128, TileConfig(tile_m=64, tile_n=64)),
+             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
@@ -128,12 +134,10 @@ _FORWARD_CANDIDATES = {
     # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
     # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    # 128x64 o2 was the fastest plain cuTile shape at D=64 and at D=128 non-causal, 64x128 at
-    # D=256; 128x64 fell to ~65 TFLOP/s at D=256 [H200, ../shared/perf-baseline.md].
-    (9, 0): ((256, SM90_DEFAULT),
-             (128, TileConfig(tile_m=128, tile_n=64, occupancy=2)),
+    # The defaults win every measured class (above); 128x64 o1 and 64x32 o2 never won on the
+    # H200 (25-50% slower) and stay as the tuner's controls for other Hopper parts.
+    (9, 0): ((256, SM90_DEFAULT), (128, SM90_NARROW), (256, SM90_WIDE),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=128)),
              (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
@@ -144,10 +148,12 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # Neither spills at D<=128; 32x64 spills 410 in dQ at D=128.
+    # At D=128 on the H200 128x64 with 8 worker warps won (3.64 ms against 4.05 for 64x64 and
+    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 38% slower there. Neither
+    # new entry spills at D<=128; 32x64 spills 410 in dQ at D=128.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
-             (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8)),
-             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8))),
+             (128, TileConfig(tile_m=64, tile_n=64)),
+             (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],

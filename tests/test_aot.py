@@ -128,6 +128,8 @@ CANDIDATE_SPILLS = {
     ("sm_80", "bwd", 256, "32x32"): "dK/dV 592, dQ 198 LDL/STL",
     ("sm_86", "bwd", 256, "32x32"): "as sm_80",
     ("sm_89", "bwd", 256, "32x32"): "as sm_80",
+    ("sm_86", "bwd", 128, "64x32"): "3 LDL/STL (none on sm_80)",
+    ("sm_89", "bwd", 128, "64x32"): "3 LDL/STL (none on sm_80)",
     ("sm_100", "bwd", 256, "64x64"): "dK/dV 1080 LDL/STL",
     ("sm_120", "bwd", 256, "32x32"): "dK/dV 479 LDL/STL",
 }
