@@ -134,6 +134,16 @@ def table(rows, memory):
                  f"{ratio:.2f}x" if ratio else "-"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     mem_names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "naive"]
+    lines += ["", "Peak memory of one forward+backward at each row's shape (MiB; a blank naive "
+              "cell ran out of memory or failed its check):", "",
+              "| L | D | causal | " + " | ".join(mem_names) + " |",
+              "|" + "---|" * (len(mem_names) + 3)]
+    for r in rows:
+        cells = [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+                 *(r["peak_mib"].get(n, "") for n in mem_names)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if not memory:
+        return "\n".join(lines)
     lines += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 (MiB):",
               "", "| L | " + " | ".join(mem_names) + " |", "|" + "---|" * (len(mem_names) + 1)]
     for r in memory:
