@@ -46,3 +46,17 @@ def test_bench_runs_the_source_tree_scripts(tmp_path):
     table = (tmp_path / "replot.md").read_text()
     assert "| bfloat16 | 4 | 16 | 4096 | 128 | yes | 492.0 |" in table
     assert (tmp_path / "replot.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_tune_without_gpu_says_what_is_missing(capsys, monkeypatch):
+    monkeypatch.setenv("FLASH_TILE_AUTOTUNE", "1")
+    assert main(["tune"]) == 1
+    assert capsys.readouterr().err.startswith("flash-tile: error: tuning needs a CUDA GPU")
+
+
+def test_tune_refuses_when_tuning_is_switched_off(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("FLASH_TILE_AUTOTUNE", "0")
+    assert main(["tune", "--dtypes", "bf16"]) == 1
+    assert "FLASH_TILE_AUTOTUNE turns tuning off" in capsys.readouterr().err

@@ -101,3 +101,16 @@ def test_autotune_tunes_once_into_the_cache(tmp_path, monkeypatch):
     low = attention_dense(*(t.detach().transpose(1, 2) for t in (q, k, v)), None, 0,
                           (-1, 0)).transpose(1, 2)
     assert check_error(second[0], ref, low)["ok"]
+
+
+def test_flash_tile_tune_fills_the_cache(tmp_path, monkeypatch, capsys):
+    from flash_tile.cli import main
+
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    autotune.clear_memory_cache()
+    assert main(["tune", "--dtypes", "bf16", "--head-dims", "64", "--lengths", "256",
+                 "--causal", "yes", "--backward", "--tokens", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/1] bf16 D=64 L=256 causal=True (B=2, H=32)" in out
+    assert "fwd|" in out and "bwd|" in out  # both winners listed from the cache file
