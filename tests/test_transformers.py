@@ -1,9 +1,9 @@
-"""attn_implementation="cutile" (flash_tile) in Hugging Face Transformers.
+"""attn_implementation="flash_tile" (and "cutile") in Hugging Face Transformers.
 
 On the CPU, flash_tile's public functions are swapped for torch's SDPA (the kernels need a GPU),
 which checks the registration and everything the integration maps: masks (causal, padding,
 sliding window), GQA, scaling, the output layout. On a GPU the real kernels run against
-attn_implementation="sdpa". (Why not "flash_tile": flash_tile/integrations/transformers.py.)
+attn_implementation="sdpa". (Why two names: flash_tile/integrations/transformers.py.)
 """
 
 import pytest
@@ -14,7 +14,7 @@ flash_tile_hf = pytest.importorskip("flash_tile.integrations.transformers")
 
 import flash_tile  # noqa: E402
 
-NAME = flash_tile_hf.NAME
+NAMES = flash_tile_hf.NAMES
 
 
 def _model(kind, attn_implementation, device="cpu", dtype=torch.float32):
@@ -44,15 +44,36 @@ def _torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         scale=scale, enable_gqa=enable_gqa)
 
 
-def test_registered():
-    assert NAME in transformers.AttentionInterface._global_mapping
+@pytest.mark.parametrize("name", NAMES)
+def test_registered(name):
+    assert name in transformers.AttentionInterface._global_mapping
     from transformers.masking_utils import AttentionMaskInterface
 
-    assert NAME in AttentionMaskInterface._global_mapping
+    assert name in AttentionMaskInterface._global_mapping
 
 
+def test_the_flash_attn_preload_is_skipped_only_for_flash_tile(monkeypatch):
+    from transformers import modeling_flash_attention_utils, modeling_utils
+
+    wrapper = modeling_utils.lazy_import_flash_attention
+    assert wrapper("flash_tile") is None and wrapper("cutile") is None
+    seen = []
+    monkeypatch.setattr(modeling_flash_attention_utils, "_lazy_imports",
+                        lambda *a, **k: seen.append(a) or (None,) * 5)
+    # The loader stores what it loads in module globals: put them back afterwards.
+    for name in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn",
+                 "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
+                 "_process_with_kvcache_kwargs_fn"):
+        monkeypatch.setattr(modeling_flash_attention_utils, name,
+                            getattr(modeling_flash_attention_utils, name, None), raising=False)
+    monkeypatch.setattr(modeling_flash_attention_utils, "_loaded_implementation", None)
+    wrapper("flash_attention_2")  # another name reaches transformers' own loader
+    assert seen and seen[0][0] == "flash_attention_2"
+
+
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_mapping_matches_sdpa_on_cpu(kind, monkeypatch):
+def test_mapping_matches_sdpa_on_cpu(kind, name, monkeypatch):
     calls = []
 
     def recording_sdpa(*args, **kwargs):
@@ -62,20 +83,21 @@ def test_mapping_matches_sdpa_on_cpu(kind, monkeypatch):
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", recording_sdpa)
     ids, mask = _batch()
     with torch.no_grad():
-        ours = _model(kind, NAME)(input_ids=ids, attention_mask=mask).logits
+        ours = _model(kind, name)(input_ids=ids, attention_mask=mask).logits
         ref = _model(kind, "sdpa")(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert calls and all(c["enable_gqa"] for c in calls)  # GQA runs in the kernel
     assert all(c["attn_mask"] is not None and c["attn_mask"].dtype == torch.bool for c in calls)
 
 
-def test_set_attn_implementation_and_generate_on_cpu(monkeypatch):
+@pytest.mark.parametrize("name", NAMES)
+def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
     model = _model("llama", "sdpa")
     ids, _ = _batch()
     with torch.no_grad():
         ref = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(name)
         ours = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
     assert torch.equal(ours, ref)
 
@@ -92,11 +114,12 @@ def test_unsupported_requests_raise():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_logits_and_greedy_generation_on_gpu(kind):
+def test_logits_and_greedy_generation_on_gpu(kind, name):
     ids, mask = _batch("cuda")
     with torch.no_grad():
-        ours_model = _model(kind, NAME, "cuda", torch.bfloat16)
+        ours_model = _model(kind, name, "cuda", torch.bfloat16)
         ref_model = _model(kind, "sdpa", "cuda", torch.bfloat16)
         ours = ours_model(input_ids=ids, attention_mask=mask).logits.float()
         ref = ref_model(input_ids=ids, attention_mask=mask).logits.float()

@@ -1,24 +1,31 @@
 """flash_tile as a Hugging Face Transformers attention implementation.
 
-    import flash_tile.integrations.transformers  # registers "cutile"
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="cutile")
-    model.set_attn_implementation("cutile")  # or switch a loaded model
-
-The name is "cutile", not "flash_tile": transformers 5 treats every implementation whose name
-contains "flash" as a flash-attn kernel (``is_flash_attention_requested`` tests
-``"flash" in name``) and tries to load it from the Hub with a varlen API, which fails offline
-and is not this path.
+    import flash_tile.integrations.transformers  # registers "flash_tile" (and "cutile")
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flash_tile")
+    model.set_attn_implementation("flash_tile")  # or switch a loaded model
 
 Importing this module registers ``attention_forward`` with ``AttentionInterface`` and torch
-SDPA's mask builder with ``AttentionMaskInterface`` under that name, so models
-build the same boolean [B, 1, Lq, Lk] masks for it as for "sdpa" (causal, padding, sliding
-window), which flash_tile reads in place. Calls map as transformers' own SDPA path does:
-causal without a mask runs the kernel's causal switch (top-left, as torch), GQA runs in the
-kernel (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
+SDPA's mask builder with ``AttentionMaskInterface`` under both names, so models build the same
+boolean [B, 1, Lq, Lk] masks for it as for "sdpa" (causal, padding, sliding window), which
+flash_tile reads in place. Calls map as transformers' own SDPA path does: causal without a
+mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kernel
+(``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
 ignored: attention weights (``output_attentions``), position biases, dropout while training,
 softcap together with a mask.
+
+Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
+flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``): when a model is
+loaded or switched to it, ``modeling_utils`` preloads flash-attn's functions through
+``lazy_import_flash_attention``, which for any name that is neither flash-attn nor a Hub
+kernel fails. flash_tile's attention function never uses that loader, so this module wraps
+it to skip the preload for flash_tile's names only (every other name reaches the original).
+"cutile" needs no such wrapper and stays as the name that does not depend on it. A model
+class that lists ``_compatible_flash_implementations`` (a few in transformers 5.24, e.g.
+granite_swa) swaps any "flash*" name for its own kernel, with a warning: use "cutile" there.
 """
+
+import functools
 
 import torch
 from transformers import AttentionInterface
@@ -26,7 +33,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import flash_tile
 
-NAME = "cutile"
+NAMES = ("flash_tile", "cutile")
+NAME = NAMES[0]
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -63,5 +71,26 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
 
 
-AttentionInterface.register(NAME, attention_forward)
-AttentionMaskInterface.register(NAME, sdpa_mask)
+def _skip_flash_attn_preload_for_flash_tile() -> None:
+    """Wrap ``transformers.modeling_utils.lazy_import_flash_attention`` (see the module
+    docstring) so that it returns at once for flash_tile's names; idempotent."""
+    from transformers import modeling_utils
+
+    original = modeling_utils.lazy_import_flash_attention
+    if getattr(original, "flash_tile_wrapper", False):
+        return
+
+    @functools.wraps(original)
+    def lazy_import_flash_attention(implementation, *args, **kwargs):
+        if implementation in NAMES:
+            return None  # flash_tile's attention function does not use the flash-attn loader
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention.flash_tile_wrapper = True
+    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+for _name in NAMES:
+    AttentionInterface.register(_name, attention_forward)
+    AttentionMaskInterface.register(_name, sdpa_mask)
+_skip_flash_attn_preload_for_flash_tile()
