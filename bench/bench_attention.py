@@ -273,14 +273,21 @@ def targets(rows):
     return "\n".join(lines)
 
 
+def write_report(out, title, info, body):
+    """<out>.md: ``title`` with the machine and versions it was measured on, then ``body``."""
+    tuned = "autotuned" if info.get("autotune") else "default variants (no autotuning)"
+    text = (f"{title} on {info['gpu']} ({info['date']}, torch {info['torch']}, cuda-tile "
+            f"{info['cuda_tile']}, driver {info.get('driver')}; flash_tile {tuned}).\n\n"
+            f"{body}\n")
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    return text
+
+
 def save(rows, info, out):
     save_json(rows, info, out)
-    tuned = "autotuned" if info.get("autotune") else "default variants (no autotuning)"
-    with open(out + ".md", "w") as f:
-        f.write(f"Forward TFLOP/s on {info['gpu']} ({info['date']}, torch {info['torch']}, "
-                f"cuda-tile {info['cuda_tile']}, driver {info['driver']}; flash_tile "
-                f"{tuned}); batch*seqlen = {TOKENS}, heads*head_dim = {WIDTH}.\n\n"
-                f"{table(rows)}\n\nTargets:\n{targets(rows)}\n")
+    write_report(out, f"Forward TFLOP/s, batch*seqlen = {TOKENS}, heads*head_dim = {WIDTH},",
+                 info, f"{table(rows)}\n\nTargets:\n{targets(rows)}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from bench_attention import (SDPA_BACKENDS, TOKENS, WIDTH, _naive, _peak_bytes, _sdpa,
-                             machine_info)
+                             machine_info, write_report)
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile.reference import check_error
 
@@ -185,12 +185,8 @@ def main():
         memory.append(memory_row(length, dtype))
         print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
         save(rows, memory, info, args.out)
-    text = (f"Forward+backward and backward-only TFLOP/s ({args.dtype}) on {info['gpu']} "
-            f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}).\n\n"
-            f"{table(rows, memory)}\n")
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",
+                       info, table(rows, memory)))
 
 
 if __name__ == "__main__":

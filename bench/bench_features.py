@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import SDPA_BACKENDS, machine_info, measure, save_json
+from bench_attention import SDPA_BACKENDS, machine_info, measure, save_json, write_report
 from flash_tile.reference import visible_keys
 
 # (label, batch, heads, kv_heads, seqlen, head_dim, window (left, right) or None for none,
@@ -108,12 +108,8 @@ def main():
         print(f"{r['label']} causal={r['causal']}: {r['tflops']} "
               f"ratio_vs_best_sdpa={r['ratio_vs_best_sdpa']} {r['skipped'] or ''}", flush=True)
         save_json(rows, info, args.out)
-    text = (f"Forward features, TFLOP/s of visible (query, key) pairs, on {info['gpu']} "
-            f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}).\n\n"
-            f"{table(rows)}\n")
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    print(text)
+    print(write_report(args.out, "Forward features, TFLOP/s of visible (query, key) pairs,",
+                       info, table(rows)))
 
 
 if __name__ == "__main__":
