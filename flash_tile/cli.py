@@ -18,12 +18,13 @@ Errors print one line with the fix; ``--traceback`` shows the whole trace.
 
 import argparse
 import importlib.metadata
+import os
 import subprocess
 import sys
 
 import torch
 
-from flash_tile import _validate, aot, variants
+from flash_tile import _validate, aot, autotune, variants
 
 
 def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
@@ -164,7 +165,6 @@ def tune(args):
     runs once through ``flash_attn_func`` (and its backward), which tunes its problem class
     if the cache does not have it yet. Returns nothing: every failure raises."""
     import flash_tile
-    from flash_tile import autotune
 
     if not torch.cuda.is_available():
         raise RuntimeError("tuning needs a CUDA GPU and torch with CUDA; `flash-tile doctor` "
@@ -228,8 +228,16 @@ def doctor(args):
             if capability < _validate.MIN_CAPABILITY:
                 problems.append(f"cuda:{index} ({name}) is older than sm_80: not supported")
                 continue
-            print(f"  forward variant {variants.default_config(capability)}")
-            print(f"  backward variant {variants.default_backward_config(capability)}")
+            print(f"  default variants at D=128: forward "
+                  f"{autotune.describe(variants.default_config(capability))}, backward "
+                  f"{autotune.describe(variants.default_backward_config(capability))}")
+            if autotune.enabled():
+                path = autotune.cache_path(torch.device("cuda", index))
+                tuned = len(autotune.Cache(path).entries)
+                print(f"  autotuning on: {len(variants.candidates(capability))} forward "
+                      f"candidates at D=128; {tuned} problem classes tuned in {path}")
+            else:
+                print(f"  autotuning off ({autotune.ENV_SWITCH}=0): the defaults run")
         if not problems:
             _smoke_test(problems)
     for problem in problems:
@@ -244,7 +252,15 @@ def _smoke_test(problems):
     q, k, v = (torch.randn(2, 4, 300, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     start = time.perf_counter()  # includes the first compile of the default variant
-    report = _check_against_sdpa(q, k, v, True)
+    switch = os.environ.get(autotune.ENV_SWITCH)
+    os.environ[autotune.ENV_SWITCH] = "0"  # a check of the defaults, not a tuning run
+    try:
+        report = _check_against_sdpa(q, k, v, True)
+    finally:
+        if switch is None:
+            del os.environ[autotune.ENV_SWITCH]
+        else:
+            os.environ[autotune.ENV_SWITCH] = switch
     print(f"smoke test (compile + run, {time.perf_counter() - start:.1f} s): max error "
           f"{report['max_err']:.1e} vs torch's {report['max_err_torch']:.1e}: "
           f"{'ok' if report['ok'] else 'WRONG'}")

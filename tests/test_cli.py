@@ -60,3 +60,25 @@ def test_tune_refuses_when_tuning_is_switched_off(capsys, monkeypatch):
     monkeypatch.setenv("FLASH_TILE_AUTOTUNE", "0")
     assert main(["tune", "--dtypes", "bf16"]) == 1
     assert "FLASH_TILE_AUTOTUNE turns tuning off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_doctor_reports_variants_and_autotuning(switch, tmp_path, capsys, monkeypatch):
+    """The GPU branch of doctor with the GPU queries stubbed (its smoke test runs on GPUs)."""
+    from flash_tile import _validate, autotune, cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(_validate, "driver_version", lambda: "580.159.04")
+    monkeypatch.setattr(cli, "_smoke_test", lambda problems: None)
+    monkeypatch.setenv(autotune.ENV_SWITCH, switch)
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    assert main(["doctor"]) == (0 if _validate.find_tileiras() else 1)
+    out = capsys.readouterr().out
+    assert "cuda:0: NVIDIA H200, sm_90" in out
+    assert "forward 64x64 occupancy=2, backward 128x64 num_worker_warps=8" in out
+    if switch == "1":
+        assert f"0 problem classes tuned in {tmp_path}" in out
+    else:
+        assert "autotuning off (FLASH_TILE_AUTOTUNE=0)" in out
