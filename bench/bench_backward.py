@@ -34,8 +34,9 @@ def _tilegym_backward():
     return lambda q, k, v, causal: tile_fmha_with_backward(q, k, v, is_causal=causal)
 
 
-def _runners(causal):
-    """Runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention."""
+def _runners(causal, skip=()):
+    """Runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention,
+    less the names in ``skip``."""
     runners = {"flash_tile": lambda q, k, v: flash_tile.scaled_dot_product_attention(
         q, k, v, is_causal=causal)}
     runners.update({name: functools.partial(_sdpa(b), causal=causal)
@@ -44,7 +45,7 @@ def _runners(causal):
     if tilegym is not None:
         runners["tilegym"] = functools.partial(tilegym, causal=causal)
     runners["naive"] = functools.partial(_naive, causal=causal)
-    return runners
+    return {name: run for name, run in runners.items() if name not in skip}
 
 
 def _grads(run, q, k, v, dout):
@@ -67,18 +68,19 @@ def _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd):
     row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
 
 
-def bench_row(batch, heads, length, head_dim, causal, dtype):
+def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
-    runners = _runners(causal)
+    runners = _runners(causal, skip)
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal),
                      q.float(), k.float(), v.float(), dout.float())
     low = _grads(runners["sdpa_cudnn"], q, k, v, dout)
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "dtype": str(dtype).removeprefix("torch."), "fwd_bwd_tflops": {},
-           "bwd_tflops": {}, "peak_mib": {}, "skipped": {}}
+           "bwd_tflops": {}, "peak_mib": {},
+           "skipped": {name: "skipped: --skip" for name in skip}}
     f_fwd_bwd, f_bwd = (flops(batch, heads, length, length, head_dim, causal, mode)
                         for mode in ("fwd_bwd", "bwd"))
     for name, run in runners.items():
@@ -101,15 +103,15 @@ def bench_row(batch, heads, length, head_dim, causal, dtype):
     return row
 
 
-def memory_row(length, dtype, heads=16, head_dim=128):
+def memory_row(length, dtype, heads=16, head_dim=128, skip=()):
     """Peak MiB of one causal forward+backward at batch 1, naive attention included (or the
     out-of-memory it ends in)."""
     q, k, v = (torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
     row = {"seqlen": length, "heads": heads, "head_dim": head_dim, "peak_mib": {},
-           "skipped": {}}
-    for name, run in _runners(True).items():
+           "skipped": {name: "skipped: --skip" for name in skip}}
+    for name, run in _runners(True, skip).items():
         try:
             row["peak_mib"][name] = round(
                 _peak_bytes(lambda: _grads(run, q, k, v, dout)) / 2**20, 1)
@@ -118,6 +120,11 @@ def memory_row(length, dtype, heads=16, head_dim=128):
         finally:
             torch.cuda.empty_cache()
     return row
+
+
+def _why_missing(reason):
+    return "out of memory" if "out of memory" in reason else "failed" if reason.startswith(
+        "failed") else "-"
 
 
 def table(rows, memory):
@@ -147,8 +154,8 @@ def table(rows, memory):
     lines += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 (MiB):",
               "", "| L | " + " | ".join(mem_names) + " |", "|" + "---|" * (len(mem_names) + 1)]
     for r in memory:
-        cells = [r["seqlen"], *(r["peak_mib"].get(n, "out of memory" if n in r["skipped"]
-                                                  else "-") for n in mem_names)]
+        cells = [r["seqlen"], *(r["peak_mib"].get(n, _why_missing(r["skipped"].get(n, "")))
+                                for n in mem_names)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -166,6 +173,8 @@ def main():
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--memory-lengths", nargs="*", type=int,
                         default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tilegym", "naive"],
+                        help="baselines to leave out (TileGym autotunes on every call)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
     args = parser.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -176,13 +185,13 @@ def main():
         for length in args.lengths:
             for causal in (False, True):
                 rows.append(bench_row(TOKENS // length, WIDTH // head_dim, length, head_dim,
-                                      causal, dtype))
+                                      causal, dtype, args.skip))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
                       f"bwd {r['bwd_tflops']} {r['skipped'] or ''}", flush=True)
                 save(rows, memory, info, args.out)
     for length in args.memory_lengths:
-        memory.append(memory_row(length, dtype))
+        memory.append(memory_row(length, dtype, skip=args.skip))
         print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
         save(rows, memory, info, args.out)
     print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",
