@@ -153,12 +153,13 @@ class Cache:
 
     def __init__(self, path: Path):
         self.path = path
-        self.entries, self._configs = {}, {}
-        if path.exists():
-            try:
-                self.entries = json.loads(path.read_text()).get("entries", {})
-            except (OSError, ValueError):
-                self.entries = {}  # unreadable: tune again and overwrite it
+        self.entries, self._configs = self._read(), {}
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text()).get("entries", {})
+        except (OSError, ValueError, AttributeError):
+            return {}  # missing or unreadable: tune again and overwrite it
 
     def get(self, key: str) -> variants.TileConfig | None:
         if key in self._configs:  # the hot path: every call after the first
@@ -174,7 +175,9 @@ class Cache:
         return config
 
     def put(self, key: str, config: variants.TileConfig, results: dict) -> None:
-        self.entries[key] = {"config": dataclasses.asdict(config), "results": results}
+        # Another process may have tuned other classes since this one read the file: keep them.
+        self.entries = {**self._read(), **self.entries,
+                        key: {"config": dataclasses.asdict(config), "results": results}}
         self._configs[key] = config
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Write then rename, so that a process reading it never sees half a file.

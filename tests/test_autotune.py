@@ -102,6 +102,10 @@ def test_cache_round_trip_and_a_corrupt_file(tmp_path):
     cache.put("k", B, {"128x64 occupancy=2": 0.5})
     assert autotune.Cache(path).get("k") == B  # a new process reads it back
     assert json.loads(path.read_text())["entries"]["k"]["results"] == {"128x64 occupancy=2": 0.5}
+    other = autotune.Cache(path)  # a second process, tuning another class meanwhile
+    cache.put("k2", C, {})
+    other.put("k3", A, {})
+    assert set(autotune.Cache(path).entries) == {"k", "k2", "k3"}  # neither write is lost
     path.write_text("{not json")
     assert autotune.Cache(path).get("k") is None  # tuned again, not a crash
     path.write_text(json.dumps({"entries": {"k": {"config": {"tile_m": 48}}}}))
