@@ -34,14 +34,39 @@ class ForwardSpec:
     alibi: bool
     attn_mask: int  # NO_MASK, BOOL_MASK or ADDITIVE_MASK
     store_lse: bool
+    dropout: bool = False
+
+    def _shared(self) -> tuple:
+        return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
+                self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
 
     def constants(self) -> tuple:
-        return (*self.backward_constants(), self.store_lse)
+        return (*self._shared(), self.store_lse, self.dropout)
 
     def backward_constants(self) -> tuple:
         """The dK/dV and dQ kernels take the forward's switches but STORE_LSE."""
-        return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
-                self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
+        return (*self._shared(), self.dropout)
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Dropout of the attention probabilities: each is kept with probability 1 - p (and
+    scaled by 1 / (1 - p)), decided by a hash of (seed, batch, head, row, column)."""
+
+    p: float
+    seed: int  # in [0, 2**31)
+
+    def scalars(self) -> tuple[int, int, float]:
+        """(dropout_seed, dropout_threshold, dropout_scale): the kernels' runtime arguments;
+        a hash below the threshold (p * 2**31 of the 31-bit range) drops its score."""
+        return int(self.seed), dropout_threshold(self.p), 1.0 / (1.0 - self.p)
+
+
+NO_DROPOUT = Dropout(0.0, 0)
+
+
+def dropout_threshold(p: float) -> int:
+    return min(round(p * 2**31), 2**31 - 1)
 
 
 def _tile_width(dim: int) -> int:
@@ -58,7 +83,7 @@ def mask_kind(attn_mask: torch.Tensor | None) -> int:
 
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
-                 store_lse: bool) -> ForwardSpec:
+                 store_lse: bool, dropout: bool = False) -> ForwardSpec:
     """The kernel instance ``config`` gives for these dims, key length and features.
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
@@ -67,7 +92,8 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
     left, right = window
     return ForwardSpec(config.tile_m, config.tile_n, _tile_width(head_dim),
                        _tile_width(v_head_dim), left >= 0, right >= 0,
-                       k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse)
+                       k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
+                       dropout)
 
 
 def _hinted(kernel, config: TileConfig):
@@ -124,7 +150,8 @@ def _fill_unused(device, lse, alibi_slopes, attn_mask):
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
-                   diag_offset: int, window: tuple[int, int], config: TileConfig) -> None:
+                   diag_offset: int, window: tuple[int, int], config: TileConfig,
+                   dropout: Dropout = NO_DROPOUT) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
@@ -133,13 +160,16 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dims allowed, or None. Any strides with a unit last stride for q, k, v, out. softcap 0
     means none. Row i sees key j iff i + diag_offset - left <= j <= i + diag_offset + right
     for window = (left, right), -1 leaving that side unbounded (causal: right = 0).
+    ``dropout`` (p > 0) drops attention probabilities after the softmax (the LSE is unchanged).
     """
     batch, heads, q_len, head_dim = q.shape
     spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
-                        alibi_slopes is not None, mask_kind(attn_mask), lse is not None)
+                        alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
+                        dropout.p > 0.0)
     lse, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
     args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
-            int(diag_offset), int(window[0]), int(window[1]), *spec.constants())
+            int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
+            *spec.constants())
     grid = forward_grid(q_len, heads, batch, config)
     kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
     with torch.cuda.device(q.device):
@@ -151,21 +181,23 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     dv: torch.Tensor, dlse: torch.Tensor | None,
                     alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                     scale: float, softcap: float, diag_offset: int, window: tuple[int, int],
-                    config: TileConfig) -> None:
+                    config: TileConfig, dropout: Dropout = NO_DROPOUT) -> None:
     """Launch the backward (preprocess, dK/dV, dQ) on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
-    LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None); writes dq (q's shape), dk and dv (k's and v's
+    LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
+    writes dq (q's shape), dk and dv (k's and v's
     shapes) in the inputs' dtype. 32-bit indexing only.
     """
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,
-                        alibi_slopes is not None, mask_kind(attn_mask), True)
+                        alibi_slopes is not None, mask_kind(attn_mask), True, dropout.p > 0.0)
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, dlse, alibi_slopes, attn_mask)
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
-    scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]))
+    scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
+               *dropout.scalars())
     preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
     grid_q = forward_grid(q_len, heads, batch, config)

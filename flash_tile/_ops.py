@@ -15,7 +15,7 @@ their default with ``FLASH_TILE_AUTOTUNE=0`` (``flash_tile.autotune``).
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import launch_backward, launch_forward
+from flash_tile._launch import Dropout, launch_backward, launch_forward
 from flash_tile._validate import device_properties
 
 
@@ -37,7 +37,8 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
 
 
-def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, run):
+def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
+            run):
     """The tile variant for this call: the architecture's default, or the autotuner's pick
     among the registered candidates (``flash_tile.autotune``). After the first call of a
     problem class the answer comes from ``autotune.decided``, a dict hit of a few
@@ -46,14 +47,14 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, r
     problem = (backward, q.device, q.dtype, q.shape[-1], v.shape[-1],
                autotune.length_bucket(q.shape[2]), autotune.length_bucket(k.shape[2]),
                q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None, mask,
-               autotune.settings())
+               dropout_p > 0.0, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward)
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
-            key = autotune.problem_key(backward, capability, *problem[2:12])
+            key = autotune.problem_key(backward, capability, *problem[2:13])
             config = autotune.choose(key, q.device, configs, run)
         if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
             autotune.decided[problem] = config
@@ -64,21 +65,26 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, r
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                       scale: float, softcap: float, diag_offset: int, window_left: int,
-                      window_right: int, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int, return_lse: bool, dropout_p: float = 0.0,
+                      dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    dropout = Dropout(dropout_p, dropout_seed)
+
     def run(config):
         out, lse = _forward_outputs(q, v, return_lse)
         launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask,
-                       scale, softcap, diag_offset, (window_left, window_right), config)
+                       scale, softcap, diag_offset, (window_left, window_right), config,
+                       dropout)
         return out, lse
 
     window = (window_left, window_right)
-    config = _choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, run)
+    config = _choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run)
     return run(config)
 
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
-                            window_left, window_right, return_lse):
+                            window_left, window_right, return_lse, dropout_p=0.0,
+                            dropout_seed=0):
     return _forward_outputs(q, v, return_lse)
 
 
@@ -87,33 +93,38 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                        alibi_slopes: torch.Tensor | None,
                        attn_mask: torch.Tensor | None, scale: float, softcap: float,
-                       diag_offset: int, window_left: int,
-                       window_right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       diag_offset: int, window_left: int, window_right: int,
+                       dropout_p: float = 0.0, dropout_seed: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
+    dropout = Dropout(dropout_p, dropout_seed)
 
     def run(config):
         dq, dk, dv = _backward_outputs(q, k, v)
         launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask,
-                        scale, softcap, diag_offset, window, config)
+                        scale, softcap, diag_offset, window, config, dropout)
         return dq, dk, dv
 
-    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, run))
+    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
+                       run))
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
-                             softcap, diag_offset, window_left, window_right):
+                             softcap, diag_offset, window_left, window_right, dropout_p=0.0,
+                             dropout_seed=0):
     return _backward_outputs(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, left, right, _ = inputs
+    (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, left, right, _, dropout_p,
+     dropout_seed) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
-    ctx.scale, ctx.softcap, ctx.diag_offset, ctx.window = scale, softcap, diag_offset, (left,
-                                                                                      right)
+    ctx.scale, ctx.softcap, ctx.diag_offset = scale, softcap, diag_offset
+    ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.set_materialize_grads(False)
 
 
@@ -125,8 +136,9 @@ def _backward(ctx, dout, dlse):
         raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
                            "call it through flash_tile's public functions")
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask,
-                                    ctx.scale, ctx.softcap, ctx.diag_offset, *ctx.window)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                    ctx.scale, ctx.softcap, ctx.diag_offset, *ctx.window,
+                                    *ctx.dropout)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

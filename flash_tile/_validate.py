@@ -74,6 +74,13 @@ def check_softcap(softcap: float) -> float:
     return softcap
 
 
+def check_dropout(dropout_p: float) -> float:
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
 def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
     """[H] or [B, H] float32 slopes, returned as a contiguous [B, H] tensor."""
     if not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32:

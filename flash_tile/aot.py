@@ -60,13 +60,13 @@ def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32,
 
 
 def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n,
-                     store_lse, config, index):
+                     store_lse, config, index, dropout=False):
     """(spec, constraint of Q/K, of V/Out, of fp32 [B, H, L] rows, of Slopes, of Mask,
     scalar constraints) shared by the forward and backward signatures."""
     k_len = config.tile_n * 4 + (0 if even_n else 1)
     kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
-                        store_lse)
+                        store_lse, dropout)
     # Even instances get lengths that are multiples of the tiles (so of 16); ragged ones not.
     length = k_len if even_n else 1
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
@@ -76,20 +76,23 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,
                            index_dtype=index, stride_lower_bound_incl=0, alias_groups=(),
                            may_alias_internally=True)
+    # scale, softcap, diag_offset, window_left, window_right, then dropout's seed, threshold
+    # and scale.
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),
-               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
+               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32),
+               ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     return spec, qk, vo, rows, _array(ct.float32, 2), mask, scalars
 
 
 def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                       softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                       store_lse: bool, config: variants.TileConfig,
-                      int64_index: bool = False) -> KernelSignature:
+                      int64_index: bool = False, dropout: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
-        ct.int64 if int64_index else ct.int32)
+        ct.int64 if int64_index else ct.int32, dropout)
     params = [qk, qk, vo, vo, rows, slopes, mask, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
@@ -97,12 +100,13 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
 def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                         softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                         config: variants.TileConfig, group: int = 1,
-                        lse_grad: bool = False) -> tuple[KernelSignature, ...]:
+                        lse_grad: bool = False,
+                        dropout: bool = False) -> tuple[KernelSignature, ...]:
     """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order;
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, True, config,
-        ct.int32)
+        ct.int32, dropout)
     cc = CallingConvention.cutile_python_v1()
     consts = spec.backward_constants()
     return (KernelSignature([vo, vo, rows, rows, spec.tile_m, spec.tile_dv, lse_grad], cc),
@@ -128,16 +132,18 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     window: tuple[int, int] = (-1, -1), softcap: bool = False,
                     alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
-                    int64_index: bool = False, output_format: str = "cubin") -> bytes:
+                    int64_index: bool = False, dropout: bool = False,
+                    output_format: str = "cubin") -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
-    tensors of 2**31 elements or more; ``output_format="tileir_bytecode"`` stops before
-    tileiras and returns the Tile IR (``disassemble_tile_ir`` prints it)."""
+    tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch;
+    ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
+    (``disassemble_tile_ir`` prints it)."""
     config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                            attn_mask, even_n, store_lse, config, int64_index)
+                            attn_mask, even_n, store_lse, config, int64_index, dropout)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 
@@ -146,14 +152,14 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      window: tuple[int, int] = (-1, -1), softcap: bool = False,
                      alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                      config: variants.TileConfig | None = None, group: int = 1,
-                     lse_grad: bool = False) -> dict[str, bytes]:
+                     lse_grad: bool = False, dropout: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default."""
     config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                               attn_mask, even_n, config, group, lse_grad)
+                               attn_mask, even_n, config, group, lse_grad, dropout)
     names = ("preprocess", "dkdv", "dq")
     return {name: _export(kernel, sig, arch)
             for name, kernel, sig in zip(names, hinted_backward_kernels(config), sigs)}

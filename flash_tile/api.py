@@ -41,11 +41,18 @@ def _check_bhld(q, k, v, scale, gqa_allowed=True):
     return _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[3]))
 
 
+def _dropout_seed(dropout_p: float) -> int:
+    """A seed for the kernels' dropout hash, drawn from torch's default generator, so that
+    ``torch.manual_seed`` makes dropout reproducible (0, unused, without dropout)."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**31 - 1, ()).item())
+
+
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 return_attn_probs, return_lse):
     """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones)."""
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p: dropout is not supported yet; pass 0.0")
+    dropout_p = _validate.check_dropout(dropout_p)
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
@@ -70,7 +77,8 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
-                                 k.shape[2] - q.shape[2], left, right, return_lse or needs_grad)
+                                 k.shape[2] - q.shape[2], left, right, return_lse or needs_grad,
+                                 dropout_p, _dropout_seed(dropout_p))
     out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
 
@@ -87,7 +95,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             of H_kv (grouped-query / multi-query attention: each group of H / H_kv query heads
             reads one key/value head in place). Any strides: the [B, H, L, D] <-> [B, L, H, D]
             transposes are read in place.
-        dropout_p: must be 0.0 (dropout is not supported yet).
+        dropout_p: probability in [0, 1) of dropping each attention probability (the kept ones
+            are scaled by 1 / (1 - dropout_p)), applied on every call as in flash-attn (pass 0
+            for evaluation). The pattern is a hash of a seed drawn from torch's default
+            generator: ``torch.manual_seed`` makes it reproducible, and the backward reuses it.
         softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
         causal: causal mask aligned to the bottom-right corner of the score matrix, as in
             flash-attn 2.1+: query i sees key j iff j <= i + Lk - Lq.
@@ -168,7 +179,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             [..., H, Lq, Lk]; broadcast dims are read in place (stride 0), not expanded in
             memory (except that more than one leading batch dim is flattened). Rows that
             attend to nothing return 0, as torch does.
-        dropout_p: must be 0.0 (dropout is not supported yet).
+        dropout_p: dropout probability in [0, 1), applied on every call as torch's function
+            does; seeded from torch's default generator (see ``flash_attn_func``).
         is_causal: causal mask aligned to the top-left corner, as torch defines it: query i
             sees key j iff j <= i. This differs from ``flash_attn_func`` (bottom-right) when
             Lq != Lk. Not together with attn_mask, as in torch.
@@ -180,8 +192,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         the autocast dtype first, as torch does. Gradients flow to query, key and value (not
         to attn_mask) through flash_tile's backward kernels.
     """
-    if dropout_p != 0.0:
-        raise NotImplementedError("dropout_p: dropout is not supported yet; pass 0.0")
+    dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 3:
             raise ValueError(f"{name} must have at least 3 dims [..., seqlen, head_dim], got "
@@ -211,5 +222,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     right = 0 if is_causal else -1
-    out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad)
+    out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad,
+                               dropout_p, _dropout_seed(dropout_p))
     return out.reshape(*lead, *out.shape[-2:])

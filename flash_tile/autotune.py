@@ -2,8 +2,8 @@
 
 A problem class (``problem_key``) is the pass (forward or backward), the architecture, the
 dtype, the head dims rounded up to the kernel's tile width, the band (full, causal, window),
-the GQA group size, the optional features (softcap, ALiBi, mask kind) and the query and key
-lengths rounded up to a power of two. The first call of a class times every candidate of
+the GQA group size, the optional features (softcap, ALiBi, mask kind, dropout) and the query
+and key lengths rounded up to a power of two. The first call of a class times every candidate of
 ``variants.candidates`` on that call's own inputs, rejects any candidate whose result differs
 from the default variant's by more than rounding (a fast wrong variant never wins), and keeps
 the fastest. The winner is launched from then on with exactly the hints it was timed with: the
@@ -68,7 +68,7 @@ def length_bucket(length: int) -> int:
 def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
                 head_dim: int, v_head_dim: int, q_len: int, k_len: int, group: int,
                 window: tuple[int, int], softcap: bool, alibi: bool,
-                mask_kind: str | None) -> str:
+                mask_kind: str | None, dropout: bool = False) -> str:
     """The problem class a tuning result holds for, as a readable string."""
     left, right = window
     band = "full" if (left, right) == (-1, -1) else "causal" if (left, right) == (-1, 0) \
@@ -76,6 +76,8 @@ def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
     features = [name for name, on in (("softcap", softcap), ("alibi", alibi)) if on]
     if mask_kind:
         features.append(f"{mask_kind}-mask")
+    if dropout:
+        features.append("dropout")
     return "|".join([
         "bwd" if backward else "fwd", variants.arch_name(capability),
         str(dtype).removeprefix("torch."),

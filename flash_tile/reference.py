@@ -11,7 +11,11 @@ import math
 
 import torch
 
+from flash_tile._launch import dropout_threshold
+from flash_tile.kernels._tiles import COL_MULT, ROW_MULT
+
 LOG2_E = 1.0 / math.log(2.0)
+_M32 = 0xFFFFFFFF
 
 
 def cdiv(a: int, b: int) -> int:
@@ -72,6 +76,34 @@ def visible_keys(q_len: int, k_len: int, diag_offset: int = 0,
     return visible
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for int64 x in [0, 2**32), in 16-bit halves so that nothing overflows."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' ``mix32`` on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(p: float, seed: int, batch: int, heads: int, q_len: int, k_len: int,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """The kernels' dropout keep bits, bool [B, H, Lq, Lk] on ``device``: score (b, h, i, j) is
+    kept iff its hash (``kernels/_tiles.py``) clears the threshold of ``p``. A pure function of
+    the indices: every tiling, forward or backward, sees the same bits."""
+    def ar(n, shape):
+        return torch.arange(n, device=device, dtype=torch.int64).view(shape)
+
+    bh = ar(batch * heads, (batch, heads, 1, 1))
+    rows = _mix32(_mix32((ar(q_len, (1, 1, q_len, 1)) + _mul32(bh, ROW_MULT)) & _M32) ^ seed)
+    hashed = _mix32(rows ^ _mul32(ar(k_len, (1, 1, 1, k_len)), COL_MULT))
+    return (hashed >> 1) >= dropout_threshold(p)
+
+
 def _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n, diag_offset):
     """The kernels' S' for one tile pair: scores in log2 units, scale, softcap, ALiBi and the
     attention mask applied; and ds/dx, the derivative of the final scores with respect to the
@@ -130,7 +162,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
-                    tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile_n: int = 64, dropout_p: float = 0.0,
+                    dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
@@ -138,7 +171,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     causal is window (-1, 0) with diag_offset = Lk - Lq, torch's is_causal the same window with
     diag_offset = 0. ``softcap`` > 0 caps the scaled scores with tanh; ``alibi_slopes`` [B, H]
     subtracts slope * |i + diag_offset - j|; ``attn_mask``, broadcastable to [B, H, Lq, Lk],
-    hides keys where False (bool) or is added to the scores (float).
+    hides keys where False (bool) or is added to the scores (float). ``dropout_p`` > 0 drops
+    probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed``.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -148,6 +182,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     k_len = k.shape[2]
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
+    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
 
     for m_start in range(0, q_len, tile_m):
         q_tile = q[:, :, m_start:m_start + tile_m]  # [B, H, rows, D], rows <= TILE_M
@@ -167,10 +202,11 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]
             l_i = l_i * alpha + p.sum(dim=-1, keepdim=True)
-            acc = acc * alpha + p @ v_tile
+            z = keep[:, :, m_start:m_start + rows, j * tile_n:(j + 1) * tile_n]
+            acc = acc * alpha + (p * z) @ v_tile  # z is all True without dropout
             m_i = m_new
         empty = l_i == 0.0
-        out[:, :, m_start:m_start + rows] = acc / torch.where(empty, 1.0, l_i)
+        out[:, :, m_start:m_start + rows] = acc / torch.where(empty, 1.0, l_i) / (1 - dropout_p)
         lse_tile = torch.where(empty, math.inf, m_i * math.log(2.0) + torch.log(l_i))
         lse[:, :, m_start:m_start + rows] = lse_tile[..., 0]
     return out, lse
@@ -182,14 +218,16 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: torch.Tensor | None = None,
                              attn_mask: torch.Tensor | None = None, tile_m: int = 64,
-                             tile_n: int = 64,
-                             dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                             tile_n: int = 64, dlse: torch.Tensor | None = None,
+                             dropout_p: float = 0.0,
+                             dropout_seed: int = 0) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
 
     Arguments as ``attention_tiles`` plus the forward's ``out`` [B, H, Lq, Dv] and ``lse``
     [B, H, Lq], the output gradient ``dout`` [B, H, Lq, Dv] and optionally the LSE's
-    gradient ``dlse`` [B, H, Lq], which only shifts Delta. dK/dV are computed per key tile
+    gradient ``dlse`` [B, H, Lq], which only shifts Delta, and the forward's dropout (dV and dP
+    see the dropped, rescaled P; dS the undropped one). dK/dV are computed per key tile
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
     group; dQ per query tile over ``kv_tile_runs``.
     """
@@ -202,6 +240,9 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         delta = delta - dlse.detach().to("cpu", torch.float64)
     lse_log2 = lse * LOG2_E
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # The keep bits scaled by 1 / (1 - p): all ones without dropout.
+    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
+    zr = keep.to(torch.float64) / (1 - dropout_p)
 
     def probs(m_start, n_start, masked):
         """P [B, H, rows, cols] and ds/dx for one tile pair, from the saved LSE."""
@@ -213,8 +254,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def dx(p, dscore, m_start, n_start):
         """dS * ds/dx: the gradient of the raw products q.k of one tile pair."""
-        rows = slice(m_start, m_start + tile_m)
-        dp = dout[:, :, rows] @ v[:, :, n_start:n_start + tile_n].transpose(-1, -2)
+        rows, cols = slice(m_start, m_start + tile_m), slice(n_start, n_start + tile_n)
+        dp = dout[:, :, rows] @ v[:, :, cols].transpose(-1, -2) * zr[:, :, rows, cols]
         return p * (dp - delta[:, :, rows, None]) * dscore
 
     for n_start in range(0, k_len, tile_n):  # dK/dV: one key tile, its query tiles
@@ -224,7 +265,7 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         for i in range(i_start, i_end):
             p, dscore = probs(i * tile_m, n_start, not i_inner <= i < i_outer)
             rows = slice(i * tile_m, (i + 1) * tile_m)
-            dv[:, :, keys] += p.transpose(-1, -2) @ dout[:, :, rows]
+            dv[:, :, keys] += (p * zr[:, :, rows, keys]).transpose(-1, -2) @ dout[:, :, rows]
             dk[:, :, keys] += dx(p, dscore, i * tile_m, n_start).transpose(-1, -2) @ q[:, :, rows]
     for m_start in range(0, q_len, tile_m):  # dQ: one query tile, its key tiles
         n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
@@ -241,12 +282,13 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                    attn_mask: torch.Tensor | None = None,
-                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    attn_mask: torch.Tensor | None = None, return_lse: bool = False,
+                    dropout_p: float = 0.0,
+                    dropout_seed: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
     ``attention_tiles`` with the same layout and conventions; rows that see no key return 0.
     With ``return_lse`` also the natural-log LSE [B, H, Lq] (+inf where no key is seen), which
-    autograd differentiates like the kernels' LSE."""
+    autograd differentiates like the kernels' LSE. Dropout as ``attention_tiles``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -265,6 +307,10 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         visible = visible & attn_mask
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
+    if dropout_p > 0.0:
+        keep = dropout_keep(dropout_p, dropout_seed, q.shape[0], q.shape[1], q_len, k_len,
+                            q.device)
+        p = p * keep / (1 - dropout_p)
     out = p.to(v.dtype) @ v
     if not return_lse:
         return out

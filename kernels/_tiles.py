@@ -1,5 +1,5 @@
 """Tile helpers shared by the forward and backward kernels: which tiles a band mask lets
-through, the mask and bias of one tile pair, and the constants both sides agree on.
+through, the mask, bias and dropout of one tile pair, and the constants both sides agree on.
 
 Masks are written for two index vectors that broadcast against each other: ``offs_q`` holds
 query rows and ``offs_k`` key columns, as [M, 1] and [1, N] for a score tile S, or as [1, M]
@@ -8,6 +8,16 @@ and [N, 1] for its transpose S^T (the backward's dK/dV kernel). Query row i sees
     i + diag_offset - window_left <= j        (when MASK_LEFT)
     j <= i + diag_offset + window_right       (when MASK_RIGHT)
     j < k_len                                 (unless EVEN_N)
+
+Dropout keeps score (b, h, i, j) iff hash(seed, b * H + h, i, j) >= threshold, a pure function
+of those indices (no RNG state, no stored mask): the backward recomputes the forward's mask
+exactly, whatever the tiles. The hash is ``mix32`` (the "lowbias32" integer finaliser,
+bijective on 32 bits) chained as
+
+    row  = mix32(mix32(uint32(i) + uint32(b * H + h) * ROW_MULT) ^ seed)
+    keep = mix32(row ^ uint32(j) * COL_MULT) >> 1  >=  threshold     (31-bit compare)
+
+with threshold = round(p * 2**31); ``flash_tile.reference.dropout_keep`` is its torch twin.
 """
 
 import math
@@ -29,6 +39,34 @@ ADDITIVE_MASK = 2
 # meets a p of 0 in a matmul (0 * NaN = NaN); padded head-dim columns must be 0 so that they
 # add nothing to a dot product; padded K rows are masked and padded Q rows never stored.
 ZERO = ct.PaddingMode.ZERO
+
+
+# Odd multipliers that spread row and column indices over 32 bits before mixing.
+ROW_MULT = 0x9E3779B9
+COL_MULT = 0x85EBCA77
+
+
+def mix32(x):
+    """lowbias32 (C. Wellons): a bijective avalanche hash of a uint32 tile."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+def dropout_rows(seed, batch, head, heads, offs_q):
+    """The per-query-row dropout state (uint32, offs_q's shape) of head ``head`` of ``batch``."""
+    bh = ct.full((1, 1), batch * heads + head, dtype=ct.int32).astype(ct.uint32)
+    seed_u32 = ct.full((1, 1), seed, dtype=ct.int32).astype(ct.uint32)
+    return mix32(mix32(offs_q.astype(ct.uint32) + bh * ROW_MULT) ^ seed_u32)
+
+
+def dropout_keep(rows, offs_k, threshold):
+    """Which scores dropout keeps: ``rows`` from ``dropout_rows`` against key columns
+    ``offs_k`` (the two broadcast to the tile, S or S^T)."""
+    x = mix32(rows ^ (offs_k.astype(ct.uint32) * COL_MULT))
+    return (x >> 1).astype(ct.int32) >= threshold
 
 
 def clamp(x, lo, hi):

@@ -15,7 +15,10 @@ through it): d lse_i / d s_ij = p_ij, so it enters dS only as a shift of Delta. 
 ds/dx = scale for plain scores and scale * (1 - t_ij^2) with t_ij = tanh(scale x_ij /
 softcap) under SOFTCAP; ALiBi and an additive mask do not depend on q or k, so they only shift
 s. P is recomputed per tile in log2 units as exp2(s' - lse * log2(e)); the forward's +inf LSE
-of rows that see no key makes their P exactly 0.
+of rows that see no key makes their P exactly 0. Under DROPOUT (FA2's form) the forward's keep
+bits z_ij are recomputed from the same hash (``_tiles.dropout_keep``), r = 1 / (1 - p_drop):
+dV_j = sum_i r z_ij p_ij dO_i and dS_ij = p_ij (r z_ij dO_i . v_j - Delta_i), Delta from the
+dropped output as always.
 
 Two passes, each summing in registers and storing once, so the result does not depend on the
 order programs run in (deterministic, no atomics):
@@ -36,7 +39,7 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, alibi_bias_log2,
-                     load_mask_tile, load_rows, tile_runs, visible)
+                     dropout_keep, dropout_rows, load_mask_tile, load_rows, tile_runs, visible)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -86,10 +89,12 @@ def _preprocess_impl(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt
 
 
 def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, offs_k, k_len,
-               qk_scale, softcap, diag_offset, window_left, window_right,
+               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
+               dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-               EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+               EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
+               DROPOUT: ConstBool):
     """Query tile i of one query head against this program's key tile; the new (dk, dv)."""
     q = load_rows(Q, batch, head, i, TILE_M, TILE_D)
     do = load_rows(dOut, batch, head, i, TILE_M, TILE_DV)
@@ -102,8 +107,14 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, o
                          batch, head, i, ct.bid(0), k_len, qk_scale, softcap, diag_offset,
                          window_left, window_right, TILE_M, TILE_N, MASKED, MASK_LEFT,
                          MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, True)  # [TILE_N, TILE_M]
-    dv = ct.mma(p_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dp_t = ct.mma(v, ct.transpose(do), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
+    pz_t = p_t
+    if DROPOUT:  # the forward's keep bits, recomputed; dV and dP see the dropped P
+        keep_t = dropout_keep(dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_q),
+                              offs_k, dropout_threshold)  # [TILE_N, TILE_M]
+        pz_t = ct.where(keep_t, p_t * dropout_scale, 0.0)
+        dp_t = ct.where(keep_t, dp_t * dropout_scale, 0.0)
+    dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
     dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
     return dk, dv
@@ -111,10 +122,11 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, o
 
 def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, i, dk, dv,
                 offs_k, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
+                dropout_seed, dropout_threshold, dropout_scale,
                 TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                 MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                 EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                GROUP: ConstInt, HEADS: ConstInt):
+                DROPOUT: ConstBool, GROUP: ConstInt, HEADS: ConstInt):
     """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
     for h in range(HEADS):
         head = kv_head * GROUP + g_first + h
@@ -123,47 +135,53 @@ def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first
             slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
         dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv,
                             offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
-                            window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASKED, MASK_LEFT,
-                            MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+                            window_right, dropout_seed, dropout_threshold, dropout_scale,
+                            TILE_M, TILE_N, TILE_D, TILE_DV, MASKED, MASK_LEFT, MASK_RIGHT,
+                            EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     return dk, dv
 
 
 def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, runs, dk, dv,
                offs_k, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
+               dropout_seed, dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, GROUP: ConstInt,
-               HEADS: ConstInt):
+               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
+               GROUP: ConstInt, HEADS: ConstInt):
     """The query tiles the band lets through (masked edges, unmasked middle), for HEADS heads
     per tile; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
                              i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True,
-                             MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP,
+                             window_left, window_right, dropout_seed, dropout_threshold,
+                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
                              HEADS)
     for i in range(i_inner, i_outer):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
                              i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, False,
-                             MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP,
+                             window_left, window_right, dropout_seed, dropout_threshold,
+                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT,
+                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
                              HEADS)
     for i in range(i_outer, i_end):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
                              i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True,
-                             MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP,
+                             window_left, window_right, dropout_seed, dropout_threshold,
+                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
+                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
                              HEADS)
     return dk, dv
 
 
 def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
-               diag_offset, window_left, window_right,
+               diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
+               dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, GROUP: ConstInt,
-               GROUP_INNER: ConstBool):
+               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
+               GROUP: ConstInt, GROUP_INNER: ConstBool):
     """dK, dV of key tile bid(0) of key/value head bid(1) of batch bid(2).
 
     The GROUP query heads sharing the key/value head are summed in place, either head by head
@@ -191,15 +209,16 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
     if GROUP_INNER:
         dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, runs, dk,
                             dv, offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
-                            window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                            EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP, GROUP)
+                            window_right, dropout_seed, dropout_threshold, dropout_scale,
+                            TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
+                            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP)
     else:
         for g in range(GROUP):
             dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g, runs,
                                 dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                                window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV,
-                                MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP,
-                                1)
+                                window_left, window_right, dropout_seed, dropout_threshold,
+                                dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
+                                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, 1)
     ct.store(dK, index=(batch, kv_head, tile_n, 0),
              tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
     ct.store(dV, index=(batch, kv_head, tile_n, 0),
@@ -208,9 +227,11 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
 
 def _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m, j, dq,
              offs_q, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
+             drop_rows, dropout_threshold, dropout_scale,
              TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
              MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
+             DROPOUT: ConstBool):
     """Key tile j against this program's query tile; returns the new dq."""
     k = load_rows(K, batch, kv_head, j, TILE_N, TILE_D)
     v = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV)
@@ -221,15 +242,18 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, ti
                        TILE_N, MASKED, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
                        False)  # [TILE_M, TILE_N]
     dp = ct.mma(do, ct.transpose(v), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
+    if DROPOUT:  # dP of the dropped P; dS keeps the undropped P
+        keep = dropout_keep(drop_rows, offs_k, dropout_threshold)  # [TILE_M, TILE_N]
+        dp = ct.where(keep, dp * dropout_scale, 0.0)
     dx = p * (dp - delta) * dscore  # [TILE_M, TILE_N]
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
 def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
-             window_left, window_right,
+             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
              TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
              MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool):
     """dQ of query tile bid(0) of head bid(1) of batch bid(2)."""
     tile_m = ct.bid(0)
     head = ct.bid(1)
@@ -247,6 +271,9 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     slope = 0.0
     if ALIBI:
         slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
+    drop_rows = 0
+    if DROPOUT:
+        drop_rows = dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_q)  # [TILE_M, 1]
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
 
     n_start, n_inner, n_outer, n_end = tile_runs(
@@ -255,18 +282,21 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     for j in range(n_start, n_inner):
         dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
                       j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
-                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
+                      TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
+                      ALIBI, ATTN_MASK, DROPOUT)
     for j in range(n_inner, n_outer):
         dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
                       j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT,
-                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
+                      TILE_N, TILE_D, TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
+                      ALIBI, ATTN_MASK, DROPOUT)
     for j in range(n_outer, n_end):
         dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
                       j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
-                      MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
+                      TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
+                      ALIBI, ATTN_MASK, DROPOUT)
     ct.store(dQ, index=(batch, head, tile_m, 0),
              tile=dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)))
 
@@ -281,23 +311,28 @@ def attention_bwd_preprocess(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: 
 @ct.kernel
 def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale: float,
                        softcap: float, diag_offset: int, window_left: int, window_right: int,
+                       dropout_seed: int, dropout_threshold: int, dropout_scale: float,
                        TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                        MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                        SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                       GROUP: ConstInt, GROUP_INNER: ConstBool):
+                       DROPOUT: ConstBool, GROUP: ConstInt, GROUP_INNER: ConstBool):
     """dK and dV. Grid (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv."""
     _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap, diag_offset,
-               window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
-               MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, GROUP, GROUP_INNER)
+               window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
+               TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
+               ATTN_MASK, DROPOUT, GROUP, GROUP_INNER)
 
 
 @ct.kernel
 def attention_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale: float,
                      softcap: float, diag_offset: int, window_left: int, window_right: int,
+                     dropout_seed: int, dropout_threshold: int, dropout_scale: float,
                      TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-                     SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt):
+                     SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
+                     DROPOUT: ConstBool):
     """dQ. Grid (cdiv(Lq, TILE_M), H, B)."""
     _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
-             window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-             EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
+             TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
+             DROPOUT)

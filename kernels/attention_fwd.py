@@ -22,7 +22,9 @@ updates the online softmax of FlashAttention (Dao et al. 2022, Alg. 1; FA2's def
     l_i   = l_i * alpha + rowsum(p)
     acc   = acc * alpha + p V                    [TILE_M, TILE_DV]
 
-and divides by l_i once at the end. S' = s * log2(e): for plain scores the factor
+and divides by l_i once at the end. Under DROPOUT each p_ij also gets a keep bit z_ij
+(``_tiles.dropout_keep``): l_i sums p as above (dropout acts after the softmax), acc sums
+z * p V, and the output is scaled by 1 / (1 - dropout_p) (``dropout_scale``). S' = s * log2(e): for plain scores the factor
 scale * log2(e) is applied after the row max (one multiply per row) and folded into the exp2
 argument (one FMA per score). The stored LSE is converted back to natural log.
 
@@ -58,15 +60,17 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     alibi_bias_log2, load_mask_tile, tile_runs, visible)
+                     alibi_bias_log2, dropout_keep, dropout_rows, load_mask_tile, tile_runs,
+                     visible)
 
 
 def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc,
                     offs_m, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
+                    drop_rows, dropout_threshold,
                     TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                     MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                     EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                    ATTN_MASK: ConstInt):
+                    ATTN_MASK: ConstInt, DROPOUT: ConstBool):
     """One step of the online softmax over key tile j; returns the new (m_i, l_i, acc)."""
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
@@ -112,16 +116,19 @@ def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, 
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
                 padding_mode=ZERO, latency=4)
     v = v.reshape((TILE_N, TILE_DV))
+    if DROPOUT:  # after the row sum: dropout does not change the normaliser
+        p = ct.where(dropout_keep(drop_rows, offs_n, dropout_threshold), p, 0.0)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right,
+                        window_left, window_right, dropout_seed, dropout_threshold,
+                        dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                        ATTN_MASK: ConstInt, STORE_LSE: ConstBool):
+                        ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool):
     """The forward for query tile bid(0) of head bid(1) of batch bid(2)."""
     tile_m = ct.bid(0)
     head = ct.bid(1)
@@ -138,6 +145,10 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     if ALIBI:
         slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
 
+    drop_rows = 0
+    if DROPOUT:
+        drop_rows = dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_m)  # [TILE_M, 1]
+
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
@@ -150,23 +161,27 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
         for j in range(n_start, n_inner):
             m_i, l_i, acc = _attend_kv_tile(
                 q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-                k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N,
-                TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
-                ATTN_MASK)
+                k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
+                dropout_threshold, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N,
+                SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     for j in range(n_inner, n_outer):
         m_i, l_i, acc = _attend_kv_tile(
             q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-            k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N, TILE_D,
-            TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+            k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
+            dropout_threshold, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N,
+            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     for j in range(n_outer, n_end):
         m_i, l_i, acc = _attend_kv_tile(
             q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-            k_len, qk_scale, softcap, diag_offset, window_left, window_right, TILE_N, TILE_D,
-            TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK)
+            k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
+            dropout_threshold, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N,
+            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)  # [TILE_M, 1]
+    if DROPOUT:
+        inv_l = inv_l * dropout_scale
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
     ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
     if STORE_LSE:
@@ -176,17 +191,20 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
 
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: float,
-                  diag_offset: int, window_left: int, window_right: int,
+                  diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
+                  dropout_threshold: int, dropout_scale: float,
                   TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                  STORE_LSE: ConstBool):
+                  STORE_LSE: ConstBool, DROPOUT: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
-    window bounds only when the matching MASK_ switch is on. Shapes and strides are 32-bit."""
+    window bounds only when the matching MASK_ switch is on, the dropout scalars only under
+    DROPOUT. Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV,
-                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE)
+                        window_left, window_right, dropout_seed, dropout_threshold,
+                        dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT)
 
 
 @ct.kernel
@@ -194,12 +212,15 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
                         qk_scale: float, softcap: float, diag_offset: int, window_left: int,
-                        window_right: int, TILE_M: ConstInt, TILE_N: ConstInt,
+                        window_right: int, dropout_seed: int, dropout_threshold: int,
+                        dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
-                        ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool):
+                        ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
+                        DROPOUT: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right, TILE_M, TILE_N, TILE_D, TILE_DV,
-                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE)
+                        window_left, window_right, dropout_seed, dropout_threshold,
+                        dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT)

@@ -82,3 +82,16 @@ def test_public_functions_trace_without_graph_breaks(entry, monkeypatch):
                 enable_gqa=True).transpose(1, 2)
     out = torch.compile(fn, fullgraph=True, backend="eager")(q, k, k)
     assert out.shape == q.shape
+
+
+def test_dropout_arguments_reach_the_backward_op():
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    with FakeTensorMode():
+        q, k, v = _qkv()
+        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
+        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
+                         12345)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

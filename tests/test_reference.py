@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_tile.reference import (attention_dense, attention_tiles, cdiv, check_error,
-                                  kv_tile_runs, visible_keys)
+                                  dropout_keep, kv_tile_runs, visible_keys)
 
 # (batch, heads, kv_heads, Lq, Lk, head_dim, v_head_dim): lengths 1, 17, 64, 113/203,
 # 1023/1024, Lq != Lk both ways, GQA ratios 1, 2, 4 and all (MQA), odd head dims.
@@ -198,3 +198,45 @@ def test_tolerance_rule_can_fail():
     wrong[0, 0, 0, 0] += 0.05
     assert not check_error(wrong, ref, pt)["ok"]
     assert not check_error(torch.full_like(pt, math.nan), ref, pt)["ok"]
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:6], ids=SHAPE_IDS[1:6])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_twin_matches_dense_dropout(shape, p):
+    """Dropout acts on the probabilities after the softmax: the tile twin against softmax, the
+    same keep bits and the 1 / (1 - p) scale written densely; the LSE is unchanged."""
+    q, k, v = _inputs(*shape, seed=13)
+    batch, heads, q_len, k_len = shape[0], shape[1], shape[3], shape[4]
+    scale, offset, window, seed = 1.0 / math.sqrt(shape[5]), k_len - q_len, (-1, 0), 987654
+    keep = dropout_keep(p, seed, batch, heads, q_len, k_len)
+    k_full = k.repeat_interleave(heads // shape[2], dim=1)
+    v_full = v.repeat_interleave(heads // shape[2], dim=1)
+    logits = (scale * q @ k_full.transpose(-1, -2)).masked_fill(
+        ~visible_keys(q_len, k_len, offset, window), -math.inf)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    ref = (probs * keep / (1 - p)) @ v_full
+    out, lse = attention_tiles(q, k, v, scale, offset, window, tile_m=16, tile_n=32,
+                               dropout_p=p, dropout_seed=seed)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    _, lse_plain = attention_tiles(q, k, v, scale, offset, window, tile_m=16, tile_n=32)
+    torch.testing.assert_close(lse, lse_plain, rtol=0, atol=0)
+    torch.testing.assert_close(attention_dense(q, k, v, scale, offset, window, dropout_p=p,
+                                               dropout_seed=seed), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_dropout_keep_bits_are_a_fair_and_independent_hash():
+    batch, heads, q_len, k_len = 2, 4, 256, 256
+    for p in (0.1, 0.3, 0.9):
+        keep = dropout_keep(p, 2024, batch, heads, q_len, k_len)
+        # 524288 bits: the dropped fraction is within 5 standard deviations of p.
+        sigma = math.sqrt(p * (1 - p) / keep.numel())
+        assert abs((~keep).float().mean().item() - p) < 5 * sigma
+    keep = dropout_keep(0.5, 2024, batch, heads, q_len, k_len)
+    # Rows, columns, heads, batches and seeds each get their own bits.
+    for a, b in [(keep[0, 0, 0], keep[0, 0, 1]), (keep[0, 0, :, 0], keep[0, 0, :, 1]),
+                 (keep[0, 0], keep[0, 1]), (keep[0, 0], keep[1, 0]),
+                 (keep, dropout_keep(0.5, 2025, batch, heads, q_len, k_len))]:
+        agree = (a == b).float().mean().item()
+        assert 0.45 < agree < 0.55, agree
+    assert torch.equal(keep, dropout_keep(0.5, 2024, batch, heads, q_len, k_len))
+    assert dropout_keep(0.0, 7, 1, 1, 64, 64).all()

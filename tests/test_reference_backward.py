@@ -66,3 +66,33 @@ def test_backward_twin_matches_autograd(case, tiles, lse_grad):
     # Rows that see no key have zero gradient.
     empty = ~visible_keys(q_len, k_len, offset, window).any(dim=-1)
     assert (grads[0][:, :, empty] == 0).all()
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6]], ids=["gqa", "window-mqa",
+                                                                       "softcap-alibi"])
+@pytest.mark.parametrize("p", [0.2, 0.7])
+def test_backward_twin_with_dropout_matches_autograd(case, p):
+    """dV and dP see the dropped, rescaled probabilities and dS the undropped ones: the twin
+    against autograd through the dense reference with the same keep bits."""
+    (batch, heads, kv_heads, q_len, k_len, d, dv), window, softcap, alibi, _ = case
+    gen = torch.Generator().manual_seed(q_len + 5 * k_len)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = randn(batch, heads, q_len, d), randn(batch, kv_heads, k_len, d), \
+        randn(batch, kv_heads, k_len, dv)
+    dout = randn(batch, heads, q_len, dv)
+    slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64) * 0.3 if alibi else None
+    scale, offset, seed = 0.8 / math.sqrt(d), k_len - q_len, 31337
+    out, lse = attention_tiles(q, k, v, scale, offset, window, softcap, slopes, None, 16, 32,
+                               dropout_p=p, dropout_seed=seed)
+    grads = attention_tiles_backward(q, k, v, out, lse, dout, scale, offset, window, softcap,
+                                     slopes, None, 16, 32, dropout_p=p, dropout_seed=seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = attention_dense(*leaves, scale, offset, window, softcap, slopes, dropout_p=p,
+                              dropout_seed=seed)
+    ref_out.backward(dout)
+    torch.testing.assert_close(out, ref_out.detach(), rtol=1e-10, atol=1e-10)
+    for name, grad, leaf in zip(("dq", "dk", "dv"), grads, leaves):
+        torch.testing.assert_close(grad, leaf.grad, rtol=1e-9, atol=1e-9, msg=name)

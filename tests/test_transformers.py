@@ -132,3 +132,16 @@ def test_logits_and_greedy_generation_on_gpu(kind, name):
         gen_ours = ours_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
         gen_ref = ref_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     assert torch.equal(gen_ours, gen_ref)
+
+
+def test_attention_dropout_is_passed_to_the_kernels(monkeypatch):
+    calls = []
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append(kwargs)
+        return _torch_sdpa(*args, **{**kwargs, "dropout_p": 0.0})
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", recording_sdpa)
+    q = torch.randn(1, 4, 3, 16)
+    flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
+    assert calls[0]["dropout_p"] == 0.1

@@ -11,8 +11,9 @@ flash_tile reads in place. Calls map as transformers' own SDPA path does: causal
 mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kernel
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
-ignored: attention weights (``output_attentions``), position biases, dropout while training,
-softcap together with a mask.
+ignored: attention weights (``output_attentions``), position biases, softcap together with a
+mask. Attention dropout (``dropout``, which models pass only while training) runs in the
+kernels.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
 flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``): when a model is
