@@ -156,3 +156,35 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
     pick = variants.default_backward_config if backward else variants.default_config
     assert configs[0] == pick(capability, head_dim)
     assert len(set(configs)) == len(configs)
+
+
+def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch):
+    """``_ops._choose``, which runs on every call: the default when tuning is off, otherwise
+    one tuning per problem class (dropout and the length bucket are part of it) and dict hits
+    after that."""
+    from flash_tile import _ops
+
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    keys = []
+
+    def fake_choose(key, device, configs, run):
+        keys.append(key)
+        return configs[1]
+
+    monkeypatch.setattr(autotune, "choose", fake_choose)
+    q = torch.empty(2, 8, 1000, 128, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(2, 2, 1000, 128, device="meta", dtype=torch.bfloat16)
+
+    def pick(dropout_p=0.0, q=q):
+        return _ops._choose(False, q, kv, kv, (-1, 0), 0.0, None, None, dropout_p, None)
+
+    monkeypatch.setenv(autotune.ENV_SWITCH, "0")
+    assert pick() == variants.default_config((9, 0), 128) and keys == []
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    first = pick()
+    assert first == variants.candidates((9, 0), 128)[1]
+    assert pick() == first and pick(q=q[:, :, :900]) == first  # same bucket: no new tuning
+    pick(dropout_p=0.1)
+    assert keys == ["fwd|sm_90|bfloat16|d128x128|causal|group4|plain|q1024|k1024",
+                    "fwd|sm_90|bfloat16|d128x128|causal|group4|dropout|q1024|k1024"]
