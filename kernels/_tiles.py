@@ -18,6 +18,14 @@ bijective on 32 bits) chained as
     keep = mix32(row ^ uint32(j) * COL_MULT) >> 1  >=  threshold     (31-bit compare)
 
 with threshold = round(p * 2**31); ``flash_tile.reference.dropout_keep`` is its torch twin.
+
+The helpers of both kernels pass what is the same for every tile pair of a launch as tuples
+(cuTile unpacks them at compile time, so they cost nothing):
+
+    band     = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
+    drop     = (dropout_seed, dropout_threshold, dropout_scale)
+    FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)  constants
+    rows     = (batch, head, offs_q, slope, drop_rows)      a block of query rows (query_rows)
 """
 
 import math
@@ -100,10 +108,11 @@ def tile_runs(start, other_len, lo_offset, hi_offset,
     return t_start, t_inner, t_outer, t_end
 
 
-def visible(offs_q, offs_k, k_len, diag_offset, window_left, window_right, SHAPE,
-            MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool):
+def visible(offs_q, offs_k, band, SHAPE, FEATURES):
     """Boolean tile of ``SHAPE``: which (query, key) pairs of the broadcast offsets are
     visible."""
+    k_len, _, _, diag_offset, window_left, window_right = band
+    MASK_LEFT, MASK_RIGHT, EVEN_N, _, _, _, _ = FEATURES
     keep = ct.full(SHAPE, True, dtype=ct.bool_)
     if not EVEN_N:
         keep = keep & (offs_k < k_len)
@@ -112,6 +121,19 @@ def visible(offs_q, offs_k, k_len, diag_offset, window_left, window_right, SHAPE
     if MASK_RIGHT:
         keep = keep & (offs_k <= offs_q + diag_offset + window_right)
     return keep
+
+
+def query_rows(Slopes, batch, head, heads, offs_q, drop, FEATURES):
+    """``rows`` for query rows ``offs_q`` of one head: with them the ALiBi slope ([1, 1], or
+    0.0 without ALIBI) and the dropout row state (``dropout_rows``, or 0 without DROPOUT)."""
+    _, _, _, _, ALIBI, _, DROPOUT = FEATURES
+    slope = 0.0
+    if ALIBI:
+        slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
+    drop_rows = 0
+    if DROPOUT:
+        drop_rows = dropout_rows(drop[0], batch, head, heads, offs_q)
+    return batch, head, offs_q, slope, drop_rows
 
 
 def alibi_bias_log2(offs_q, offs_k, diag_offset, slope):

@@ -39,18 +39,18 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, alibi_bias_log2,
-                     dropout_keep, dropout_rows, load_mask_tile, load_rows, tile_runs, visible)
+                     dropout_keep, load_mask_tile, load_rows, query_rows, tile_runs, visible)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
 
 
-def _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_q, tile_k, k_len,
-           qk_scale, softcap, diag_offset, window_left, window_right,
-           TILE_Q: ConstInt, TILE_K: ConstInt, MASKED: ConstBool, MASK_LEFT: ConstBool,
-           MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-           ATTN_MASK: ConstInt, TRANSPOSED: ConstBool):
+def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
+           TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool):
     """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed."""
+    batch, head, offs_q, slope, _ = rows
+    _, qk_scale, softcap, diag_offset, _, _ = band
+    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, _ = FEATURES
     if SOFTCAP:
         t = ct.tanh(s * (qk_scale / softcap))
         s = t * (softcap * LOG2_E)
@@ -67,9 +67,7 @@ def _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_q, tile_k
         else:
             s = s + mask.astype(ct.float32) * LOG2_E
     if MASKED:
-        keep = visible(offs_q, offs_k, k_len, diag_offset, window_left, window_right, s.shape,
-                       MASK_LEFT, MASK_RIGHT, EVEN_N)
-        s = ct.where(keep, s, -math.inf)
+        s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
@@ -88,90 +86,55 @@ def _preprocess_impl(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt
     ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
 
 
-def _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv, offs_k, k_len,
-               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-               dropout_threshold, dropout_scale,
-               TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-               MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-               EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-               DROPOUT: ConstBool):
-    """Query tile i of one query head against this program's key tile; the new (dk, dv)."""
+def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, offs_k, band,
+               drop, TILES, MASKED: ConstBool, FEATURES):
+    """Query tile i of one query head against this program's key tile; the new (dk, dv).
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV); the rest as in ``_tiles``."""
+    TILE_M, TILE_N, TILE_D, TILE_DV = TILES
+    DROPOUT = FEATURES[6]
     q = load_rows(Q, batch, head, i, TILE_M, TILE_D)
     do = load_rows(dOut, batch, head, i, TILE_M, TILE_DV)
     lse = ct.load(Lse, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=POS_INF)
     delta = ct.load(Delta, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=ZERO)
     offs_q = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]  # [1, TILE_M]
+    rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
 
     s_t = ct.mma(k, ct.transpose(q), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
-    p_t, dscore = _probs(s_t, offs_q, offs_k, lse.reshape((1, TILE_M)) * LOG2_E, Mask, slope,
-                         batch, head, i, ct.bid(0), k_len, qk_scale, softcap, diag_offset,
-                         window_left, window_right, TILE_M, TILE_N, MASKED, MASK_LEFT,
-                         MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, True)  # [TILE_N, TILE_M]
+    p_t, dscore = _probs(s_t, rows, offs_k, lse.reshape((1, TILE_M)) * LOG2_E, Mask, i,
+                         ct.bid(0), band, TILE_M, TILE_N, MASKED, FEATURES,
+                         True)  # [TILE_N, TILE_M]
     dp_t = ct.mma(v, ct.transpose(do), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
     pz_t = p_t
     if DROPOUT:  # the forward's keep bits, recomputed; dV and dP see the dropped P
-        keep_t = dropout_keep(dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_q),
-                              offs_k, dropout_threshold)  # [TILE_N, TILE_M]
-        pz_t = ct.where(keep_t, p_t * dropout_scale, 0.0)
-        dp_t = ct.where(keep_t, dp_t * dropout_scale, 0.0)
+        keep_t = dropout_keep(rows[4], offs_k, drop[1])  # [TILE_N, TILE_M]
+        pz_t = ct.where(keep_t, p_t * drop[2], 0.0)
+        dp_t = ct.where(keep_t, dp_t * drop[2], 0.0)
     dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
     dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
     return dk, dv
 
 
-def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, i, dk, dv,
-                offs_k, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
-                dropout_seed, dropout_threshold, dropout_scale,
-                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-                EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                DROPOUT: ConstBool, GROUP: ConstInt, HEADS: ConstInt):
-    """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
-    for h in range(HEADS):
-        head = kv_head * GROUP + g_first + h
-        slope = 0.0
-        if ALIBI:
-            slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
-        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Mask, slope, batch, head, i, dk, dv,
-                            offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
-                            window_right, dropout_seed, dropout_threshold, dropout_scale,
-                            TILE_M, TILE_N, TILE_D, TILE_DV, MASKED, MASK_LEFT, MASK_RIGHT,
-                            EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
-    return dk, dv
-
-
 def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, runs, dk, dv,
-               offs_k, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
-               dropout_seed, dropout_threshold, dropout_scale,
-               TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-               MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-               SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-               GROUP: ConstInt, HEADS: ConstInt):
-    """The query tiles the band lets through (masked edges, unmasked middle), for HEADS heads
-    per tile; the new (dk, dv)."""
+               offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
+    """The query tiles the band lets through (masked edges, unmasked middle), each for the
+    HEADS query heads from group member g_first on; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
-                             i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, dropout_seed, dropout_threshold,
-                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
-                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
-                             HEADS)
+        for h in range(HEADS):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
+                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
+                                TILES, True, FEATURES)
     for i in range(i_inner, i_outer):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
-                             i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, dropout_seed, dropout_threshold,
-                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT,
-                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
-                             HEADS)
+        for h in range(HEADS):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
+                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
+                                TILES, False, FEATURES)
     for i in range(i_outer, i_end):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
-                             i, dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                             window_left, window_right, dropout_seed, dropout_threshold,
-                             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT,
-                             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
-                             HEADS)
+        for h in range(HEADS):
+            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
+                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
+                                TILES, True, FEATURES)
     return dk, dv
 
 
@@ -194,8 +157,11 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
     kv_head = ct.bid(1)
     batch = ct.bid(2)
     q_len = Q.shape[2]
-    k_len = K.shape[2]
     n_start = tile_n * TILE_N
+    band = (K.shape[2], qk_scale, softcap, diag_offset, window_left, window_right)
+    drop = (dropout_seed, dropout_threshold, dropout_scale)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV)
+    FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     k = load_rows(K, batch, kv_head, tile_n, TILE_N, TILE_D)
     v = load_rows(V, batch, kv_head, tile_n, TILE_N, TILE_DV)
     offs_k = n_start + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # [TILE_N, 1]
@@ -208,43 +174,32 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
                      TILE_N, TILE_M, MASK_RIGHT, MASK_LEFT)
     if GROUP_INNER:
         dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, runs, dk,
-                            dv, offs_k, k_len, qk_scale, softcap, diag_offset, window_left,
-                            window_right, dropout_seed, dropout_threshold, dropout_scale,
-                            TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
-                            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP)
+                            dv, offs_k, band, drop, TILES, FEATURES, GROUP, GROUP)
     else:
         for g in range(GROUP):
             dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g, runs,
-                                dk, dv, offs_k, k_len, qk_scale, softcap, diag_offset,
-                                window_left, window_right, dropout_seed, dropout_threshold,
-                                dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
-                                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, 1)
+                                dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, 1)
     ct.store(dK, index=(batch, kv_head, tile_n, 0),
              tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
     ct.store(dV, index=(batch, kv_head, tile_n, 0),
              tile=dv.astype(dV.dtype).reshape((1, 1, TILE_N, TILE_DV)))
 
 
-def _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m, j, dq,
-             offs_q, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
-             drop_rows, dropout_threshold, dropout_scale,
-             TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-             MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-             DROPOUT: ConstBool):
+def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band, drop,
+             TILES, MASKED: ConstBool, FEATURES):
     """Key tile j against this program's query tile; returns the new dq."""
+    TILE_M, TILE_N, TILE_D, TILE_DV = TILES
+    batch = rows[0]
     k = load_rows(K, batch, kv_head, j, TILE_N, TILE_D)
     v = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV)
     offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
     s = ct.mma(q, ct.transpose(k), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
-    p, dscore = _probs(s, offs_q, offs_k, lse_log2, Mask, slope, batch, head, tile_m, j, k_len,
-                       qk_scale, softcap, diag_offset, window_left, window_right, TILE_M,
-                       TILE_N, MASKED, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-                       False)  # [TILE_M, TILE_N]
+    p, dscore = _probs(s, rows, offs_k, lse_log2, Mask, tile_m, j, band, TILE_M, TILE_N, MASKED,
+                       FEATURES, False)  # [TILE_M, TILE_N]
     dp = ct.mma(do, ct.transpose(v), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
-    if DROPOUT:  # dP of the dropped P; dS keeps the undropped P
-        keep = dropout_keep(drop_rows, offs_k, dropout_threshold)  # [TILE_M, TILE_N]
-        dp = ct.where(keep, dp * dropout_scale, 0.0)
+    if FEATURES[6]:  # DROPOUT: dP of the dropped P; dS keeps the undropped P
+        keep = dropout_keep(rows[4], offs_k, drop[1])  # [TILE_M, TILE_N]
+        dp = ct.where(keep, dp * drop[2], 0.0)
     dx = p * (dp - delta) * dscore  # [TILE_M, TILE_N]
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
@@ -261,6 +216,10 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     kv_head = head // (Q.shape[1] // K.shape[1])
     k_len = K.shape[2]
     m_start = tile_m * TILE_M
+    band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
+    drop = (dropout_seed, dropout_threshold, dropout_scale)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV)
+    FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D)
     do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     lse = ct.load(Lse, index=(batch, head, tile_m), shape=(1, 1, TILE_M), padding_mode=POS_INF)
@@ -268,35 +227,21 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     delta = ct.load(Delta, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
                     padding_mode=ZERO).reshape((TILE_M, 1))
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
-    slope = 0.0
-    if ALIBI:
-        slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
-    drop_rows = 0
-    if DROPOUT:
-        drop_rows = dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_q)  # [TILE_M, 1]
+    rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
 
     n_start, n_inner, n_outer, n_end = tile_runs(
         m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
         MASK_LEFT, MASK_RIGHT)
     for j in range(n_start, n_inner):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
-                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
-                      TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
-                      ALIBI, ATTN_MASK, DROPOUT)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
+                      drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
-                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
-                      TILE_N, TILE_D, TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
-                      ALIBI, ATTN_MASK, DROPOUT)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
+                      drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, slope, batch, head, kv_head, tile_m,
-                      j, dq, offs_q, k_len, qk_scale, softcap, diag_offset, window_left,
-                      window_right, drop_rows, dropout_threshold, dropout_scale, TILE_M,
-                      TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP,
-                      ALIBI, ATTN_MASK, DROPOUT)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
+                      drop, TILES, True, FEATURES)
     ct.store(dQ, index=(batch, head, tile_m, 0),
              tile=dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)))
 

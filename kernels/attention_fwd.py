@@ -60,18 +60,19 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     alibi_bias_log2, dropout_keep, dropout_rows, load_mask_tile, tile_runs,
+                     alibi_bias_log2, dropout_keep, load_mask_tile, query_rows, tile_runs,
                      visible)
 
 
-def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc,
-                    offs_m, k_len, qk_scale, softcap, diag_offset, window_left, window_right,
-                    drop_rows, dropout_threshold,
-                    TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                    MASKED: ConstBool, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
-                    EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                    ATTN_MASK: ConstInt, DROPOUT: ConstBool):
-    """One step of the online softmax over key tile j; returns the new (m_i, l_i, acc)."""
+def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop,
+                    TILES, MASKED: ConstBool, FEATURES):
+    """One step of the online softmax over key tile j; returns the new (m_i, l_i, acc).
+    ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
+    TILE_DV)."""
+    batch, head, offs_m, slope, drop_rows = rows
+    _, qk_scale, softcap, diag_offset, _, _ = band
+    TILE_N, TILE_D, TILE_DV = TILES
+    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT = FEATURES
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                   order=(0, 1, 3, 2), padding_mode=ZERO, latency=2)
@@ -97,8 +98,7 @@ def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, 
             score_scale = 1.0
 
     if MASKED:
-        keep = visible(offs_m, offs_n, k_len, diag_offset, window_left, window_right,
-                       (q.shape[0], TILE_N), MASK_LEFT, MASK_RIGHT, EVEN_N)
+        keep = visible(offs_m, offs_n, band, (q.shape[0], TILE_N), FEATURES)
         s = ct.where(keep, s, -math.inf)
 
     # The max is taken before scaling: the scale is positive.
@@ -117,7 +117,7 @@ def _attend_kv_tile(q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, 
                 padding_mode=ZERO, latency=4)
     v = v.reshape((TILE_N, TILE_DV))
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
-        p = ct.where(dropout_keep(drop_rows, offs_n, dropout_threshold), p, 0.0)
+        p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
 
@@ -141,13 +141,11 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
                 padding_mode=ZERO).reshape((TILE_M, TILE_D))
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
-    slope = 0.0
-    if ALIBI:
-        slope = ct.load(Slopes, index=(batch, head), shape=(1, 1))  # [1, 1]
-
-    drop_rows = 0
-    if DROPOUT:
-        drop_rows = dropout_rows(dropout_seed, batch, head, Q.shape[1], offs_m)  # [TILE_M, 1]
+    band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
+    drop = (dropout_seed, dropout_threshold, dropout_scale)
+    TILES = (TILE_N, TILE_D, TILE_DV)
+    FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
+    rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
@@ -159,23 +157,14 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
         MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for j in range(n_start, n_inner):
-            m_i, l_i, acc = _attend_kv_tile(
-                q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-                k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
-                dropout_threshold, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N,
-                SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
+            m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i,
+                                            acc, band, drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        m_i, l_i, acc = _attend_kv_tile(
-            q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-            k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
-            dropout_threshold, TILE_N, TILE_D, TILE_DV, False, MASK_LEFT, MASK_RIGHT, EVEN_N,
-            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
+                                        band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        m_i, l_i, acc = _attend_kv_tile(
-            q, K, V, Mask, slope, batch, head, kv_head, tile_m, j, m_i, l_i, acc, offs_m,
-            k_len, qk_scale, softcap, diag_offset, window_left, window_right, drop_rows,
-            dropout_threshold, TILE_N, TILE_D, TILE_DV, True, MASK_LEFT, MASK_RIGHT, EVEN_N,
-            SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
+                                        band, drop, TILES, True, FEATURES)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
     empty = l_i == 0.0
