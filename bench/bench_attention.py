@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from flash_tile import autotune, variants
+from flash_tile import _ops, autotune, variants
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile._validate import driver_version
 from flash_tile.reference import check_error
@@ -115,26 +115,23 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
     cudnn = row["tflops"].get("sdpa_cudnn")
     ours = row["tflops"].get("flash_tile")
     row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
-    row["variant"], row["variant_ms"] = chosen_variant(q, length, length, causal)
+    row["variant"], row["variant_ms"] = chosen_variant(q, causal)
     return row
 
 
-def chosen_variant(q, q_len, k_len, causal, backward=False):
-    """(the tile variant flash_tile launched for this problem, the tuner's timings of every
-    candidate) from the autotune cache, or the default variant and None when untuned."""
-    capability = torch.cuda.get_device_capability(q.device)
-    head_dim = q.shape[-1]
-    default = (variants.default_backward_config if backward else variants.default_config)(
-        capability, head_dim)
+def chosen_variant(q, causal):
+    """(the tile variant flash_tile launched for the forward of ``q`` [B, H, L, D] against
+    itself, the tuner's timings of every candidate) from the autotune cache, or the default
+    variant and None when untuned."""
+    default = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
     if not autotune.enabled():
         return autotune.describe(default) + " (default)", None
-    key = autotune.problem_key(backward, capability, q.dtype, head_dim, head_dim, q_len, k_len,
-                               1, (-1, 0) if causal else (-1, -1), False, False, None)
+    key = _ops.problem_key(False, q, q, q, (-1, 0) if causal else (-1, -1), 0.0, None, None,
+                           0.0)
     cache = autotune.Cache(autotune.cache_path(q.device))
-    entry = cache.entries.get(key)
-    if entry is None:
+    if key not in cache.entries:
         return autotune.describe(default) + " (default)", None
-    return autotune.describe(cache.get(key)), entry["results"]
+    return autotune.describe(cache.get(key)), cache.entries[key]["results"]
 
 
 def machine_info():

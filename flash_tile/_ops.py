@@ -37,24 +37,37 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
 
 
+def _mask_name(attn_mask: torch.Tensor | None) -> str | None:
+    return None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
+
+
+def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask,
+                dropout_p) -> str:
+    """The autotuner's problem class of a call with these (op-level) arguments."""
+    return autotune.problem_key(backward, device_properties(q.device)[0], q.dtype, q.shape[-1],
+                                v.shape[-1], q.shape[2], k.shape[2], q.shape[1] // k.shape[1],
+                                window, softcap > 0.0, alibi_slopes is not None,
+                                _mask_name(attn_mask), dropout_p > 0.0)
+
+
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
             run):
     """The tile variant for this call: the architecture's default, or the autotuner's pick
     among the registered candidates (``flash_tile.autotune``). After the first call of a
     problem class the answer comes from ``autotune.decided``, a dict hit of a few
     microseconds: this runs on every call."""
-    mask = None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
     problem = (backward, q.device, q.dtype, q.shape[-1], v.shape[-1],
                autotune.length_bucket(q.shape[2]), autotune.length_bucket(k.shape[2]),
-               q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None, mask,
-               dropout_p > 0.0, autotune.settings())
+               q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None,
+               _mask_name(attn_mask), dropout_p > 0.0, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward)
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
-            key = autotune.problem_key(backward, capability, *problem[2:13])
+            key = problem_key(backward, q, k, v, window, softcap, alibi_slopes, attn_mask,
+                              dropout_p)
             config = autotune.choose(key, q.device, configs, run)
         if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
             autotune.decided[problem] = config

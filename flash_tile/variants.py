@@ -91,11 +91,17 @@ def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConf
     return _lookup(_DEFAULTS, capability, head_dim)
 
 
-def _lookup(table, capability, head_dim):
+def _family(table, capability):
+    """The (largest head dim, config) entries of the newest family not newer than
+    ``capability``."""
     known = [c for c in table if c <= tuple(capability)]
     if not known:
         raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
-    for max_dim, config in table[max(known)]:
+    return table[max(known)]
+
+
+def _lookup(table, capability, head_dim):
+    for max_dim, config in _family(table, capability):
         if head_dim <= max_dim:
             return config
     raise ValueError(f"no tile config for head dim {head_dim}: the largest is {max_dim}")
@@ -174,11 +180,7 @@ def candidates(capability: tuple[int, int], head_dim: int = 128,
 def registered(capability: tuple[int, int],
                backward: bool = False) -> tuple[tuple[int, TileConfig], ...]:
     """Every (largest head dim, config) entry registered for a capability's family."""
-    table = _BACKWARD_CANDIDATES if backward else _FORWARD_CANDIDATES
-    known = [c for c in table if c <= tuple(capability)]
-    if not known:
-        raise ValueError(f"no tile config for compute capability {capability}: needs 8.0+")
-    return table[max(known)]
+    return _family(_BACKWARD_CANDIDATES if backward else _FORWARD_CANDIDATES, capability)
 
 
 def arch_name(capability: tuple[int, int]) -> str:

@@ -35,7 +35,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import flash_tile
 
 NAMES = ("flash_tile", "cutile")
-NAME = NAMES[0]
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
