@@ -113,6 +113,9 @@ def memory_row(length, dtype, heads=16, head_dim=128, skip=()):
            "skipped": {name: "skipped: --skip" for name in skip}}
     for name, run in _runners(True, skip).items():
         try:
+            # One call first: the peak of a steady call, without the autotuner's first-call
+            # timing buffers (which made flash_tile's 8k point 496 MiB against 320 at 16k).
+            _grads(run, q, k, v, dout)
             row["peak_mib"][name] = round(
                 _peak_bytes(lambda: _grads(run, q, k, v, dout)) / 2**20, 1)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
@@ -122,9 +125,49 @@ def memory_row(length, dtype, heads=16, head_dim=128, skip=()):
     return row
 
 
+def dropout_row(length, head_dim, dropout_p, dtype):
+    """What dropout costs: flash_tile's and SDPA FLASH's forward and forward+backward
+    TFLOP/s at ``dropout_p`` against the same call at 0, causal, B*L = 16k tokens. Correctness
+    is the GPU tests' (tests/test_gpu_dropout.py); each library draws its own bits, so the
+    outputs are not compared here."""
+    batch, heads = TOKENS // length, WIDTH // head_dim
+    q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+    row = {"seqlen": length, "head_dim": head_dim, "dropout_p": dropout_p, "tflops": {}}
+    f_fwd, f_fwd_bwd = (flops(batch, heads, length, length, head_dim, True, mode)
+                        for mode in ("fwd", "fwd_bwd"))
+    libs = {"flash_tile": flash_tile.scaled_dot_product_attention,
+            "sdpa_flash": lambda *t, **kw: _sdpa_dropout(*t, **kw)}
+    for name, attend in libs.items():
+        for p in (0.0, dropout_p):
+            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+            forward = cuda_time_ms(lambda: attend(q, k, v, dropout_p=p, is_causal=True))
+            total = cuda_time_ms(
+                lambda: attend(q_, k_, v_, dropout_p=p, is_causal=True).backward(dout))
+            row["tflops"][f"{name} p={p} fwd"] = round(f_fwd / forward / 1e9, 1)
+            row["tflops"][f"{name} p={p} fwd+bwd"] = round(f_fwd_bwd / total / 1e9, 1)
+    return row
+
+
+def _sdpa_dropout(q, k, v, dropout_p, is_causal):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+
+
 def _why_missing(reason):
     return "out of memory" if "out of memory" in reason else "failed" if reason.startswith(
         "failed") else "-"
+
+
+def dropout_table(rows):
+    lines = ["", "Dropout's cost, causal, TFLOP/s counted as without dropout:", "",
+             "| L | D | p | " + " | ".join(rows[0]["tflops"]) + " |",
+             "|" + "---|" * (len(rows[0]["tflops"]) + 3)]
+    for r in rows:
+        cells = [r["seqlen"], r["head_dim"], r["dropout_p"], *r["tflops"].values()]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
 
 
 def table(rows, memory):
@@ -149,6 +192,8 @@ def table(rows, memory):
         cells = [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
                  *(r["peak_mib"].get(n, "") for n in mem_names)]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
+    if not rows:  # a memory/dropout-only run
+        lines = []
     if not memory:
         return "\n".join(lines)
     lines += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 (MiB):",
@@ -160,19 +205,23 @@ def table(rows, memory):
     return "\n".join(lines)
 
 
-def save(rows, memory, info, out):
+def save(rows, memory, dropout, info, out):
     """<out>.json with the machine and every row so far, kept when a run is cut short."""
     with open(out + ".json", "w") as f:
-        json.dump({"machine": info, "rows": rows, "memory": memory}, f, indent=1)
+        json.dump({"machine": info, "rows": rows, "memory": memory, "dropout": dropout}, f,
+                  indent=1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
-    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 16384])
+    parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 4096, 16384],
+                        help="the grid's lengths (none: memory and dropout rows only)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--memory-lengths", nargs="*", type=int,
                         default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--dropout", nargs="*", type=float, default=[],
+                        help="dropout probabilities to time against 0 (L 4k, D 64 and 128)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["tilegym", "naive"],
                         help="baselines to leave out (TileGym autotunes on every call)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
@@ -180,7 +229,7 @@ def main():
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    rows, memory = [], []
+    rows, memory, dropout = [], [], []
     for head_dim in args.head_dims:
         for length in args.lengths:
             for causal in (False, True):
@@ -189,13 +238,19 @@ def main():
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
                       f"bwd {r['bwd_tflops']} {r['skipped'] or ''}", flush=True)
-                save(rows, memory, info, args.out)
+                save(rows, memory, dropout, info, args.out)
     for length in args.memory_lengths:
         memory.append(memory_row(length, dtype, skip=args.skip))
         print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
-        save(rows, memory, info, args.out)
+        save(rows, memory, dropout, info, args.out)
+    for dropout_p in args.dropout:
+        for head_dim in args.head_dims:
+            dropout.append(dropout_row(4096, head_dim, dropout_p, dtype))
+            print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
+            save(rows, memory, dropout, info, args.out)
+    report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
     print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",
-                       info, table(rows, memory)))
+                       info, report))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def test_dropout_matches_the_dense_reference(case, p, monkeypatch):
     eff_window = (window[0], 0) if causal else window
 
     def grads(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(dout.to(dtype))
         return (out.detach(), *(t.grad for t in leaves))
