@@ -158,8 +158,9 @@ def table(rows):
     return "\n".join(lines)
 
 
-def plot(rows, path):
-    """TFLOP/s against sequence length: a row of panels per dtype, one per (D, causal)."""
+def plot(rows, path, key="tflops", ylabel="forward TFLOP/s"):
+    """``row[key]`` TFLOP/s against sequence length: a row of panels per dtype, one per (D,
+    causal)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,7 +175,7 @@ def plot(rows, path):
             sel = sorted((r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) ==
                           (dtype, head_dim, causal)), key=lambda r: r["seqlen"])
             for name in BACKENDS:
-                pts = [(r["seqlen"], r["tflops"][name]) for r in sel if name in r["tflops"]]
+                pts = [(r["seqlen"], r[key][name]) for r in sel if name in r[key]]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", ms=3, label=name,
                             lw=2.5 if name == "flash_tile" else 1)
@@ -182,7 +183,7 @@ def plot(rows, path):
             ax.set_ylim(bottom=0)
             ax.set_title(f"{dtype} D={head_dim} {'causal' if causal else 'full'}", fontsize=9)
             ax.tick_params(labelsize=7)
-        row_axes[0].set_ylabel("forward TFLOP/s", fontsize=8)
+        row_axes[0].set_ylabel(ylabel, fontsize=8)
     for ax in axes[-1]:
         ax.set_xlabel("sequence length", fontsize=8)
     axes[0][-1].legend(fontsize=6)

@@ -7,6 +7,8 @@ rule (SDPA cuDNN as PyTorch's own low-precision error). Backward FLOPs are 2.5x 
 measured in the same run.
 
     python bench/bench_backward.py --out bench/out/backward
+
+Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s).
 """
 
 import argparse
@@ -20,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from bench_attention import (SDPA_BACKENDS, TOKENS, WIDTH, _naive, _peak_bytes, _sdpa,
-                             machine_info, write_report)
+                             machine_info, plot, write_report)
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile.reference import check_error
 
@@ -249,6 +251,8 @@ def main():
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
             save(rows, memory, dropout, info, args.out)
     report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
+    if rows:
+        plot(rows, args.out + ".png", "bwd_tflops", "backward-only TFLOP/s")
     print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",
                        info, report))
 
