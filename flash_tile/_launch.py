@@ -35,13 +35,17 @@ class ForwardSpec:
     attn_mask: int  # NO_MASK, BOOL_MASK or ADDITIVE_MASK
     store_lse: bool
     dropout: bool = False
+    latency_k: int = 2  # forward only, as the rest of this block
+    latency_v: int = 4
+    longest_first: bool = False
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
                 self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
 
     def constants(self) -> tuple:
-        return (*self._shared(), self.store_lse, self.dropout)
+        return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
+                self.longest_first)
 
     def backward_constants(self) -> tuple:
         """The dK/dV and dQ kernels take the forward's switches but STORE_LSE."""
@@ -93,7 +97,7 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
     return ForwardSpec(config.tile_m, config.tile_n, _tile_width(head_dim),
                        _tile_width(v_head_dim), left >= 0, right >= 0,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
-                       dropout)
+                       dropout, config.latency_k, config.latency_v, config.longest_first)
 
 
 def _hinted(kernel, config: TileConfig):

@@ -145,9 +145,12 @@ def tune(configs: Sequence[variants.TileConfig],
 
 def describe(config: variants.TileConfig) -> str:
     """``64x64 occupancy=2``: the tile shape and the hints that are set."""
-    hints = " ".join(f"{k}={v}" for k, v in config.hints().items())
-    order = " group_inner" if config.group_inner else ""
-    return f"{config.tile_m}x{config.tile_n}{(' ' + hints) if hints else ''}{order}"
+    hints = [f"{k}={v}" for k, v in config.hints().items()]
+    default = variants.TileConfig()
+    if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
+        hints.append(f"latency={config.latency_k}/{config.latency_v}")
+    hints += [name for name in ("longest_first", "group_inner") if getattr(config, name)]
+    return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 
 
 class Cache:

@@ -17,6 +17,9 @@ class TileConfig:
     hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
+    The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency
+    hints (1-10) of its K and V tile loads, ``longest_first`` launches its query tiles last
+    to first (under a causal mask the last see the most keys).
     """
 
     tile_m: int = 64
@@ -25,12 +28,19 @@ class TileConfig:
     num_ctas: int | None = None
     num_worker_warps: int | None = None
     group_inner: bool = False
+    latency_k: int = 2
+    latency_v: int = 4
+    longest_first: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        for name in ("latency_k", "latency_v"):
+            if not 1 <= getattr(self, name) <= 10:
+                raise ValueError(f"{name} must be in 1..10 (cuTile's range), got "
+                                 f"{getattr(self, name)}")
 
     def hints(self) -> dict:
         """The ``kernel.replace_hints`` keywords this config sets (None ones are left out)."""
@@ -46,6 +56,10 @@ class TileConfig:
 # - D=128: 64x64 occupancy 2 at L 1k/4k and for GQA 4/32 (9-14% ahead of 128x64 o2); at 16k
 #   non-causal the two tie (3.87 against 3.90 ms). The occupancy hint moved a plain forward
 #   from about 400 to about 510 TFLOP/s; 128x128 fell to about 250 (register pressure).
+#   A second H200 session the same day (after the kernels' tuple refactor,
+#   bench/results/tuning-h200-grid.json) measured the opposite: 128x64 o2 ahead in 11 of 12
+#   D=128 classes by 1.5-16% (0.994 against 1.025 ms at 4k). With the two sessions
+#   disagreeing, the default stays and the autotuner decides on each machine.
 # - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills.
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
@@ -114,13 +128,18 @@ def _lookup(table, capability, head_dim):
 # them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried)
 # came from walking the GQA group's heads in an outer loop: with the heads inside each query
 # tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on sm_90.
-# On sm_90 at D=128 the autotuner's winner, 128x64 with 8 worker warps, is the default (see the
-# candidates below). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and
-# 32x32 all spill 380-740 in one kernel or the other). On sm_80/sm_120 32x32 still spills at
+# On sm_90 the autotuner's winners on the H200 are the defaults [2026-11-30, bf16 and fp16,
+# L 1k-16k, bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps (4.89
+# ms against 6.79 for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won
+# 10 of 12 classes, 64x64 the other two by 1%); it also compiles without spills for GQA 4
+# with dropout, where 64x64 nww8 spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps
+# (3.66 against 4.05 for 64x64 at 4k, every class). At D=256 on sm_90 64x64 spills 1172 in
+# dK/dV; with 8 worker warps none (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or
+# the other). On sm_80/sm_120 32x32 still spills at
 # D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
-    (9, 0): ((64, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
+    (9, 0): ((64, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8)),
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
@@ -142,9 +161,16 @@ _FORWARD_CANDIDATES = {
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
     # The defaults win every measured class (above); 128x64 o1 and 64x32 o2 never won on the
     # H200 (25-50% slower) and stay as the tuner's controls for other Hopper parts.
+    # Not yet timed [2026-11-30, SASS of tileiras 13.4, bf16, D=128, 64x64 o2]: the load
+    # latency hints set how deep tileiras pipelines the K-loop: K/V hints 2/4 (the default)
+    # give 36 HGMMA in 1944 instructions, 1/1 give 48 in 2280, 8/8 (as no hint) 24 in 1600;
+    # all 128 registers, no spills. Longest-first adds 8 instructions of index arithmetic.
     (9, 0): ((256, SM90_DEFAULT), (128, SM90_NARROW), (256, SM90_WIDE),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
+             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, latency_k=8, latency_v=8)),
+             (64, TileConfig(tile_m=128, tile_n=64, occupancy=2, longest_first=True)),
+             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, longest_first=True))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

@@ -68,14 +68,14 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
                     TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns the new (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV)."""
+    TILE_DV, LATENCY_K, LATENCY_V)."""
     batch, head, offs_m, slope, drop_rows = rows
     _, qk_scale, softcap, diag_offset, _, _ = band
-    TILE_N, TILE_D, TILE_DV = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
     _, _, _, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT = FEATURES
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
-                  order=(0, 1, 3, 2), padding_mode=ZERO, latency=2)
+                  order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
     k_t = k_t.reshape((TILE_D, TILE_N))
     s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
     s = ct.mma(q, k_t, s)  # [TILE_M, TILE_N] raw scores q . k, fp32
@@ -114,7 +114,7 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
-                padding_mode=ZERO, latency=4)
+                padding_mode=ZERO, latency=LATENCY_V)
     v = v.reshape((TILE_N, TILE_DV))
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
@@ -128,9 +128,15 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                        ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool):
-    """The forward for query tile bid(0) of head bid(1) of batch bid(2)."""
+                        ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, LONGEST_FIRST: ConstBool):
+    """The forward for query tile bid(0) (counted from the last under LONGEST_FIRST) of head
+    bid(1) of batch bid(2)."""
     tile_m = ct.bid(0)
+    if LONGEST_FIRST:
+        # Under a causal mask the last query tiles see the most keys: start them first, so
+        # that the short ones fill the tail of the launch.
+        tile_m = ct.num_blocks(0) - 1 - tile_m
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
@@ -143,7 +149,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -185,15 +191,19 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                   TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                  STORE_LSE: ConstBool, DROPOUT: ConstBool):
+                  STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
+                  LATENCY_V: ConstInt, LONGEST_FIRST: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
-    DROPOUT. Shapes and strides are 32-bit."""
+    DROPOUT. LATENCY_K and LATENCY_V (1-10) are the DRAM-latency hints of the K and V tile
+    loads, which set how far ahead tileiras issues them; LONGEST_FIRST walks the query tiles
+    from the last. Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT)
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
+                        LATENCY_V, LONGEST_FIRST)
 
 
 @ct.kernel
@@ -206,10 +216,12 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
+                        LONGEST_FIRST: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT)
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
+                        LATENCY_V, LONGEST_FIRST)

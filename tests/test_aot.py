@@ -98,15 +98,15 @@ def test_int64_index_entry_point(arch):
 BACKWARD_VARIANTS = {
     "fp16-d128-causal-ragged-dropout": dict(dtype="float16", head_dim=128, causal=True,
                                             even_n=False, dropout=True),
-    "bf16-d64-gqa4-lse-grad": dict(dtype="bfloat16", head_dim=64, causal=True, even_n=False,
-                                   group=4, lse_grad=True),
+    "bf16-d64-gqa4-dropout-lse-grad": dict(dtype="bfloat16", head_dim=64, causal=True,
+                                           even_n=False, group=4, lse_grad=True, dropout=True),
     "bf16-d64-window-softcap-alibi-mask": dict(dtype="bfloat16", head_dim=64, causal=True,
                                                window=(96, -1), softcap=True, alibi=True,
                                                attn_mask="bool", even_n=False),
 }
-# With every feature on, the dK/dV kernel still spills on some architectures; the plain, the
-# dropout and the GQA instances must not spill anywhere. (GQA 4 with dropout does spill on
-# sm_90, 1601 LDL/STL in dK/dV at D=64 with 64x64 and 8 worker warps: NOTES.md.)
+# With every feature on, the dK/dV kernel still spills on some architectures; the plain and
+# the GQA-with-dropout instances must not spill anywhere (the latter spilled 1601 LDL/STL on
+# sm_90 with the former D=64 default, 64x64 with 8 worker warps: NOTES.md).
 BACKWARD_MAY_SPILL = {"bf16-d64-window-softcap-alibi-mask"}
 
 
@@ -177,3 +177,18 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
         assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (kernel, summary)
         if not _may_spill(arch, "bwd", head_dim, config):
             assert summary["local_memory"] == 0, (kernel, summary)
+
+
+def test_forward_schedule_fields_reach_the_machine_code():
+    """The load latency hints and the longest-first order are compile-time constants: each
+    changes the sm_90 forward's SASS (latency 1/1 pipelines deeper than 8/8: more HGMMA
+    copies of the K-loop body; longest-first adds index arithmetic)."""
+    def sass(**fields):
+        config = variants.TileConfig(tile_m=64, tile_n=64, occupancy=2, **fields)
+        return aot.disassemble(aot.compile_forward("sm_90", "bfloat16", 128, causal=False,
+                                                   even_n=True, config=config))
+
+    shallow, deep = sass(latency_k=8, latency_v=8), sass(latency_k=1, latency_v=1)
+    assert (aot.summarize(deep)["tensor_core"] > aot.summarize(shallow)["tensor_core"])
+    assert sass(latency_k=2, latency_v=4) == sass()  # the defaults, spelled out
+    assert sass(longest_first=True) != sass()

@@ -219,3 +219,5 @@ def test_variant_lookup():
         variants.default_config((7, 5))
     with pytest.raises(ValueError, match="power of two"):
         variants.TileConfig(tile_m=48)
+    with pytest.raises(ValueError, match="latency_v must be in 1..10"):
+        variants.TileConfig(latency_v=0)
