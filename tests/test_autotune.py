@@ -30,6 +30,19 @@ def test_problem_key_names_every_field():
     assert _key(window=(-1, -1)).split("|")[4] == "full"
 
 
+def test_describe_tells_every_registered_variant_apart():
+    """The tuner keys its timings by ``describe``: two variants with one name would share a
+    time. Hints and schedule switches appear only when they differ from the defaults."""
+    assert autotune.describe(A) == "64x64 occupancy=2"
+    assert autotune.describe(variants.TileConfig(latency_k=8, latency_v=8,
+                                                 longest_first=True)) == \
+        "64x64 latency=8/8 longest_first"
+    for backward in (False, True):
+        for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
+            configs = {c for _, c in variants.registered(capability, backward)}
+            assert len({autotune.describe(c) for c in configs}) == len(configs)
+
+
 @pytest.mark.parametrize("length,bucket", [(1, 64), (64, 64), (65, 128), (1000, 1024),
                                            (4096, 4096), (4097, 8192), (300000, 16384)])
 def test_length_buckets(length, bucket):
