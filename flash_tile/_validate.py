@@ -208,7 +208,10 @@ def check_compiler() -> None:
 
 def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inputs) -> bool:
     """Whether the backward will be needed; raises for what it cannot do. ``no_grad_inputs``
-    (alibi_slopes, attn_mask) get no gradient, so they must not ask for one."""
+    (alibi_slopes, attn_mask) get no gradient, so they must not ask for one.
+
+    The backward kernels index in 32 bits: every array they read or write (q, k, v, the mask,
+    and out, dout, dq of [B, H, Lq, Dv] / [B, H, Lq, D]) must stay below 2**31 elements."""
     if not torch.is_grad_enabled():
         return False
     for name, t in no_grad_inputs.items():
@@ -217,7 +220,10 @@ def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inpu
                                       "supported; detach it")
     if not any(t.requires_grad for t in (q, k, v)):
         return False
-    if needs_int64_index(q, k, v):
-        raise NotImplementedError("the backward of tensors with 2**31 elements or more is not "
-                                  "supported yet; split the batch")
+    batch, heads, q_len, _ = q.shape
+    masks = [t for t in no_grad_inputs.values() if t is not None]
+    if needs_int64_index(q, k, v, *masks) or batch * heads * q_len * v.shape[3] >= 2**31:
+        raise NotImplementedError("the backward of tensors (inputs, output or mask) with "
+                                  "2**31 elements or more is not supported yet; split the "
+                                  "batch")
     return True

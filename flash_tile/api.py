@@ -43,9 +43,16 @@ def _check_bhld(q, k, v, scale, gqa_allowed=True):
 
 def _dropout_seed(dropout_p: float) -> int:
     """A seed for the kernels' dropout hash, drawn from torch's default generator, so that
-    ``torch.manual_seed`` makes dropout reproducible (0, unused, without dropout)."""
+    ``torch.manual_seed`` makes dropout reproducible (0, unused, without dropout).
+
+    The seed is a launch argument, so a CUDA graph would replay one dropout pattern forever:
+    dropout under graph capture raises instead."""
     if dropout_p == 0.0:
         return 0
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("dropout_p > 0 under CUDA-graph capture: the seed is a "
+                                  "launch argument, so every replay would drop the same "
+                                  "probabilities; capture with dropout_p=0")
     return int(torch.randint(0, 2**31 - 1, ()).item())
 
 

@@ -17,6 +17,7 @@ Errors print one line with the fix; ``--traceback`` shows the whole trace.
 """
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import subprocess
@@ -59,9 +60,9 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
 
 def _config_for(arch, head_dim, tile_m=None, tile_n=None):
     config = variants.default_config(variants.capability_of(arch), head_dim)
-    if tile_m or tile_n:
-        config = variants.TileConfig(tile_m or config.tile_m, tile_n or config.tile_n,
-                                     config.occupancy, config.num_ctas, config.num_worker_warps)
+    if tile_m or tile_n:  # the default's hints and switches, with the asked-for tile shape
+        config = dataclasses.replace(config, tile_m=tile_m or config.tile_m,
+                                     tile_n=tile_n or config.tile_n)
     return config
 
 

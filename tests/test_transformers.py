@@ -108,6 +108,12 @@ def test_unsupported_requests_raise():
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="position biases"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, position_bias=q)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(4))
+    with pytest.raises(NotImplementedError, match="variable-length"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None,
+                                        cu_seq_lens_q=torch.tensor([0, 3]),
+                                        cu_seq_lens_k=torch.tensor([0, 3]))
     with pytest.raises(NotImplementedError, match="softcap together"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, torch.ones(1, 1, 3, 3) > 0,
                                         softcap=30.0)

@@ -178,6 +178,30 @@ def test_int64_index_is_chosen_by_extent():
     assert _launch.needs_int64_index(big.transpose(1, 2))
 
 
+def test_dropout_under_graph_capture_raises(monkeypatch):
+    """A captured launch would replay one seed: dropout refuses capture, p = 0 does not care."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert api._dropout_seed(0.0) == 0
+    with pytest.raises(NotImplementedError, match="CUDA-graph capture"):
+        api._dropout_seed(0.1)
+
+
+def test_backward_past_32_bit_indexing_raises_before_launch():
+    """The backward kernels index in 32 bits: a mask or an output of 2**31 elements raises even
+    when q, k and v are small enough."""
+    def grad_meta(*shape):
+        return torch.empty(*shape, device="meta").requires_grad_()
+
+    q, k = grad_meta(1, 32, 2**16, 64), grad_meta(1, 32, 16, 64)
+    assert _validate.check_grad(q, k, grad_meta(1, 32, 16, 64))
+    big_mask = torch.empty(1, 32, 2**16, 2**10, dtype=torch.bool, device="meta")
+    with pytest.raises(NotImplementedError, match="2\\*\\*31"):
+        _validate.check_grad(q, k, grad_meta(1, 32, 16, 64), attn_mask=big_mask)
+    with pytest.raises(NotImplementedError, match="output"):  # out is [1, 32, 2**16, 2**10]
+        _validate.check_grad(q, k, grad_meta(1, 32, 16, 2**10))
+
+
 def test_flash_attn_positional_order_matches_flash_attn():
     # flash_attn_func(q, k, v, dropout_p, softmax_scale, causal): the 4th positional argument
     # is dropout, as in flash-attn, and must not be taken for something else.

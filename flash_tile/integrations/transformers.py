@@ -11,7 +11,8 @@ flash_tile reads in place. Calls map as transformers' own SDPA path does: causal
 mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kernel
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
-ignored: attention weights (``output_attentions``), position biases, softcap together with a
+ignored: attention weights (``output_attentions``), position biases, attention sinks
+(``s_aux``), packed variable-length batches (``cu_seq_lens_q/k``), softcap together with a
 mask. Attention dropout (``dropout``, which models pass only while training) runs in the
 kernels.
 
@@ -51,6 +52,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         raise NotImplementedError("flash_tile does not take position biases (T5-style); use "
                                   "attn_implementation='sdpa' or 'eager'")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("flash_tile does not take attention sinks (s_aux, e.g. "
+                                  "gpt-oss); use attn_implementation='eager'")
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        raise NotImplementedError("flash_tile has no variable-length (packed sequences) "
+                                  "kernel, which cu_seq_lens_q/k ask for (continuous "
+                                  "batching, packed training); use attn_implementation='sdpa'")
     q_len = query.shape[2]
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and q_len > 1 and attention_mask is None
