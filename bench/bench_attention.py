@@ -16,7 +16,6 @@ Writes <out>.json (machine, versions, one record per row), <out>.md (the table) 
 import argparse
 import datetime
 import functools
-import importlib.metadata
 import json
 import math
 import os
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_tile
 from flash_tile import _ops, autotune, variants
 from flash_tile._timing import cuda_time_ms, flops
-from flash_tile._validate import driver_version
+from flash_tile._validate import driver_version, package_version
 from flash_tile.reference import check_error
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -139,7 +138,7 @@ def machine_info():
     props = torch.cuda.get_device_properties(0)
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "cuda_tile": importlib.metadata.version("cuda-tile"),
+            "cuda": torch.version.cuda, "cuda_tile": package_version("cuda-tile"),
             "flash_tile": flash_tile.__version__, "autotune": autotune.enabled(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 

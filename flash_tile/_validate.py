@@ -7,6 +7,7 @@ or cases that are valid in flash-attn or torch but not supported here yet are
 """
 
 import functools
+import importlib.metadata
 import math
 import os
 import shutil
@@ -175,6 +176,14 @@ def find_cuda_tool(name: str) -> str | None:
 def find_tileiras() -> str | None:
     """Where cuTile will find its compiler, or None."""
     return find_cuda_tool("tileiras")
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version, or None (a copy that pip did not install)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def driver_version() -> str | None:

@@ -18,7 +18,6 @@ Errors print one line with the fix; ``--traceback`` shows the whole trace.
 
 import argparse
 import dataclasses
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -193,19 +192,13 @@ def tune(args):
         print(f"  {key}: {autotune.describe(variants.TileConfig(**entry['config']))}")
 
 
-def _version(package):
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def doctor(args):
     """Print what flash_tile finds here; return the number of problems (each with its fix)."""
     problems = []
+    version = _validate.package_version
     print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA "
-          f"{torch.version.cuda or 'none: a CPU build'}), cuda-tile {_version('cuda-tile')}, "
-          f"flash-tile {_version('flash-tile')}")
+          f"{torch.version.cuda or 'none: a CPU build'}), cuda-tile {version('cuda-tile')}, "
+          f"flash-tile {version('flash-tile')}")
     tileiras = _validate.find_tileiras()
     if tileiras:
         release = subprocess.run([tileiras, "--version"], capture_output=True, text=True).stdout
