@@ -21,33 +21,36 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import (SDPA_BACKENDS, TOKENS, WIDTH, _naive, _peak_bytes, _sdpa,
-                             machine_info, plot, write_report)
+from bench_attention import (SDPA_BACKENDS, WIDTH, _naive, _peak_bytes, _sdpa, failure,
+                             grid_batch, machine_info, plot, write_report)
 from flash_tile._timing import cuda_time_ms, flops
 from flash_tile.reference import check_error
 
 
 def _tilegym_backward():
-    """TileGym's cuTile attention with its backward, or None when it cannot be imported."""
+    """(TileGym's cuTile attention with its backward, None), or (None, why not)."""
     try:
         from tilegym.ops.cutile.attention import tile_fmha_with_backward
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-    return lambda q, k, v, causal: tile_fmha_with_backward(q, k, v, is_causal=causal)
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"skipped: {failure(e).removeprefix('failed: ')}"
+    return (lambda q, k, v, causal: tile_fmha_with_backward(q, k, v, is_causal=causal)), None
 
 
 def _runners(causal, skip=()):
-    """Runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention,
-    less the names in ``skip``."""
+    """(runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention,
+    less the names in ``skip``; {name: why} of those left out)."""
     runners = {"flash_tile": lambda q, k, v: flash_tile.scaled_dot_product_attention(
         q, k, v, is_causal=causal)}
     runners.update({name: functools.partial(_sdpa(b), causal=causal)
                     for name, b in SDPA_BACKENDS.items()})
-    tilegym = _tilegym_backward()
+    missing = {name: "skipped: --skip" for name in skip}
+    tilegym, why = _tilegym_backward()
     if tilegym is not None:
         runners["tilegym"] = functools.partial(tilegym, causal=causal)
+    elif "tilegym" not in skip:
+        missing["tilegym"] = why
     runners["naive"] = functools.partial(_naive, causal=causal)
-    return {name: run for name, run in runners.items() if name not in skip}
+    return {name: run for name, run in runners.items() if name not in skip}, missing
 
 
 def _grads(run, q, k, v, dout):
@@ -56,15 +59,24 @@ def _grads(run, q, k, v, dout):
     return q.grad, k.grad, v.grad
 
 
-def _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd):
-    """Forward+backward and forward-only medians, backward-only TFLOP/s as their difference."""
-    q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+def _training_step_ms(run, q, k, v, dout):
+    """(median ms of a training forward, of forward+backward, the forward+backward step).
+
+    The forward runs on inputs that require grad, as in training (flash_tile then also stores
+    the LSE); each step clears the gradients first, so no accumulation add is timed."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
     def fwd_bwd():
-        run(q_, k_, v_).backward(dout)
+        for t in leaves:
+            t.grad = None
+        run(*leaves).backward(dout)
 
-    total = cuda_time_ms(fwd_bwd)
-    forward = cuda_time_ms(lambda: run(q, k, v))
+    return cuda_time_ms(lambda: run(*leaves)), cuda_time_ms(fwd_bwd), fwd_bwd
+
+
+def _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd):
+    """Forward+backward and forward-only medians, backward-only TFLOP/s as their difference."""
+    forward, total, fwd_bwd = _training_step_ms(run, q, k, v, dout)
     row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
     row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
     row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
@@ -74,15 +86,15 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
-    runners = _runners(causal, skip)
+    runners, missing = _runners(causal, skip)
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal),
                      q.float(), k.float(), v.float(), dout.float())
-    low = _grads(runners["sdpa_cudnn"], q, k, v, dout)
+    low = _grads(functools.partial(_sdpa(SDPBackend.CUDNN_ATTENTION), causal=causal), q, k,
+                 v, dout)  # PyTorch's own rounding
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "dtype": str(dtype).removeprefix("torch."), "fwd_bwd_tflops": {},
-           "bwd_tflops": {}, "peak_mib": {},
-           "skipped": {name: "skipped: --skip" for name in skip}}
+           "bwd_tflops": {}, "peak_mib": {}, "skipped": dict(missing)}
     f_fwd_bwd, f_bwd = (flops(batch, heads, length, length, head_dim, causal, mode)
                         for mode in ("fwd_bwd", "bwd"))
     for name, run in runners.items():
@@ -95,7 +107,7 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
                 continue
             _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
-            row["skipped"][name] = f"failed: {str(e).splitlines()[0][:120]}"
+            row["skipped"][name] = failure(e)
         finally:
             torch.cuda.empty_cache()
     for key in ("fwd_bwd", "bwd"):
@@ -105,15 +117,17 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
     return row
 
 
-def memory_row(length, dtype, heads=16, head_dim=128, skip=()):
-    """Peak MiB of one causal forward+backward at batch 1, naive attention included (or the
-    out-of-memory it ends in)."""
+def memory_row(length, dtype, skip=()):
+    """Peak MiB of one causal forward+backward at batch 1, 16 heads, D 128, naive attention
+    included (or the out-of-memory it ends in)."""
+    heads, head_dim = 16, 128
     q, k, v = (torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
+    runners, missing = _runners(True, skip)
     row = {"seqlen": length, "heads": heads, "head_dim": head_dim, "peak_mib": {},
-           "skipped": {name: "skipped: --skip" for name in skip}}
-    for name, run in _runners(True, skip).items():
+           "skipped": dict(missing)}
+    for name, run in runners.items():
         try:
             # One call first: the peak of a steady call, without the autotuner's first-call
             # timing buffers (which made flash_tile's 8k point 496 MiB against 320 at 16k).
@@ -121,7 +135,7 @@ def memory_row(length, dtype, heads=16, head_dim=128, skip=()):
             row["peak_mib"][name] = round(
                 _peak_bytes(lambda: _grads(run, q, k, v, dout)) / 2**20, 1)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
-            row["skipped"][name] = f"failed: {str(e).splitlines()[0][:120]}"
+            row["skipped"][name] = failure(e)
         finally:
             torch.cuda.empty_cache()
     return row
@@ -132,23 +146,20 @@ def dropout_row(length, head_dim, dropout_p, dtype):
     TFLOP/s at ``dropout_p`` against the same call at 0, causal, B*L = 16k tokens. Correctness
     is the GPU tests' (tests/test_gpu_dropout.py); each library draws its own bits, so the
     outputs are not compared here."""
-    batch, heads = TOKENS // length, WIDTH // head_dim
+    batch, heads = grid_batch(length), WIDTH // head_dim
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
     row = {"seqlen": length, "head_dim": head_dim, "dropout_p": dropout_p, "tflops": {}}
     f_fwd, f_fwd_bwd = (flops(batch, heads, length, length, head_dim, True, mode)
                         for mode in ("fwd", "fwd_bwd"))
-    libs = {"flash_tile": flash_tile.scaled_dot_product_attention,
-            "sdpa_flash": lambda *t, **kw: _sdpa_dropout(*t, **kw)}
+    libs = {"flash_tile": flash_tile.scaled_dot_product_attention, "sdpa_flash": _sdpa_dropout}
     for name, attend in libs.items():
-        for p in (0.0, dropout_p):
-            q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
-            forward = cuda_time_ms(lambda: attend(q, k, v, dropout_p=p, is_causal=True))
-            total = cuda_time_ms(
-                lambda: attend(q_, k_, v_, dropout_p=p, is_causal=True).backward(dout))
-            row["tflops"][f"{name} p={p} fwd"] = round(f_fwd / forward / 1e9, 1)
-            row["tflops"][f"{name} p={p} fwd+bwd"] = round(f_fwd_bwd / total / 1e9, 1)
+        for p, label in ((0.0, "p=0"), (dropout_p, "p")):
+            run = functools.partial(attend, dropout_p=p, is_causal=True)
+            forward, total, _ = _training_step_ms(run, q, k, v, dout)
+            row["tflops"][f"{name} fwd, {label}"] = round(f_fwd / forward / 1e9, 1)
+            row["tflops"][f"{name} fwd+bwd, {label}"] = round(f_fwd_bwd / total / 1e9, 1)
     return row
 
 
@@ -173,7 +184,7 @@ def dropout_table(rows):
 
 
 def table(rows, memory):
-    names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "tilegym"]
+    names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "tilegym"]
     head = ["B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
             *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -223,8 +234,10 @@ def main():
     parser.add_argument("--memory-lengths", nargs="*", type=int,
                         default=[4096, 8192, 16384, 32768])
     parser.add_argument("--dropout", nargs="*", type=float, default=[],
-                        help="dropout probabilities to time against 0 (L 4k, D 64 and 128)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tilegym", "naive"],
+                        help="dropout probabilities to time against 0 (causal, L 4k, each of "
+                             "--head-dims)")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        choices=["tilegym", "naive", "sdpa_flash", "sdpa_efficient"],
                         help="baselines to leave out (TileGym autotunes on every call)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
     args = parser.parse_args()
@@ -235,7 +248,7 @@ def main():
     for head_dim in args.head_dims:
         for length in args.lengths:
             for causal in (False, True):
-                rows.append(bench_row(TOKENS // length, WIDTH // head_dim, length, head_dim,
+                rows.append(bench_row(grid_batch(length), WIDTH // head_dim, length, head_dim,
                                       causal, dtype, args.skip))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "

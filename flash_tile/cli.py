@@ -151,6 +151,11 @@ def bench(args):
     if not script.exists():
         raise RuntimeError(f"{script} not found: the benchmarks ship with the source tree; "
                            "clone flash_tile and install it with `pip install -e .`")
+    offline = {"-h", "--help", "--replot"} & set(args.script_args)
+    if not offline and not torch.cuda.is_available():
+        raise RuntimeError("the benchmarks time kernels on a CUDA GPU, which torch does not see "
+                           "here (`flash-tile doctor` says why); `--replot JSON` redraws "
+                           "saved results without one")
     saved = sys.argv, list(sys.path)
     sys.argv = [str(script), *args.script_args]
     sys.path.insert(0, str(folder))  # the scripts import each other
@@ -288,8 +293,11 @@ def main(argv=None):
     p = sub.add_parser("doctor", help="check this machine and run a smoke test")
     p.set_defaults(func=doctor)
 
-    p = sub.add_parser("bench", help="run a benchmark of the source tree's bench/")
-    p.add_argument("suite", nargs="?", default="forward", choices=sorted(BENCHMARKS))
+    p = sub.add_parser("bench", help="run a benchmark of the source tree's bench/",
+                       description="Run one of bench/'s scripts (a source checkout installed "
+                                   "with `pip install -e .`; a CUDA GPU unless --replot). "
+                                   "`flash-tile bench SUITE --help` lists its options.")
+    p.add_argument("suite", choices=sorted(BENCHMARKS))
     p.add_argument("script_args", nargs=argparse.REMAINDER,
                    help="arguments for the benchmark script")
     p.set_defaults(func=bench)
