@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK
+from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
                                              attention_bwd_preprocess)
 from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
-from flash_tile.variants import TileConfig
+from flash_tile.variants import TileConfig, tile_width
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class ForwardSpec:
     softcap: bool
     alibi: bool
     attn_mask: int  # NO_MASK, BOOL_MASK or ADDITIVE_MASK
-    store_lse: bool
-    dropout: bool = False
-    latency_k: int = 2  # forward only, as the rest of this block
-    latency_v: int = 4
-    longest_first: bool = False
+    store_lse: bool  # the forward's alone
+    dropout: bool
+    latency_k: int  # the forward's alone, as latency_v and longest_first
+    latency_v: int
+    longest_first: bool
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -48,8 +48,16 @@ class ForwardSpec:
                 self.longest_first)
 
     def backward_constants(self) -> tuple:
-        """The dK/dV and dQ kernels take the forward's switches but STORE_LSE."""
+        """The dQ kernel's: the forward's switches but STORE_LSE and the schedule fields."""
         return (*self._shared(), self.dropout)
+
+    def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
+        """The dK/dV kernel's: the dQ kernel's, then the GQA group size and loop order."""
+        return (*self.backward_constants(), group, group_inner)
+
+    def preprocess_constants(self, lse_grad: bool) -> tuple:
+        """The preprocess kernel's: its row tile, value width and whether dLSE is read."""
+        return (self.tile_m, self.tile_dv, lse_grad)
 
 
 @dataclass(frozen=True)
@@ -69,58 +77,59 @@ class Dropout:
 NO_DROPOUT = Dropout(0.0, 0)
 
 
-def dropout_threshold(p: float) -> int:
-    return min(round(p * 2**31), 2**31 - 1)
+#: The kernels' ATTN_MASK switch by mask name (None: no mask).
+MASK_KINDS = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}
 
 
-def _tile_width(dim: int) -> int:
-    # Tiles are powers of two, and 16 is the smallest K of an fp16/bf16 tensor-core matmul.
-    return max(16, 1 << max(dim - 1, 0).bit_length())
+def mask_name(attn_mask: torch.Tensor | None) -> str | None:
+    """"bool", "additive" or None: the mask's kind, as ``MASK_KINDS`` and the tuner name it."""
+    if attn_mask is None:
+        return None
+    return "bool" if attn_mask.dtype == torch.bool else "additive"
 
 
 def mask_kind(attn_mask: torch.Tensor | None) -> int:
     """The kernel's ATTN_MASK switch for a mask tensor (or None)."""
-    if attn_mask is None:
-        return NO_MASK
-    return BOOL_MASK if attn_mask.dtype == torch.bool else ADDITIVE_MASK
+    return MASK_KINDS[mask_name(attn_mask)]
 
 
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
-                 store_lse: bool, dropout: bool = False) -> ForwardSpec:
+                 store_lse: bool, dropout: bool) -> ForwardSpec:
     """The kernel instance ``config`` gives for these dims, key length and features.
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
     ``attn_mask`` is the ATTN_MASK switch (``mask_kind``).
     """
     left, right = window
-    return ForwardSpec(config.tile_m, config.tile_n, _tile_width(head_dim),
-                       _tile_width(v_head_dim), left >= 0, right >= 0,
+    return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim),
+                       tile_width(v_head_dim), left >= 0, right >= 0,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
                        dropout, config.latency_k, config.latency_v, config.longest_first)
 
 
-def _hinted(kernel, config: TileConfig):
-    hints = config.hints()
-    return kernel.replace_hints(**hints) if hints else kernel
-
-
 @functools.cache
-def hinted_kernel(config: TileConfig, int64_index: bool = False):
-    """The forward entry point (32- or 64-bit indexing) with ``config``'s compiler hints, made
-    once per pair.
+def _with_hints(kernel, hints: tuple):
+    """``kernel`` with the compiler hints ``hints`` ((name, value) pairs), made once per pair.
 
     ``replace_hints`` returns a kernel with its own JIT cache, so making one per call would
-    recompile (or reload from disk) on every launch.
+    recompile (or reload from disk) on every launch; configs that differ only in their tiles
+    or switches share one kernel, whose JIT caches each set of constants.
     """
-    return _hinted(attention_fwd_int64 if int64_index else attention_fwd, config)
+    return kernel.replace_hints(**dict(hints)) if hints else kernel
 
 
-@functools.cache
+def hinted_kernel(config: TileConfig, int64_index: bool = False):
+    """The forward entry point (32- or 64-bit indexing) with ``config``'s compiler hints."""
+    kernel = attention_fwd_int64 if int64_index else attention_fwd
+    return _with_hints(kernel, tuple(config.hints().items()))
+
+
 def hinted_backward_kernels(config: TileConfig) -> tuple:
-    """(preprocess, dK/dV, dQ) with ``config``'s hints, made once per config."""
-    return (_hinted(attention_bwd_preprocess, config), _hinted(attention_bwd_dkdv, config),
-            _hinted(attention_bwd_dq, config))
+    """(preprocess, dK/dV, dQ) with ``config``'s hints."""
+    hints = tuple(config.hints().items())
+    return tuple(_with_hints(kernel, hints) for kernel in
+                 (attention_bwd_preprocess, attention_bwd_dkdv, attention_bwd_dq))
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
@@ -206,10 +215,10 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     stream = torch.cuda.current_stream(q.device)
     grid_q = forward_grid(q_len, heads, batch, config)
     with torch.cuda.device(q.device):
-        ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta, spec.tile_m,
-                                               spec.tile_dv, dlse is not None))
+        ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta,
+                                               *spec.preprocess_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
-                   *spec.backward_constants(), heads // kv_heads, config.group_inner))
+                   *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
         ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes, attn_mask,
                                               *scalars, *spec.backward_constants()))

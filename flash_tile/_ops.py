@@ -15,7 +15,7 @@ their default with ``FLASH_TILE_AUTOTUNE=0`` (``flash_tile.autotune``).
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import Dropout, launch_backward, launch_forward
+from flash_tile._launch import Dropout, launch_backward, launch_forward, mask_name
 from flash_tile._validate import device_properties
 
 
@@ -37,17 +37,13 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
 
 
-def _mask_name(attn_mask: torch.Tensor | None) -> str | None:
-    return None if attn_mask is None else "bool" if attn_mask.dtype == torch.bool else "additive"
-
-
 def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask,
                 dropout_p) -> str:
     """The autotuner's problem class of a call with these (op-level) arguments."""
     return autotune.problem_key(backward, device_properties(q.device)[0], q.dtype, q.shape[-1],
                                 v.shape[-1], q.shape[2], k.shape[2], q.shape[1] // k.shape[1],
                                 window, softcap > 0.0, alibi_slopes is not None,
-                                _mask_name(attn_mask), dropout_p > 0.0)
+                                mask_name(attn_mask), dropout_p > 0.0)
 
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
@@ -59,7 +55,7 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     problem = (backward, q.device, q.dtype, q.shape[-1], v.shape[-1],
                autotune.length_bucket(q.shape[2]), autotune.length_bucket(k.shape[2]),
                q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None,
-               _mask_name(attn_mask), dropout_p > 0.0, autotune.settings())
+               mask_name(attn_mask), dropout_p > 0.0, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]

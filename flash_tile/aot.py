@@ -19,9 +19,9 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
-from flash_tile._launch import forward_spec, hinted_backward_kernels, hinted_kernel
+from flash_tile._launch import (MASK_KINDS, forward_spec, hinted_backward_kernels,
+                                hinted_kernel)
 from flash_tile._validate import find_cuda_tool
-from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
 
@@ -64,7 +64,7 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     """(spec, constraint of Q/K, of V/Out, of fp32 [B, H, L] rows, of Slopes, of Mask,
     scalar constraints) shared by the forward and backward signatures."""
     k_len = config.tile_n * 4 + (0 if even_n else 1)
-    kind = {None: NO_MASK, "bool": BOOL_MASK, "additive": ADDITIVE_MASK}[attn_mask]
+    kind = MASK_KINDS[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
                         store_lse, dropout)
     # Even instances get lengths that are multiples of the tiles (so of 16); ragged ones not.
@@ -108,12 +108,11 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, True, config,
         ct.int32, dropout)
     cc = CallingConvention.cutile_python_v1()
-    consts = spec.backward_constants()
-    return (KernelSignature([vo, vo, rows, rows, spec.tile_m, spec.tile_dv, lse_grad], cc),
+    return (KernelSignature([vo, vo, rows, rows, *spec.preprocess_constants(lse_grad)], cc),
             KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
-                             *consts, group, config.group_inner], cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, slopes, mask, *scalars, *consts],
-                            cc))
+                             *spec.dkdv_constants(group, config.group_inner)], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, slopes, mask, *scalars,
+                             *spec.backward_constants()], cc))
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False):

@@ -56,14 +56,10 @@ def settings() -> tuple[str | None, str | None]:
 decided: dict[tuple, variants.TileConfig] = {}
 
 
-def _pow2_at_least(n: int, low: int = 16) -> int:
-    return max(low, 1 << max(0, n - 1).bit_length())
-
-
 def length_bucket(length: int) -> int:
     """Lengths share a tuning result per power of two, from 64 up to 16k (longer ones tile the
     same way as 16k)."""
-    return min(_pow2_at_least(length, 64), 16384)
+    return min(variants.tile_width(length, 64), 16384)
 
 
 def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
@@ -82,7 +78,8 @@ def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
     return "|".join([
         "bwd" if backward else "fwd", variants.arch_name(capability),
         str(dtype).removeprefix("torch."),
-        f"d{_pow2_at_least(head_dim)}x{_pow2_at_least(v_head_dim)}", band, f"group{group}",
+        f"d{variants.tile_width(head_dim)}x{variants.tile_width(v_head_dim)}", band,
+        f"group{group}",
         "+".join(features) or "plain", f"q{length_bucket(q_len)}", f"k{length_bucket(k_len)}"])
 
 

@@ -1,18 +1,20 @@
-"""The forward kernel's CPU twin: the same tiles, the same online softmax, in float64.
+"""The kernels' CPU twin: the same tiles, the same online softmax and backward, in float64.
 
-Read it beside ``kernels/attention_fwd.py``: ``kv_tile_runs`` is the kernel's choice of which
-key tiles to skip, which to take unmasked and which to mask; ``attention_tiles`` is its K-loop,
-written with torch on [B, H, TILE_M, TILE_N] blocks (every batch and head at once). It is the
-oracle of the CPU tests and is itself checked against ``torch.nn.functional.
-scaled_dot_product_attention``.
+Read it beside ``kernels/``: ``kv_tile_runs`` and ``q_tile_runs`` call the kernels' own
+``tile_runs`` (plain integer code, so it runs on the host too) for which tiles to skip, take
+unmasked or mask; ``attention_tiles`` is the forward's K-loop and ``attention_tiles_backward``
+the dK/dV and dQ passes, written with torch on [B, H, TILE_M, TILE_N] blocks (every batch and
+head at once); ``dropout_keep`` is the kernels' dropout hash. It is the oracle of the CPU
+tests and is itself checked against ``torch.nn.functional.scaled_dot_product_attention`` and
+float64 autograd.
 """
 
 import math
 
 import torch
 
-from flash_tile._launch import dropout_threshold
-from flash_tile.kernels._tiles import COL_MULT, ROW_MULT
+from flash_tile.kernels._tiles import (COL_MULT, MIX_MULT_1, MIX_MULT_2, ROW_MULT,
+                                      dropout_threshold, tile_runs)
 
 LOG2_E = 1.0 / math.log(2.0)
 _M32 = 0xFFFFFFFF
@@ -20,26 +22,6 @@ _M32 = 0xFFFFFFFF
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def tile_runs(start: int, other_len: int, lo_offset: int, hi_offset: int, tile: int,
-              tile_other: int, has_lo: bool, has_hi: bool) -> tuple[int, int, int, int]:
-    """The kernels' ``tile_runs``: for the tile of ``tile`` rows at ``start`` of one side,
-    where row a sees index b of the other side iff a + lo_offset <= b (if has_lo) and
-    b <= a + hi_offset (if has_hi), and b < other_len, return (t_start, t_inner, t_outer,
-    t_end): tiles [t_start, t_inner) and [t_outer, t_end) need a mask, [t_inner, t_outer) are
-    visible to every row, the rest to none."""
-    t_start, inner_lo = 0, 0
-    if has_lo:
-        t_start = min(max(start + lo_offset, 0), other_len) // tile_other
-        inner_lo = start + tile - 1 + lo_offset
-    t_end, inner_hi = cdiv(other_len, tile_other), other_len
-    if has_hi:
-        t_end = cdiv(min(max(start + tile + hi_offset, 0), other_len), tile_other)
-        inner_hi = min(start + hi_offset + 1, other_len)
-    t_inner = min(max(cdiv(min(max(inner_lo, 0), other_len), tile_other), t_start), t_end)
-    t_outer = min(max(max(inner_hi, 0) // tile_other, t_inner), t_end)
-    return t_start, t_inner, t_outer, t_end
 
 
 def kv_tile_runs(m_start: int, tile_m: int, tile_n: int, k_len: int, diag_offset: int = 0,
@@ -84,9 +66,9 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """The kernels' ``mix32`` on int64 tensors holding uint32 values."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = _mul32(x, MIX_MULT_1)
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = _mul32(x, MIX_MULT_2)
     return x ^ (x >> 16)
 
 
@@ -226,8 +208,9 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Arguments as ``attention_tiles`` plus the forward's ``out`` [B, H, Lq, Dv] and ``lse``
     [B, H, Lq], the output gradient ``dout`` [B, H, Lq, Dv] and optionally the LSE's
-    gradient ``dlse`` [B, H, Lq], which only shifts Delta, and the forward's dropout (dV and dP
-    see the dropped, rescaled P; dS the undropped one). dK/dV are computed per key tile
+    gradient ``dlse`` [B, H, Lq], which only shifts Delta, and the forward's dropout (dV sums
+    the dropped, rescaled P; dP = dO V^T is masked by the same keep bits and rescaled; dS
+    multiplies it by the undropped P). dK/dV are computed per key tile
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
     group; dQ per query tile over ``kv_tile_runs``.
     """

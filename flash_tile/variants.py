@@ -49,16 +49,22 @@ class TileConfig:
         return {k: v for k, v in hints.items() if v is not None}
 
 
+def tile_width(dim: int, least: int = 16) -> int:
+    """The tile width that holds ``dim``: tiles are powers of two, and 16 is the smallest K of
+    an fp16/bf16 tensor-core matmul."""
+    return max(least, 1 << max(dim - 1, 0).bit_length())
+
+
 # Hopper, the autotuner's winners on the H200 [2026-11-30, bf16, cuda-tile 1.7.0 / tileiras
 # 13.4, B*L = 16k, H*D = 2048; every candidate's time in bench/results/tuning-h200.json]:
 # - D<=64: 128x64 occupancy 2, 8-16% faster than 64x64 o2 at L 1k/4k/16k, causal or not
-#   (e.g. 4.92 against 5.44 ms at 16k); occupancy 1 is 40-50% slower.
-# - D=128: 64x64 occupancy 2 at L 1k/4k and for GQA 4/32 (9-14% ahead of 128x64 o2); at 16k
+#   (e.g. 4.92 against 5.44 ms at 16k); occupancy 1 is 43-59% slower.
+# - D=128: 64x64 occupancy 2 at L 1k/4k and for GQA 4/32 (3-14% ahead of 128x64 o2); at 16k
 #   non-causal the two tie (3.87 against 3.90 ms). The occupancy hint moved a plain forward
 #   from about 400 to about 510 TFLOP/s; 128x128 fell to about 250 (register pressure).
 #   A second H200 session the same day (after the kernels' tuple refactor,
-#   bench/results/tuning-h200-grid.json) measured the opposite: 128x64 o2 ahead in 11 of 12
-#   D=128 classes by 1.5-16% (0.994 against 1.025 ms at 4k). With the two sessions
+#   bench/results/tuning-h200-grid.json) measured the opposite: 128x64 o2 ahead in 7 of 8
+#   D=128 classes by 1-18% (0.994 against 1.025 ms at 4k). With the two sessions
 #   disagreeing, the default stays and the autotuner decides on each machine.
 # - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills.
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
@@ -181,7 +187,7 @@ _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
     # At D=128 on the H200 128x64 with 8 worker warps won (3.64 ms against 4.05 for 64x64 and
-    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 38% slower there. Neither
+    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 37-51% slower there. Neither
     # new entry spills at D<=128; 32x64 spills 410 in dQ at D=128.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, TileConfig(tile_m=64, tile_n=64)),

@@ -17,7 +17,8 @@ bijective on 32 bits) chained as
     row  = mix32(mix32(uint32(i) + uint32(b * H + h) * ROW_MULT) ^ seed)
     keep = mix32(row ^ uint32(j) * COL_MULT) >> 1  >=  threshold     (31-bit compare)
 
-with threshold = round(p * 2**31); ``flash_tile.reference.dropout_keep`` is its torch twin.
+with threshold = min(round(p * 2**31), 2**31 - 1) (``dropout_threshold``, computed on the
+host); ``flash_tile.reference.dropout_keep`` is its torch twin.
 
 The helpers of both kernels pass what is the same for every tile pair of a launch as tuples
 (cuTile unpacks them at compile time, so they cost nothing):
@@ -45,21 +46,33 @@ ADDITIVE_MASK = 2
 
 # Zero padding past the ends of Q/K/V/dO: a padded V or dO row must be 0, not NaN, because it
 # meets a p of 0 in a matmul (0 * NaN = NaN); padded head-dim columns must be 0 so that they
-# add nothing to a dot product; padded K rows are masked and padded Q rows never stored.
+# add nothing to a dot product. Padded K rows are masked where they could reach a stored
+# value (the forward and dQ); in dK/dV they are never stored. Padded Q rows are never stored
+# by the forward and dQ; in dK/dV they are summed in, and add nothing there because their
+# LSE is padded with +inf (p = 0) and their Delta and dO with 0.
 ZERO = ct.PaddingMode.ZERO
 
 
-# Odd multipliers that spread row and column indices over 32 bits before mixing.
+# Odd multipliers that spread row and column indices over 32 bits before mixing, and the two
+# of lowbias32's rounds.
 ROW_MULT = 0x9E3779B9
 COL_MULT = 0x85EBCA77
+MIX_MULT_1 = 0x7FEB352D
+MIX_MULT_2 = 0x846CA68B
+
+
+def dropout_threshold(p: float) -> int:
+    """The 31-bit threshold of drop probability ``p`` (a host-side helper: the launcher passes
+    it as ``dropout_threshold``); capped so that p just below 1 still keeps a score."""
+    return min(round(p * 2**31), 2**31 - 1)
 
 
 def mix32(x):
     """lowbias32 (C. Wellons): a bijective avalanche hash of a uint32 tile."""
     x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
+    x = x * MIX_MULT_1
     x = x ^ (x >> 15)
-    x = x * 0x846CA68B
+    x = x * MIX_MULT_2
     return x ^ (x >> 16)
 
 

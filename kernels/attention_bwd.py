@@ -23,8 +23,9 @@ dropped output as always.
 Two passes, each summing in registers and storing once, so the result does not depend on the
 order programs run in (deterministic, no atomics):
   - dK/dV: one program per (key tile, key/value head, batch) walks the query tiles of every
-    query head of its GQA group, working on S^T = K Q^T so that P^T feeds dV += P^T dO and
-    dK += dX^T Q without a transpose in registers;
+    query head of its GQA group, working on S^T = K Q^T so that P^T and dX^T, as computed,
+    are the left operands of dV += P^T dO and dK += dX^T Q (Q and dO are transposed as
+    tiles for S^T and dP^T);
   - dQ: one program per (query tile, head, batch) walks the key tiles, as the forward does.
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
 whole (``_tiles.tile_runs``).
