@@ -4,6 +4,7 @@ shapes, meta tensors for autograd (the engine would look for CUDA streams with f
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_tile._ops  # noqa: F401  (registers flash_tile::attention_forward/backward)
 
@@ -38,10 +39,35 @@ def test_fake_backward_shapes():
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
 
 
+class _BackwardCalls(TorchDispatchMode):
+    """Records the arguments of every ``flash_tile::attention_backward`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is BWD.default:
+            self.calls.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_args(loss):
+    """The arguments the backward op got for ``loss().backward()``, which must call it once."""
+    with _BackwardCalls() as recorded:
+        loss().backward()
+    assert len(recorded.calls) == 1
+    schema = BWD.default._schema.arguments
+    given = dict(zip((a.name for a in schema), recorded.calls[0]))
+    got = {a.name: given.get(a.name, a.default_value) for a in schema}
+    return got["dout"], got["dlse"], (got["dropout_p"], got["dropout_seed"])
+
+
 def test_autograd_reaches_the_backward_op():
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, _ = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-    out.sum().backward()
+    dout, dlse, dropout = _backward_args(lambda: out.sum())
+    assert dout.shape == out.shape and dlse is None and dropout == (0.0, 0)
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
@@ -49,7 +75,8 @@ def test_autograd_reaches_the_backward_op():
 def test_gradient_through_the_lse_reaches_the_backward_op(loss):
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-    (lse.sum() + (out.sum() if loss == "out+lse" else 0)).backward()
+    _, dlse, _ = _backward_args(lambda: lse.sum() + (out.sum() if loss == "out+lse" else 0))
+    assert dlse is not None and dlse.shape == lse.shape
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
@@ -87,8 +114,7 @@ def test_public_functions_trace_without_graph_breaks(entry, monkeypatch):
 def test_dropout_arguments_reach_the_backward_op():
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
-    out.sum().backward()
-    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert _backward_args(lambda: out.sum())[2] == (0.1, 12345)
     with FakeTensorMode():
         q, k, v = _qkv()
         out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
