@@ -27,16 +27,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from flash_tile import _ops, autotune, variants
-from flash_tile._timing import cuda_time_ms, flops
+from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_TOKENS, GRID_WIDTH, cuda_time_ms,
+                                flops)
 from flash_tile._validate import driver_version, package_version
 from flash_tile.reference import check_error
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 BACKENDS = ["flash_tile", *SDPA_BACKENDS, "tilegym", "naive"]
-TOKENS = 16384  # batch * seqlen, as flash-attention's benchmark
-WIDTH = 2048  # heads * head_dim
 
 
 def _tilegym():
@@ -65,8 +63,8 @@ def failure(e: Exception) -> str:
 
 
 def grid_batch(length: int) -> int:
-    """The grid's batch size at ``length``: TOKENS tokens in all, at least one sequence."""
-    return max(1, TOKENS // length)
+    """The grid's batch size at ``length``: GRID_TOKENS tokens in all, at least one sequence."""
+    return max(1, GRID_TOKENS // length)
 
 
 def _sdpa(backend):
@@ -203,7 +201,7 @@ def plot(rows, path, key="tflops", ylabel="forward TFLOP/s"):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(GRID_LENGTHS))
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=[n for n in BACKENDS[1:] if n != "sdpa_cudnn"],
@@ -211,7 +209,8 @@ def main():
                              "ratios' baseline and stays")
     parser.add_argument("--out", default="bench/out/forward", help="output path prefix")
     parser.add_argument("--replot", metavar="JSON",
-                        help="redraw <out>.png and <out>.md (rows copied to <out>.json) from a results file; no GPU needed")
+                        help="redraw <out>.png and <out>.md (rows copied to <out>.json) from a "
+                             "results file; no GPU needed")
     args = parser.parse_args()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if args.replot:
@@ -243,8 +242,8 @@ def main():
         for head_dim in args.head_dims:
             for length in args.lengths:
                 for causal in (False, True):
-                    row = bench_row(grid_batch(length), WIDTH // head_dim, length, head_dim, causal,
-                                    DTYPES[dtype], runners, skipped)
+                    row = bench_row(grid_batch(length), GRID_WIDTH // head_dim, length,
+                                    head_dim, causal, DTYPES[dtype], runners, skipped)
                     rows.append(row)
                     bad = {n: s for n, s in row["skipped"].items() if n not in skipped}
                     print(f"{dtype} L={length} D={head_dim} causal={causal}: {row['tflops']} "
@@ -295,7 +294,8 @@ def write_report(out, title, info, body):
 
 def save(rows, info, out):
     save_json(rows, info, out)
-    write_report(out, f"Forward TFLOP/s, batch*seqlen = {TOKENS}, heads*head_dim = {WIDTH},",
+    write_report(out, f"Forward TFLOP/s, batch*seqlen = {GRID_TOKENS}, heads*head_dim = "
+                      f"{GRID_WIDTH},",
                  info, f"{table(rows)}\n\nTargets:\n{targets(rows)}")
 
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import (SDPA_BACKENDS, WIDTH, _naive, _peak_bytes, _sdpa, failure,
+from bench_attention import (SDPA_BACKENDS, _naive, _peak_bytes, _sdpa, failure,
                              grid_batch, machine_info, plot, write_report)
-from flash_tile._timing import cuda_time_ms, flops
+from flash_tile._timing import DTYPES, GRID_WIDTH, cuda_time_ms, flops
 from flash_tile.reference import check_error
 
 
@@ -146,7 +146,7 @@ def dropout_row(length, head_dim, dropout_p, dtype):
     TFLOP/s at ``dropout_p`` against the same call at 0, causal, B*L = 16k tokens. Correctness
     is the GPU tests' (tests/test_gpu_dropout.py); each library draws its own bits, so the
     outputs are not compared here."""
-    batch, heads = grid_batch(length), WIDTH // head_dim
+    batch, heads = grid_batch(length), GRID_WIDTH // head_dim
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
@@ -227,7 +227,7 @@ def save(rows, memory, dropout, info, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 4096, 16384],
                         help="the grid's lengths (none: memory and dropout rows only)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
@@ -241,14 +241,14 @@ def main():
                         help="baselines to leave out (TileGym autotunes on every call)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
     args = parser.parse_args()
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows, memory, dropout = [], [], []
     for head_dim in args.head_dims:
         for length in args.lengths:
             for causal in (False, True):
-                rows.append(bench_row(grid_batch(length), WIDTH // head_dim, length, head_dim,
+                rows.append(bench_row(grid_batch(length), GRID_WIDTH // head_dim, length, head_dim,
                                       causal, dtype, args.skip))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "

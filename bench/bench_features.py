@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from bench_attention import SDPA_BACKENDS, machine_info, measure, save_json, write_report
+from flash_tile._timing import DTYPES
 from flash_tile.reference import visible_keys
 
 # (label, batch, heads, kv_heads, seqlen, head_dim, window (left, right) or None for none,
@@ -95,10 +96,10 @@ def table(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--out", default="bench/out/features", help="output path prefix")
     args = parser.parse_args()
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows = []

@@ -1,8 +1,15 @@
-"""FLOP counts and GPU timing shared by the benchmark and ``flash-tile demo``."""
+"""FLOP counts, GPU timing and the benchmark grid, shared by bench/ and the ``flash-tile``
+command (demo, tune)."""
 
 import statistics
 
 import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# The benchmark grid, as flash-attention's: batch * seqlen tokens and heads * head dim fixed.
+GRID_TOKENS = 16384
+GRID_WIDTH = 2048
+GRID_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 
 
 def flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, causal: bool,

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from flash_tile import _validate, aot, autotune, variants
+from flash_tile import _timing, _validate, aot, autotune, variants
 
 
 def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
@@ -176,7 +176,6 @@ def tune(args):
                            "says what is missing")
     if not autotune.enabled():
         raise RuntimeError(f"{autotune.ENV_SWITCH} turns tuning off here; unset it to tune")
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     grid = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.lengths
             for c in causals]
@@ -185,7 +184,7 @@ def tune(args):
         print(f"[{i}/{len(grid)}] {dtype} D={head_dim} L={length} causal={causal} "
               f"(B={batch}, H={heads})", flush=True)
         q, k, v = (torch.randn(batch, length, heads, head_dim, device="cuda",
-                               dtype=dtypes[dtype], requires_grad=args.backward)
+                               dtype=_timing.DTYPES[dtype], requires_grad=args.backward)
                    for _ in range(3))
         out = flash_tile.flash_attn_func(q, k, v, causal=causal)
         if args.backward:
@@ -303,13 +302,15 @@ def main(argv=None):
     p.set_defaults(func=bench)
 
     p = sub.add_parser("tune", help="pre-tune a grid of shapes into the autotune cache")
-    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(_timing.DTYPES))
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--lengths", nargs="+", type=int, default=list(_timing.GRID_LENGTHS))
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     p.add_argument("--backward", action="store_true", help="tune the backward kernels too")
-    p.add_argument("--tokens", type=int, default=16384, help="batch * length of each shape")
-    p.add_argument("--width", type=int, default=2048, help="heads * head dim of each shape")
+    p.add_argument("--tokens", type=int, default=_timing.GRID_TOKENS,
+                   help="batch * length of each shape")
+    p.add_argument("--width", type=int, default=_timing.GRID_WIDTH,
+                   help="heads * head dim of each shape")
     p.set_defaults(func=tune)
 
     args = parser.parse_args(argv)
