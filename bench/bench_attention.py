@@ -151,18 +151,21 @@ def machine_info():
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def md_table(head, rows) -> str:
+    """A Markdown table: the header cells, then one list of cells per row."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(map(str, cells)) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
 def table(rows):
     names = [n for n in BACKENDS if any(n in r["tflops"] for r in rows)]
     head = ["dtype", "B", "H", "L", "D", "causal", *names, "vs cuDNN", "flash_tile variant"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
-                 "yes" if r["causal"] else "no"]
-        cells += [r["tflops"].get(n, "-") for n in names]
-        cells.append(f"{r['ratio_vs_cudnn']:.2f}x" if r["ratio_vs_cudnn"] else "-")
-        cells.append(r.get("variant", "-"))
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    return md_table(head, ([r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                            "yes" if r["causal"] else "no",
+                            *(r["tflops"].get(n, "-") for n in names),
+                            f"{r['ratio_vs_cudnn']:.2f}x" if r["ratio_vs_cudnn"] else "-",
+                            r.get("variant", "-")] for r in rows))
 
 
 def plot(rows, path, key="tflops", ylabel="forward TFLOP/s"):

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
 from bench_attention import (SDPA_BACKENDS, _naive, _peak_bytes, _sdpa, failure,
-                             grid_batch, machine_info, plot, write_report)
+                             grid_batch, machine_info, md_table, plot, write_report)
 from flash_tile._timing import DTYPES, GRID_WIDTH, cuda_time_ms, flops
 from flash_tile.reference import check_error
 
@@ -174,48 +174,38 @@ def _why_missing(reason):
 
 
 def dropout_table(rows):
-    lines = ["", "Dropout's cost, causal, TFLOP/s counted as without dropout:", "",
-             "| L | D | p | " + " | ".join(rows[0]["tflops"]) + " |",
-             "|" + "---|" * (len(rows[0]["tflops"]) + 3)]
-    for r in rows:
-        cells = [r["seqlen"], r["head_dim"], r["dropout_p"], *r["tflops"].values()]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    head = ["L", "D", "p", *rows[0]["tflops"]]
+    return "\n".join(["", "Dropout's cost, causal, TFLOP/s counted as without dropout:", "",
+                      md_table(head, ([r["seqlen"], r["head_dim"], r["dropout_p"],
+                                       *r["tflops"].values()] for r in rows))])
 
 
 def table(rows, memory):
+    """The grid's TFLOP/s and per-row peak memory (when it has rows), then the memory sweep."""
     names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "tilegym"]
-    head = ["B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
-            *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        ratio = r["bwd_ratio_vs_cudnn"]
-        cells = [r["batch"], r["heads"], r["seqlen"], r["head_dim"],
-                 "yes" if r["causal"] else "no",
-                 *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
-                 *(r["bwd_tflops"].get(n, "-") for n in names),
-                 f"{ratio:.2f}x" if ratio else "-"]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
     mem_names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "naive"]
-    lines += ["", "Peak memory of one forward+backward at each row's shape (MiB; a blank naive "
-              "cell ran out of memory or failed its check):", "",
-              "| L | D | causal | " + " | ".join(mem_names) + " |",
-              "|" + "---|" * (len(mem_names) + 3)]
-    for r in rows:
-        cells = [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
-                 *(r["peak_mib"].get(n, "") for n in mem_names)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    if not rows:  # a memory/dropout-only run
-        lines = []
-    if not memory:
-        return "\n".join(lines)
-    lines += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 (MiB):",
-              "", "| L | " + " | ".join(mem_names) + " |", "|" + "---|" * (len(mem_names) + 1)]
-    for r in memory:
-        cells = [r["seqlen"], *(r["peak_mib"].get(n, _why_missing(r["skipped"].get(n, "")))
-                                for n in mem_names)]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    parts = []
+    if rows:
+        head = ["B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
+                *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
+        parts += [md_table(head, (
+            [r["batch"], r["heads"], r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+             *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
+             *(r["bwd_tflops"].get(n, "-") for n in names),
+             f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-"]
+            for r in rows)),
+            "", "Peak memory of one forward+backward at each row's shape (MiB; a blank naive "
+            "cell ran out of memory or failed its check):", "",
+            md_table(["L", "D", "causal", *mem_names], (
+                [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+                 *(r["peak_mib"].get(n, "") for n in mem_names)] for r in rows))]
+    if memory:
+        parts += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 "
+                  "(MiB):", "",
+                  md_table(["L", *mem_names], (
+                      [r["seqlen"], *(r["peak_mib"].get(n, _why_missing(r["skipped"].get(n, "")))
+                                      for n in mem_names)] for r in memory))]
+    return "\n".join(parts)
 
 
 def save(rows, memory, dropout, info, out):

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import SDPA_BACKENDS, machine_info, measure, save_json, write_report
+from bench_attention import (SDPA_BACKENDS, machine_info, md_table, measure, save_json,
+                             write_report)
 from flash_tile._timing import DTYPES
 from flash_tile.reference import visible_keys
 
@@ -83,15 +84,11 @@ def bench_feature_row(label, batch, heads, kv_heads, length, head_dim, window, c
 def table(rows):
     head = ["row", "B", "H/Hkv", "L", "D", "causal", "flash_tile", "best SDPA", "ratio",
             "not run"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        ratio = f"{r['ratio_vs_best_sdpa']:.2f}x" if r["ratio_vs_best_sdpa"] else "-"
-        cells = [r["label"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["seqlen"],
-                 r["head_dim"], "yes" if r["causal"] else "no",
-                 r["tflops"].get("flash_tile", "-"), r["best_sdpa"] or "-", ratio,
-                 ", ".join(sorted(r["skipped"])) or ""]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    return md_table(head, ([r["label"], r["batch"], f"{r['heads']}/{r['kv_heads']}",
+                            r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+                            r["tflops"].get("flash_tile", "-"), r["best_sdpa"] or "-",
+                            f"{r['ratio_vs_best_sdpa']:.2f}x" if r["ratio_vs_best_sdpa"] else "-",
+                            ", ".join(sorted(r["skipped"])) or ""] for r in rows))
 
 
 def main():
