@@ -169,8 +169,11 @@ def _sdpa_dropout(q, k, v, dropout_p, is_causal):
 
 
 def _why_missing(reason):
-    return "out of memory" if "out of memory" in reason else "failed" if reason.startswith(
-        "failed") else "-"
+    """A memory cell without a figure: why (out of memory, failed, skipped), or "-"."""
+    for cause in ("out of memory", "failed", "skipped"):
+        if cause in reason:
+            return cause
+    return "-"
 
 
 def dropout_table(rows):
@@ -194,11 +197,11 @@ def table(rows, memory):
              *(r["bwd_tflops"].get(n, "-") for n in names),
              f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-"]
             for r in rows)),
-            "", "Peak memory of one forward+backward at each row's shape (MiB; a blank naive "
-            "cell ran out of memory or failed its check):", "",
+            "", "Peak memory of one forward+backward at each row's shape (MiB):", "",
             md_table(["L", "D", "causal", *mem_names], (
                 [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
-                 *(r["peak_mib"].get(n, "") for n in mem_names)] for r in rows))]
+                 *(r["peak_mib"].get(n, _why_missing(r["skipped"].get(n, "")))
+                   for n in mem_names)] for r in rows))]
     if memory:
         parts += ["", "Peak memory of one causal forward+backward, batch 1, 16 heads, D 128 "
                   "(MiB):", "",
@@ -254,6 +257,8 @@ def main():
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
             save(rows, memory, dropout, info, args.out)
     report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
+    if args.skip:
+        report += f"\n\nLeft out (--skip): {', '.join(args.skip)}."
     if rows:
         plot(rows, args.out + ".png", "bwd_tflops", "backward-only TFLOP/s")
     print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",

@@ -17,9 +17,8 @@ class TileConfig:
     hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
-    The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency
-    hints (1-10) of its K and V tile loads, ``longest_first`` launches its query tiles last
-    to first (under a causal mask the last see the most keys).
+    The forward alone reads ``latency_k`` and ``latency_v``, the DRAM-latency hints (1-10) of
+    its K and V tile loads.
     """
 
     tile_m: int = 64
@@ -30,7 +29,6 @@ class TileConfig:
     group_inner: bool = False
     latency_k: int = 2
     latency_v: int = 4
-    longest_first: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n"):
@@ -55,20 +53,21 @@ def tile_width(dim: int, least: int = 16) -> int:
     return max(least, 1 << max(dim - 1, 0).bit_length())
 
 
-# Hopper, the autotuner's winners on the H200 [2026-11-30, bf16, cuda-tile 1.7.0 / tileiras
-# 13.4, B*L = 16k, H*D = 2048; every candidate's time in bench/results/tuning-h200.json]:
-# - D<=64: 128x64 occupancy 2, 8-16% faster than 64x64 o2 at L 1k/4k/16k, causal or not
-#   (e.g. 4.92 against 5.44 ms at 16k); occupancy 1 is 43-59% slower.
-# - D=128: 64x64 occupancy 2 at L 1k/4k and for GQA 4/32 (3-14% ahead of 128x64 o2); at 16k
-#   non-causal the two tie (3.87 against 3.90 ms). The occupancy hint moved a plain forward
-#   from about 400 to about 510 TFLOP/s; 128x128 fell to about 250 (register pressure).
-#   A second H200 session the same day (after the kernels' tuple refactor,
-#   bench/results/tuning-h200-grid.json) measured the opposite: 128x64 o2 ahead in 7 of 8
-#   D=128 classes by 1-18% (0.994 against 1.025 ms at 4k). With the two sessions
-#   disagreeing, the default stays and the autotuner decides on each machine.
-# - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills.
+# Hopper. D<=128: 128x128 with 8 worker warps, two consumer warp groups of 64 rows each (FA3's
+# split of a 128-row tile; 168 registers, no spills, 133 KB of shared memory at D=128). The
+# autotuner on the H200 [session 5, 2026-11-30, bf16, cuda-tile 1.7.0 / tileiras 13.4, B*L =
+# 16k, H*D = 2048; every candidate's time in bench/results/tuning-h200-forward.json]: at D=128
+# it won 9 of 10 classes, 0.4-20% ahead of 64x64 o2 (1.83 against 2.08 ms at 16k causal) and
+# within 1.5% of the best at 1k causal; at D=64 it won L 4k-16k by 2-8% over 128x64 o2 and
+# lost 1k/2k by 3-12% (1k: 0.377 against 0.343 ms), where the tuner picks 128x64 o2.
+# Earlier sessions (bench/results/tuning-h200*.json, before the 8-warp candidates existed)
+# had 128x64 o2 ahead at D=64 and 64x64 o2 / 128x64 o2 trading places at D=128; the
+# occupancy hint moved a plain 64x64 forward from about 400 to about 510 TFLOP/s, and 128x128
+# without the 8-warp hint fell to about 250 (255 registers, 620 LDL/STL).
+# - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills
+#   without the 8-warp hint.
+SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
-SM90_DEFAULT = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 SM90_WIDE = TileConfig(tile_m=64, tile_n=128)
 
 # Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (160 and
@@ -93,7 +92,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # the larger of the query/key and value head dims.
 _DEFAULTS = {
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    (9, 0): ((64, SM90_NARROW), (128, SM90_DEFAULT), (256, SM90_WIDE)),
+    (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE)),
     (10, 0): ((256, SM100_DEFAULT),),
     (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE)),
 }
@@ -165,18 +164,19 @@ _FORWARD_CANDIDATES = {
     # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
     # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    # The defaults win every measured class (above); 128x64 o1 and 64x32 o2 never won on the
-    # H200 (25-50% slower) and stay as the tuner's controls for other Hopper parts.
-    # Not yet timed [2026-11-30, SASS of tileiras 13.4, bf16, D=128, 64x64 o2]: the load
-    # latency hints set how deep tileiras pipelines the K-loop: K/V hints 2/4 (the default)
-    # give 36 HGMMA in 1944 instructions, 1/1 give 48 in 2280, 8/8 (as no hint) 24 in 1600;
-    # all 128 registers, no spills. Longest-first adds 8 instructions of index arithmetic.
-    (9, 0): ((256, SM90_DEFAULT), (128, SM90_NARROW), (256, SM90_WIDE),
+    # Beside the defaults [H200, session 5, as above]: 128x64 o2 wins D=64 at L 1k/2k; 64x64
+    # o2 was the D=128 default until session 5. 128x64 o1 and 64x32 o2 never won (25-50%
+    # slower) and stay as controls for other Hopper parts; so does 128x64 with 8 worker warps
+    # (no spills at D=64/128/256, 168 registers; 3-27% behind 128x128 at D<=128).
+    # Tried and dropped in session 5: K/V load-latency hints 8/8 on 64x64 o2 (24 instead of 36
+    # HGMMA in the SASS: tileiras pipelines the K-loop less deep) lost 3-16% at D=128 from 2k
+    # on and 8-27% at D=64; longest-first order never won outside noise (128x64 o2 at D=64:
+    # within 1% at 1k/2k, 1-8% slower from 4k; 64x64 o2 at D=128: 0.5-12% slower).
+    (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
+             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
+             (256, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
-             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, latency_k=8, latency_v=8)),
-             (64, TileConfig(tile_m=128, tile_n=64, occupancy=2, longest_first=True)),
-             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, longest_first=True))),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

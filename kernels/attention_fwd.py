@@ -129,14 +129,9 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, LONGEST_FIRST: ConstBool):
-    """The forward for query tile bid(0) (counted from the last under LONGEST_FIRST) of head
-    bid(1) of batch bid(2)."""
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt):
+    """The forward for query tile bid(0) of head bid(1) of batch bid(2)."""
     tile_m = ct.bid(0)
-    if LONGEST_FIRST:
-        # Under a causal mask the last query tiles see the most keys: start them first, so
-        # that the short ones fill the tail of the launch.
-        tile_m = ct.num_blocks(0) - 1 - tile_m
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
@@ -192,18 +187,16 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, LONGEST_FIRST: ConstBool):
+                  LATENCY_V: ConstInt):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
     DROPOUT. LATENCY_K and LATENCY_V (1-10) are the DRAM-latency hints of the K and V tile
-    loads, which set how far ahead tileiras issues them; LONGEST_FIRST walks the query tiles
-    from the last. Shapes and strides are 32-bit."""
+    loads, which set how far ahead tileiras issues them. Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, LONGEST_FIRST)
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V)
 
 
 @ct.kernel
@@ -216,12 +209,10 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        LONGEST_FIRST: ConstBool):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, LONGEST_FIRST)
+                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V)

@@ -230,7 +230,7 @@ def test_compiler_is_found_here():
 
 
 def test_variant_lookup():
-    assert variants.default_config((9, 0)) == variants.SM90_DEFAULT
+    assert variants.default_config((9, 0)) == variants.SM90_TWO_GROUPS
     assert variants.default_config((8, 6)) == variants.SM80_DEFAULT
     assert variants.default_config((12, 0)) == variants.SM120_DEFAULT
     assert variants.default_config((12, 0), 256) == variants.SM120_WIDE
