@@ -2,6 +2,7 @@
 wrong one never wins), the on-disk cache and the off switch. Timing and launches are stand-ins
 here; tests/test_gpu_variants.py tunes real kernels."""
 
+import itertools
 import json
 
 import pytest
@@ -110,6 +111,29 @@ def test_infinities_must_match_and_nan_is_rejected():
     assert all(results[n].startswith("rejected") for n in ("128x64 occupancy=2", "64x128"))
 
 
+def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
+    """Every candidate once per round, in registry order, so that a drift of the GPU over the
+    tuning run weighs on all of them; one slow round (a clock dip) does not decide."""
+    out = torch.randn(3)
+    timed = []
+    last = []
+
+    def run(config):
+        last.append(config)
+        return (out.clone(),)
+
+    samples = {A: iter([1.0, 1.0, 1.0]), B: iter([0.9, 5.0, 0.9]), C: iter([1.2, 1.2, 1.2])}
+
+    def time_ms(fn):
+        fn()
+        timed.append(last[-1])
+        return next(samples[last[-1]])
+
+    best, results = autotune.tune([A, B, C], run, time_ms=time_ms)
+    assert timed == [A, B, C] * autotune._ROUNDS
+    assert best == B and results["128x64 occupancy=2"] == 0.9
+
+
 def test_a_variant_that_fails_to_build_loses_but_a_failing_default_raises():
     out = torch.randn(3)
     best, results = _tune({A: (out,), B: RuntimeError("tileiras: out of registers"), C: (out,)},
@@ -150,7 +174,7 @@ def test_choose_tunes_once_then_reads_the_cache(cache_dir, monkeypatch):
     out = torch.randn(5)
     calls = []
     run = _runner({A: (out,), B: (out,), C: (out,)}, calls)
-    times = iter([3.0, 1.0, 2.0])
+    times = itertools.cycle([3.0, 1.0, 2.0])  # A, B, C in every round
     monkeypatch.setattr(autotune, "cuda_time_ms", lambda fn, *a: (fn(), next(times))[1])
     assert autotune.choose("k", torch.device("cpu"), [A, B, C], run) == B
     calls.clear()
@@ -164,7 +188,7 @@ def test_a_cached_winner_no_longer_registered_is_tuned_again(cache_dir, monkeypa
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     autotune.Cache(cache_dir / "autotune-test.json").put("k", C, {})  # tuned with C, since gone
     out = torch.randn(5)
-    times = iter([3.0, 1.0])
+    times = itertools.cycle([3.0, 1.0])
     monkeypatch.setattr(autotune, "cuda_time_ms", lambda fn, *a: (fn(), next(times))[1])
     assert autotune.choose("k", torch.device("cpu"), [A, B], _runner({A: (out,), B: (out,)})) \
         == B
