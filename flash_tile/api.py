@@ -174,8 +174,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 @accepts_cupy
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """Attention in torch's layout; a drop-in for ``torch.nn.functional.scaled_dot_product_attention``
-    on the cases it supports.
+    """Attention in torch's layout; a drop-in for
+    ``torch.nn.functional.scaled_dot_product_attention`` on the cases it supports.
 
     Args:
         query: [..., H, Lq, D] float16 or bfloat16 CUDA tensor with at least 3 dims: [B, H, L, D]

@@ -155,13 +155,14 @@ def tune(configs: Sequence[variants.TileConfig],
         log(f"  {name}: {results[name]:.3f} ms")
         if best is None or results[name] < results[describe(best)]:
             best = config
+    results = {describe(config): results[describe(config)] for config in configs}  # in order
     if best is None:
         raise RuntimeError("flash_tile autotune: no variant ran correctly, not even the "
                            f"default: {results}")
     return best, results
 
 
-def _failed(results: dict, name: str, error: Exception, log) -> None:
+def _failed(results: dict, name: str, error: Exception, log: Callable[[str], None]) -> None:
     results[name] = f"failed: {str(error).splitlines()[0][:200] if str(error) else type(error)}"
     log(f"  {name}: failed ({results[name]})")
 

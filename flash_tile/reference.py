@@ -114,7 +114,8 @@ def _prepare(q, k, v, scale, alibi_slopes, attn_mask):
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     slopes = None
     if alibi_slopes is not None:
-        slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)[..., None, None]
+        slopes = alibi_slopes.detach().to("cpu", torch.float64).expand(batch, heads)
+        slopes = slopes[..., None, None]
     if attn_mask is not None:
         attn_mask = attn_mask.detach().cpu().expand(batch, heads, q_len, k.shape[2])
         if attn_mask.dtype != torch.bool:

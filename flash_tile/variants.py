@@ -59,10 +59,11 @@ def tile_width(dim: int, least: int = 16) -> int:
 # split of a 128-row tile; 168 registers, no spills, 133 KB of shared memory at D=128). The
 # autotuner on the H200 [session 5, 2026-11-30, bf16 and fp16, cuda-tile 1.7.0 / tileiras
 # 13.4, B*L = 16k, H*D = 2048, three runs; every candidate's time in
-# bench/results/tuning-h200-session5.json]: at D=128 it won 22 of 30 classes, 2-20% ahead of
+# bench/results/tuning-h200-session5.json]: at D=128 it won 22 of 26 classes, 2-20% ahead of
 # 64x64 o2 from 2k on (1.83 against 2.08 ms at 16k causal, bf16); at 1k the runs disagree
-# (64x64 o2 or 128x64 o2 ahead by 0.4-7%). At D=64 it won L 4k-16k by 1-8% over 128x64 o2
-# and lost 1k/2k by 2-12% (1k: 0.377 against 0.343 ms), where the tuner picks 128x64 o2.
+# (64x64 o2 or 128x64 o2 ahead by 0.4-7%). At D=64 it won 15 of the 16 classes at L 4k-16k,
+# by 0.1-7.8% over 128x64 o2, and lost 1k/2k by 2-12% (1k: 0.377 against 0.343 ms), where the
+# tuner picks 128x64 o2.
 # Earlier sessions (bench/results/tuning-h200*.json, before the 8-warp candidates existed)
 # had 128x64 o2 ahead at D=64 and 64x64 o2 / 128x64 o2 trading places at D=128; the
 # occupancy hint moved a plain 64x64 forward from about 400 to about 510 TFLOP/s, and 128x128
@@ -170,27 +171,31 @@ _FORWARD_CANDIDATES = {
     # Beside the defaults [H200, session 5, as above]: 128x64 o2 wins D=64 at L 1k/2k; 64x64
     # o2 was the D=128 default until session 5. 128x64 o1 and 64x32 o2 never won (25-50%
     # slower) and stay as controls for other Hopper parts; so does 128x64 with 8 worker warps
-    # (no spills at D=64/128/256, 168 registers; 3-27% behind 128x128 at D<=128).
+    # (no spills at D=64/128/256, 168 registers; 0.4-56% behind 128x128 at D<=128, 3-25%
+    # from 2k on).
     # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
     # instead of 36 HGMMA: tileiras pipelines the K-loop less deep) and a longest-first order
     # of the query tiles on 64x64 o2 and 128x64 o2. Against their own base tile they moved
     # -8% to +8% and -7% to +9%, as much as longest-first moved the non-causal classes, where
     # the order cannot matter: the noise of one tuning pass. Neither was ever the fastest by
-    # more than 1.4%, and 128x128 with 8 worker warps was 2-20% ahead of both from 2k on.
+    # more than 1.4%; at D=128 from 2k on 128x128 with 8 worker warps was 3-12% ahead of the
+    # better of the two.
     # Not yet timed [session 5, SASS of tileiras 13.4, bf16]: qk_ahead. Without it each warp
     # group waits for S = QK^T, runs the softmax, then issues PV: nothing overlaps the exp2s.
     # With it the next tile's S wgmmas are issued between them (`HGMMA e*13 HGMMA e*14 ...`),
-    # as FA3 overlaps them by hand. No spills as registered (128x128 spills 18 LDL/STL at
-    # D=128 causal, so it is registered up to D=64); one unused tile of S per program.
+    # as FA3 overlaps them by hand. Each is registered up to the largest head dim where it
+    # interleaves without spills: 128x128 spills 18 LDL/STL at D=128 causal, and at D=256
+    # 128x64 and 64x128 issue the next S only after the exp2s. One unused tile of S per
+    # program.
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
              (256, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
              (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
              (64, TileConfig(tile_m=128, tile_n=128, num_worker_warps=8, qk_ahead=True)),
-             (256, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8, qk_ahead=True)),
+             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8, qk_ahead=True)),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, qk_ahead=True)),
-             (256, TileConfig(tile_m=64, tile_n=128, qk_ahead=True))),
+             (128, TileConfig(tile_m=64, tile_n=128, qk_ahead=True))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

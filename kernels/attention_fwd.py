@@ -171,12 +171,13 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     n_start, n_inner, n_outer, n_end = tile_runs(
         m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
         MASK_LEFT, MASK_RIGHT)
-    # Under QK_AHEAD the first tile's scores are formed here and each step forms the next
-    # one's; the last step's (tile n_end: outside the band, or zeros past Lk) go unused.
+    # Under QK_AHEAD the first tile's scores are formed here (n_start is n_inner, 0, without
+    # MASK_LEFT) and each step forms the next one's; the last step's (tile n_end: outside the
+    # band, or zeros past Lk) go unused.
     if QK_AHEAD:
-        s = _raw_scores(q, K, batch, kv_head, n_start if MASK_LEFT else n_inner, TILES)
+        s = _raw_scores(q, K, batch, kv_head, n_start, TILES)
     else:
-        s = ct.zeros((TILE_M, TILE_N), dtype=ct.float32)  # a placeholder, never read
+        s = ct.zeros((TILE_M, TILE_N), dtype=ct.float32)  # carried through the steps, never read
     if MASK_LEFT:
         for j in range(n_start, n_inner):
             s, m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i,

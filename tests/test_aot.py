@@ -13,6 +13,8 @@ compile-time constants, so these cover every branch of the source at least once:
 Each compile takes a few seconds, which keeps this file near three minutes on two cores.
 """
 
+import dataclasses
+
 import pytest
 
 from flash_tile import aot, autotune, variants
@@ -213,15 +215,21 @@ def _issue_order(sass: str) -> str:
     return "".join(codes)
 
 
+AHEAD_REGISTERED = [(max_dim, config) for max_dim, config in variants.registered((9, 0))
+                    if config.qk_ahead]
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_qk_ahead_issues_the_next_scores_among_the_exp2s(causal):
+@pytest.mark.parametrize("head_dim,config", AHEAD_REGISTERED,
+                         ids=[_name("sm_90", *c) for c in AHEAD_REGISTERED])
+def test_qk_ahead_issues_the_next_scores_among_the_exp2s(head_dim, config, causal):
     """Without qk_ahead every QK^T wgmma of a tile is issued before its softmax, which waits
-    for it; with it the next tile's are issued between the exp2s, so the two can overlap."""
+    for it; with it the next tile's are issued between the exp2s, so the two can overlap.
+    Every registered qk_ahead variant, at the largest head dim it is registered for."""
     def order(qk_ahead):
-        config = variants.TileConfig(tile_m=128, tile_n=64, num_worker_warps=8,
-                                     qk_ahead=qk_ahead)
         return _issue_order(aot.disassemble(aot.compile_forward(
-            "sm_90", "bfloat16", 128, causal=causal, even_n=True, config=config)))
+            "sm_90", "bfloat16", head_dim, causal=causal, even_n=True,
+            config=dataclasses.replace(config, qk_ahead=qk_ahead))))
 
     plain, ahead = order(False), order(True)
     assert "S" in plain and "e" in plain and "eSe" not in plain, plain

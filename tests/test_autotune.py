@@ -122,7 +122,7 @@ def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
         last.append(config)
         return (out.clone(),)
 
-    samples = {A: iter([1.0, 1.0, 1.0]), B: iter([0.9, 5.0, 0.9]), C: iter([1.2, 1.2, 1.2])}
+    samples = {A: iter([1.1, 1.1, 1.1]), B: iter([0.8, 5.0, 1.0]), C: iter([1.2, 1.2, 1.2])}
 
     def time_ms(fn):
         fn()
@@ -131,7 +131,8 @@ def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
 
     best, results = autotune.tune([A, B, C], run, time_ms=time_ms)
     assert timed == [A, B, C] * autotune._ROUNDS
-    assert best == B and results["128x64 occupancy=2"] == 0.9
+    assert best == B and results["128x64 occupancy=2"] == 1.0  # the median, not the mean or min
+    assert list(results) == ["64x64 occupancy=2", "128x64 occupancy=2", "64x128"]
 
 
 def test_a_variant_that_fails_to_build_loses_but_a_failing_default_raises():
