@@ -171,3 +171,42 @@ def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: 
     tile = ct.load(Mask, index=(batch, head, tile_q, tile_k), shape=(1, 1, TILE_Q, TILE_K),
                    padding_mode=ZERO)
     return tile.reshape((TILE_Q, TILE_K))
+
+
+def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
+                TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool,
+                DEFER_SCALE: ConstBool):
+    """The scores of one tile pair in log2 units from the raw products ``s`` = q . k (or their
+    transpose): softcap, ALiBi, the attention mask and, when MASKED, the band (-inf outside).
+
+    Returns (s, factor, t), the scores being s * factor. Under DEFER_SCALE plain scores (no
+    softcap, ALiBi or additive mask) come back unscaled with factor = scale * log2(e): the
+    forward applies it after its row max, one multiply a row (the scale is positive);
+    otherwise factor is 1. ``t`` is tanh(scale * q.k / softcap) under SOFTCAP, which the
+    backward's ds/dx needs, else the raw ``s``.
+    """
+    batch, head, offs_q, slope, _ = rows
+    _, qk_scale, softcap, diag_offset, _, _ = band
+    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, _ = FEATURES
+    factor = qk_scale * LOG2_E
+    t = s
+    if SOFTCAP:
+        t = ct.tanh(s * (qk_scale / softcap))
+        s = t * (softcap * LOG2_E)
+        factor = 1.0
+    elif not DEFER_SCALE:
+        s = s * factor
+        factor = 1.0
+    if ALIBI:
+        s = s * factor + alibi_bias_log2(offs_q, offs_k, diag_offset, slope)
+        factor = 1.0
+    if ATTN_MASK != NO_MASK:
+        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
+        if ATTN_MASK == BOOL_MASK:
+            s = ct.where(mask, s, -math.inf)
+        else:
+            s = s * factor + mask.astype(ct.float32) * LOG2_E
+            factor = 1.0
+    if MASKED:
+        s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
+    return s, factor, t

@@ -35,12 +35,10 @@ Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Ou
 [B, H, Lq, Lk]. Any strides, as in the forward.
 """
 
-import math
-
 import cuda.tile as ct
 
-from ._tiles import (BOOL_MASK, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, alibi_bias_log2,
-                     dropout_keep, load_mask_tile, load_rows, query_rows, tile_runs, visible)
+from ._tiles import (LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep, load_rows, log2_scores,
+                     query_rows, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -49,26 +47,13 @@ POS_INF = ct.PaddingMode.POS_INF
 def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
            TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool):
     """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed."""
-    batch, head, offs_q, slope, _ = rows
-    _, qk_scale, softcap, diag_offset, _, _ = band
-    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, _ = FEATURES
-    if SOFTCAP:
-        t = ct.tanh(s * (qk_scale / softcap))
-        s = t * (softcap * LOG2_E)
+    _, qk_scale, _, _, _, _ = band
+    _, _, _, SOFTCAP, _, _, _ = FEATURES
+    s, _, t = log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q, TILE_K, MASKED,
+                          FEATURES, TRANSPOSED, False)
+    dscore = qk_scale
+    if SOFTCAP:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
         dscore = qk_scale * (1.0 - t * t)
-    else:
-        s = s * (qk_scale * LOG2_E)
-        dscore = qk_scale
-    if ALIBI:
-        s = s + alibi_bias_log2(offs_q, offs_k, diag_offset, slope)
-    if ATTN_MASK != NO_MASK:
-        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
-        if ATTN_MASK == BOOL_MASK:
-            s = ct.where(mask, s, -math.inf)
-        else:
-            s = s + mask.astype(ct.float32) * LOG2_E
-    if MASKED:
-        s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 

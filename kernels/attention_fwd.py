@@ -62,9 +62,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (BOOL_MASK, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     alibi_bias_log2, dropout_keep, load_mask_tile, query_rows, tile_runs,
-                     visible)
+from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, log2_scores,
+                     query_rows, tile_runs)
 
 
 def _raw_scores(q, K, batch, kv_head, j, TILES):
@@ -83,10 +82,9 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i, acc, b
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
     TILE_DV, LATENCY_K, LATENCY_V, QK_AHEAD). Under QK_AHEAD ``s`` arrives holding tile j's raw
     scores and leaves holding tile j + 1's; otherwise it is formed here and returned unused."""
-    batch, head, offs_m, slope, drop_rows = rows
-    _, qk_scale, softcap, diag_offset, _, _ = band
+    batch, _, _, _, drop_rows = rows
     TILE_N, _, TILE_DV, _, LATENCY_V, QK_AHEAD = TILES
-    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT = FEATURES
+    _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     if QK_AHEAD:
         # Issued before this tile's softmax, which does not depend on it: tileiras interleaves
         # these wgmmas with the exp2s below (sm_90 SASS) instead of waiting on each in turn.
@@ -95,26 +93,10 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i, acc, b
         s = _raw_scores(q, K, batch, kv_head, j, TILES)
         s_next = s
 
-    # Bring the scores to log2 units. Plain scores leave the factor for after the row max.
-    score_scale = qk_scale * LOG2_E
-    if SOFTCAP:
-        s = ct.tanh(s * (qk_scale / softcap)) * (softcap * LOG2_E)
-        score_scale = 1.0
+    # The scores in log2 units; plain ones still owe score_scale, applied after the row max.
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
-    if ALIBI:
-        s = s * score_scale + alibi_bias_log2(offs_m, offs_n, diag_offset, slope)
-        score_scale = 1.0
-    if ATTN_MASK != NO_MASK:
-        mask = load_mask_tile(Mask, batch, head, tile_m, j, q.shape[0], TILE_N, False)
-        if ATTN_MASK == BOOL_MASK:
-            s = ct.where(mask, s, -math.inf)
-        else:
-            s = s * score_scale + mask.astype(ct.float32) * LOG2_E
-            score_scale = 1.0
-
-    if MASKED:
-        keep = visible(offs_m, offs_n, band, (q.shape[0], TILE_N), FEATURES)
-        s = ct.where(keep, s, -math.inf)
+    s, score_scale, _ = log2_scores(s, rows, offs_n, Mask, tile_m, j, band, q.shape[0], TILE_N,
+                                    MASKED, FEATURES, False, True)
 
     # The max is taken before scaling: the scale is positive.
     m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * score_scale)  # [TILE_M, 1]
