@@ -30,7 +30,7 @@ from flash_tile import _timing, _validate, aot, autotune, variants
 def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
                            tile_ir_out=None):
     print(f"compiling the forward for {arch}: {dtype}, D={head_dim}, "
-          f"{'causal' if causal else 'not causal'}, {config}")
+          f"{'causal' if causal else 'not causal'}, {autotune.describe(config)}")
     cubin = aot.compile_forward(arch, dtype, head_dim, causal=causal, even_n=False,
                                 store_lse=True, config=config)
     sass = aot.disassemble(cubin)
@@ -57,12 +57,12 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full Tile IR written to {tile_ir_out}")
 
 
-def _config_for(arch, head_dim, tile_m=None, tile_n=None):
+def _config_for(arch, head_dim, tile_m=None, tile_n=None, qk_ahead=False):
     config = variants.default_config(variants.capability_of(arch), head_dim)
-    if tile_m or tile_n:  # the default's hints and switches, with the asked-for tile shape
-        config = dataclasses.replace(config, tile_m=tile_m or config.tile_m,
-                                     tile_n=tile_n or config.tile_n)
-    return config
+    # The default's hints and switches, with the asked-for tile shape and schedule.
+    return dataclasses.replace(config, tile_m=tile_m or config.tile_m,
+                               tile_n=tile_n or config.tile_n,
+                               qk_ahead=qk_ahead or config.qk_ahead)
 
 
 def _cpu_reference_demo():
@@ -132,7 +132,7 @@ def demo(args):
 
 def inspect(args):
     _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
-    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n)
+    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n, args.qk_ahead)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out, args.tile_ir_out)
 
@@ -285,6 +285,8 @@ def main(argv=None):
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
     p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")
+    p.add_argument("--qk-ahead", action="store_true",
+                   help="form each key tile's S one K-loop step early (the qk_ahead switch)")
     p.add_argument("--sass-out", help="write the full SASS listing to this file")
     p.add_argument("--tile-ir-out", help="write the Tile IR listing to this file")
     p.set_defaults(func=inspect)
