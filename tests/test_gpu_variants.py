@@ -47,6 +47,33 @@ def test_every_forward_variant(head_dim, config):
     assert report["ok"], report
 
 
+AHEAD_CASES = [(d, c) for d, c in CASES if c.qk_ahead]
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+@pytest.mark.parametrize("head_dim,config", AHEAD_CASES, ids=_ids(AHEAD_CASES))
+def test_qk_ahead_under_every_score_feature(head_dim, config, mask_kind):
+    """qk_ahead carries each key tile's raw scores into the next step, across the runs of
+    masked and unmasked tiles: a two-sided window (both masked runs), with softcap, ALiBi and
+    an attention mask applied to the carried scores."""
+    q, k, v = _inputs(head_dim)
+    offset, window, scale, softcap = 333 - 203, (70, 40), head_dim ** -0.5, 20.0
+    slopes = torch.rand(2, 4, device="cuda") * 0.1
+    if mask_kind == "bool":
+        mask = torch.rand(2, 4, 203, 333, device="cuda") > 0.2
+    else:
+        mask = torch.randn(2, 4, 203, 333, device="cuda").to(q.dtype)
+    out = torch.full((2, 4, 203, head_dim), torch.nan, device="cuda", dtype=q.dtype)
+    _launch.launch_forward(q, k, v, out, None, slopes, mask, scale, softcap, offset, window,
+                           config)
+    ref_mask = mask if mask_kind == "bool" else mask.float()
+    ref = attention_dense(q.float(), k.float(), v.float(), scale, offset, window, softcap,
+                          slopes, ref_mask)
+    low = attention_dense(q, k, v, scale, offset, window, softcap, slopes, mask)
+    report = check_error(out, ref, low)
+    assert report["ok"], report
+
+
 @pytest.mark.parametrize("head_dim,config", BACKWARD_CASES, ids=_ids(BACKWARD_CASES))
 def test_every_backward_variant(head_dim, config):
     q, k, v = _inputs(head_dim, requires_grad=True)
