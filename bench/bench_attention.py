@@ -3,8 +3,9 @@
 Every row is checked before it is timed: each backend's output against an fp32 reference
 (SDPA's memory-efficient backend in float32) with flash-attn's rule, taking SDPA cuDNN as
 PyTorch's own low-precision error. A backend that fails the check is reported, not timed.
-Times are medians of CUDA-event timings after warm-up; TFLOP/s use ``flash_tile._timing.flops``;
-ratios are against SDPA cuDNN measured in the same run. Peak memory is the allocator's peak
+Times are medians of CUDA-event timings after warm-up, taken in rounds that time every backend
+of a row once each (``time_all``); TFLOP/s use ``flash_tile._timing.flops``; ratios are against
+SDPA cuDNN measured in the same run. Peak memory is the allocator's peak
 above the inputs during one call.
 
     python bench/bench_attention.py                      # full grid, fp16 and bf16
@@ -28,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_tile
 from flash_tile import _ops, autotune, variants
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_TOKENS, GRID_WIDTH, cuda_time_ms,
-                                flops)
+                                flops, grid_shape, interleaved_ms)
 from flash_tile._validate import driver_version, package_version
 from flash_tile.reference import check_error
 
@@ -37,14 +38,44 @@ SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBack
 BACKENDS = ["flash_tile", *SDPA_BACKENDS, "tilegym", "naive"]
 
 
-def _tilegym():
-    """TileGym's cuTile attention, or the reason it cannot run here."""
+# Timing of a row: ROUNDS rounds that time each backend once (cuda_time_ms of ITERS calls after
+# WARMUP), so that a drift of the GPU's clocks weighs on every backend alike.
+ROUNDS, WARMUP, ITERS = 4, 2, 5
+
+
+def time_all(fns: dict) -> dict:
+    """Median ms of each zero-argument fn, interleaved (``_timing.interleaved_ms``); a fn
+    that raised maps to its exception."""
+    return interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
+
+
+def _tilegym(name):
+    """TileGym's cuTile attention ``tilegym.ops.cutile.attention.<name>`` as a runner, or the
+    reason it cannot run here."""
     try:
-        from tilegym.ops.cutile.attention import tile_fmha
+        import tilegym.ops.cutile.attention as tilegym_attention
+        attend = getattr(tilegym_attention, name)
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         kind = "not installed" if isinstance(e, ModuleNotFoundError) else f"import failed: {e}"
         return None, kind
-    return (lambda q, k, v, causal: tile_fmha(q, k, v, is_causal=causal)), None
+    return (lambda q, k, v, causal: attend(q, k, v, is_causal=causal)), None
+
+
+def backends(skip, tilegym_name="tile_fmha"):
+    """({name: run(q, k, v, causal)} for flash_tile, SDPA's backends, TileGym (its
+    ``tilegym_name`` entry point) and naive attention, less those in ``skip``; {name: why} for
+    those left out)."""
+    runners = {"flash_tile": lambda q, k, v, causal: flash_tile.scaled_dot_product_attention(
+        q, k, v, is_causal=causal)}
+    runners.update({name: _sdpa(b) for name, b in SDPA_BACKENDS.items()})
+    skipped = {name: "skipped: --skip" for name in skip}
+    tilegym, why = _tilegym(tilegym_name)
+    if tilegym is not None:
+        runners["tilegym"] = tilegym
+    elif "tilegym" not in skip:
+        skipped["tilegym"] = f"skipped: {why}"
+    runners["naive"] = _naive
+    return {name: run for name, run in runners.items() if name not in skip}, skipped
 
 
 def _naive(q, k, v, causal):
@@ -62,15 +93,11 @@ def failure(e: Exception) -> str:
     return f"failed: {str(e).splitlines()[0][:120] if str(e) else repr(e)}"
 
 
-def grid_batch(length: int) -> int:
-    """The grid's batch size at ``length``: GRID_TOKENS tokens in all, at least one sequence."""
-    return max(1, GRID_TOKENS // length)
-
-
 def _sdpa(backend):
-    def run(q, k, v, causal):
+    """SDPA pinned to ``backend``: run(q, k, v, causal, **other SDPA arguments)."""
+    def run(q, k, v, causal, **kwargs):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
     return run
 
 
@@ -86,7 +113,9 @@ def _peak_bytes(fn):
 def measure(row, runners, ref, out_pt, f):
     """Fill ``row`` for each zero-argument runner: its output checked against the fp32 ``ref``
     with flash-attn's rule (``out_pt`` is PyTorch's own low-precision result), then, if right,
-    its median TFLOP/s for ``f`` FLOPs and its peak memory. Failures are recorded, not timed."""
+    its median TFLOP/s for ``f`` FLOPs (every checked runner timed in the same rounds) and its
+    peak memory. Failures are recorded, not timed."""
+    checked = {}
     for name, run in runners.items():
         try:
             start = time.perf_counter()
@@ -103,8 +132,13 @@ def measure(row, runners, ref, out_pt, f):
         if not report["ok"]:
             row["skipped"][name] = f"wrong result: {report}"
             continue
-        row["tflops"][name] = round(f / cuda_time_ms(run) / 1e9, 1)
-        row["peak_mib"][name] = round(_peak_bytes(run) / 2**20, 1)
+        checked[name] = run
+    for name, ms in time_all(checked).items():
+        if isinstance(ms, Exception):
+            row["skipped"][name] = failure(ms)
+            continue
+        row["tflops"][name] = round(f / ms / 1e9, 1)
+        row["peak_mib"][name] = round(_peak_bytes(checked[name]) / 2**20, 1)
 
 
 def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
@@ -128,17 +162,15 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
 
 def chosen_variant(q, causal):
     """(the tile variant flash_tile launched for the forward of ``q`` [B, H, L, D] against
-    itself, the tuner's timings of every candidate) from the autotune cache, or the default
-    variant and None when untuned."""
+    itself, the tuner's timings of every candidate), or the default variant and None when
+    untuned."""
     default = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
-    if not autotune.enabled():
-        return autotune.describe(default) + " (default)", None
     key = _ops.problem_key(False, q, q, q, (-1, 0) if causal else (-1, -1), 0.0, None, None,
                            0.0)
-    cache = autotune.Cache(autotune.cache_path(q.device))
-    if key not in cache.entries:
+    entry = autotune.cached_entry(key, q.device) if autotune.enabled() else None
+    if entry is None:
         return autotune.describe(default) + " (default)", None
-    return autotune.describe(cache.get(key)), cache.entries[key]["results"]
+    return autotune.describe(variants.TileConfig(**entry["config"])), entry["results"]
 
 
 def machine_info():
@@ -147,7 +179,8 @@ def machine_info():
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cuda_tile": package_version("cuda-tile"),
-            "flash_tile": flash_tile.__version__, "autotune": autotune.enabled(),
+            "flash_tile": flash_tile.__version__, "code": autotune.code_digest(),
+            "autotune": autotune.enabled(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -223,18 +256,7 @@ def main():
         plot(saved["rows"], args.out + ".png")
         return
 
-    runners = {"flash_tile": lambda q, k, v, c: flash_tile.scaled_dot_product_attention(
-        q, k, v, is_causal=c)}
-    runners.update({name: _sdpa(b) for name, b in SDPA_BACKENDS.items()})
-    skipped = {name: "skipped: --skip" for name in args.skip}
-    tilegym, why = _tilegym()
-    if tilegym is None:
-        skipped["tilegym"] = f"skipped: {why}"
-    else:
-        runners["tilegym"] = tilegym
-    runners["naive"] = _naive
-    for name in args.skip:
-        runners.pop(name, None)
+    runners, skipped = backends(args.skip)
     for name, why in skipped.items():
         print(f"{name}: {why}")
 
@@ -245,7 +267,7 @@ def main():
         for head_dim in args.head_dims:
             for length in args.lengths:
                 for causal in (False, True):
-                    row = bench_row(grid_batch(length), GRID_WIDTH // head_dim, length,
+                    row = bench_row(*grid_shape(length, head_dim), length,
                                     head_dim, causal, DTYPES[dtype], runners, skipped)
                     rows.append(row)
                     bad = {n: s for n, s in row["skipped"].items() if n not in skipped}
@@ -256,11 +278,11 @@ def main():
     plot(rows, args.out + ".png")
 
 
-def save_json(rows, info, out):
-    """<out>.json with the machine and every row so far (called after each row, so a run cut
-    short keeps what it measured)."""
+def save_json(out, info, **sections):
+    """<out>.json with the machine and each section (``rows=...``) measured so far; the
+    benchmarks call it after each row, so a run cut short keeps what it measured."""
     with open(out + ".json", "w") as f:
-        json.dump({"machine": info, "rows": rows}, f, indent=1)
+        json.dump({"machine": info, **sections}, f, indent=1)
 
 
 # Issue 5's targets for flash_tile's forward: (baseline, least ratio) on every row.
@@ -285,18 +307,22 @@ def targets(rows):
 
 
 def write_report(out, title, info, body):
-    """<out>.md: ``title`` with the machine and versions it was measured on, then ``body``."""
-    tuned = "autotuned" if info.get("autotune") else "default variants (no autotuning)"
+    """<out>.md: ``title`` with the machine and versions it was measured on (and the code's
+    digest, where recorded), ``info["note"]`` if any, then ``body``."""
+    tuned = {True: "autotuned", False: "default variants (no autotuning)"}.get(
+        info.get("autotune"), "tuning not recorded")
+    code = f", code {info['code']}" if "code" in info else ""
+    note = f"{info['note']}\n\n" if "note" in info else ""
     text = (f"{title} on {info['gpu']} ({info['date']}, torch {info['torch']}, cuda-tile "
-            f"{info['cuda_tile']}, driver {info.get('driver')}; flash_tile {tuned}).\n\n"
-            f"{body}\n")
+            f"{info['cuda_tile']}, driver {info.get('driver')}; flash_tile {tuned}{code})."
+            f"\n\n{note}{body}\n")
     with open(out + ".md", "w") as f:
         f.write(text)
     return text
 
 
 def save(rows, info, out):
-    save_json(rows, info, out)
+    save_json(out, info, rows=rows)
     write_report(out, f"Forward TFLOP/s, batch*seqlen = {GRID_TOKENS}, heads*head_dim = "
                       f"{GRID_WIDTH},",
                  info, f"{table(rows)}\n\nTargets:\n{targets(rows)}")

@@ -1,10 +1,11 @@
-"""Backward benchmark: forward+backward and backward-only TFLOP/s against SDPA's backends, and
-peak memory of a forward+backward against naive attention.
+"""Backward benchmark: forward+backward and backward-only TFLOP/s and peak memory against SDPA.
+
+Peak memory of a forward+backward is also measured against naive attention, over lengths.
 
 Every backend's gradients are first checked against an fp32 reference with flash-attn's 3x
 rule (SDPA cuDNN as PyTorch's own low-precision error). Backward FLOPs are 2.5x the forward's
 (``flash_tile._timing.flops``); backward-only time is forward+backward minus forward, both
-measured in the same run.
+measured in the same rounds as every other backend of the row (``bench_attention.time_all``).
 
     python bench/bench_backward.py --out bench/out/backward
 
@@ -13,7 +14,6 @@ Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s).
 
 import argparse
 import functools
-import json
 import os
 
 import torch
@@ -21,36 +21,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import (SDPA_BACKENDS, _naive, _peak_bytes, _sdpa, failure,
-                             grid_batch, machine_info, md_table, plot, write_report)
-from flash_tile._timing import DTYPES, GRID_WIDTH, cuda_time_ms, flops
+from bench_attention import (_peak_bytes, _sdpa, backends, failure, machine_info, md_table,
+                             plot, save_json, time_all, write_report)
+from flash_tile._timing import DTYPES, flops, grid_shape
 from flash_tile.reference import check_error
 
 
-def _tilegym_backward():
-    """(TileGym's cuTile attention with its backward, None), or (None, why not)."""
-    try:
-        from tilegym.ops.cutile.attention import tile_fmha_with_backward
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        return None, f"skipped: {failure(e).removeprefix('failed: ')}"
-    return (lambda q, k, v, causal: tile_fmha_with_backward(q, k, v, is_causal=causal)), None
-
-
-def _runners(causal, skip=()):
-    """(runners taking (q, k, v): flash_tile, each SDPA backend, TileGym and naive attention,
-    less the names in ``skip``; {name: why} of those left out)."""
-    runners = {"flash_tile": lambda q, k, v: flash_tile.scaled_dot_product_attention(
-        q, k, v, is_causal=causal)}
-    runners.update({name: functools.partial(_sdpa(b), causal=causal)
-                    for name, b in SDPA_BACKENDS.items()})
-    missing = {name: "skipped: --skip" for name in skip}
-    tilegym, why = _tilegym_backward()
-    if tilegym is not None:
-        runners["tilegym"] = functools.partial(tilegym, causal=causal)
-    elif "tilegym" not in skip:
-        missing["tilegym"] = why
-    runners["naive"] = functools.partial(_naive, causal=causal)
-    return {name: run for name, run in runners.items() if name not in skip}, missing
+def _causal(backends, causal):
+    """The runners of ``backends`` with ``causal`` bound: run(q, k, v)."""
+    return {name: functools.partial(run, causal=causal) for name, run in backends.items()}
 
 
 def _grads(run, q, k, v, dout):
@@ -59,8 +38,8 @@ def _grads(run, q, k, v, dout):
     return q.grad, k.grad, v.grad
 
 
-def _training_step_ms(run, q, k, v, dout):
-    """(median ms of a training forward, of forward+backward, the forward+backward step).
+def _training_step(run, q, k, v, dout):
+    """(a training forward, a forward+backward step) of ``run``, as zero-argument calls.
 
     The forward runs on inputs that require grad, as in training (flash_tile then also stores
     the LSE); each step clears the gradients first, so no accumulation add is timed."""
@@ -71,22 +50,14 @@ def _training_step_ms(run, q, k, v, dout):
             t.grad = None
         run(*leaves).backward(dout)
 
-    return cuda_time_ms(lambda: run(*leaves)), cuda_time_ms(fwd_bwd), fwd_bwd
+    return (lambda: run(*leaves)), fwd_bwd
 
 
-def _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd):
-    """Forward+backward and forward-only medians, backward-only TFLOP/s as their difference."""
-    forward, total, fwd_bwd = _training_step_ms(run, q, k, v, dout)
-    row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
-    row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
-    row["peak_mib"][name] = round(_peak_bytes(fwd_bwd) / 2**20, 1)
-
-
-def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
+def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
-    runners, missing = _runners(causal, skip)
+    runners = _causal(backends, causal)
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
         ref = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal),
                      q.float(), k.float(), v.float(), dout.float())
@@ -97,6 +68,7 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
            "bwd_tflops": {}, "peak_mib": {}, "skipped": dict(missing)}
     f_fwd_bwd, f_bwd = (flops(batch, heads, length, length, head_dim, causal, mode)
                         for mode in ("fwd_bwd", "bwd"))
+    steps = {}
     for name, run in runners.items():
         try:
             got = _grads(run, q, k, v, dout)
@@ -105,11 +77,25 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
             if not all(r["ok"] for r in reports):
                 row["skipped"][name] = f"wrong gradients: {reports}"
                 continue
-            _time(row, name, run, q, k, v, dout, f_fwd_bwd, f_bwd)
+            # The peak of a step with fresh gradients (a cleared step would free the last).
+            row["peak_mib"][name] = round(
+                _peak_bytes(lambda: _grads(run, q, k, v, dout)) / 2**20, 1)
+            forward, fwd_bwd = _training_step(run, q, k, v, dout)
+            steps[name, "fwd"], steps[name, "fwd_bwd"] = forward, fwd_bwd
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported
             row["skipped"][name] = failure(e)
         finally:
             torch.cuda.empty_cache()
+    times = time_all(steps)
+    for name in {name for name, _ in steps}:
+        forward, total = times[name, "fwd"], times[name, "fwd_bwd"]
+        if isinstance(forward, Exception) or isinstance(total, Exception):
+            row["skipped"][name] = failure(total if isinstance(total, Exception) else forward)
+            row["peak_mib"].pop(name, None)
+            continue
+        # Backward-only is the difference of two medians of the same rounds.
+        row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
+        row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
     for key in ("fwd_bwd", "bwd"):
         ours, cudnn = row[f"{key}_tflops"].get("flash_tile"), row[f"{key}_tflops"].get(
             "sdpa_cudnn")
@@ -117,14 +103,14 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, skip=()):
     return row
 
 
-def memory_row(length, dtype, skip=()):
+def memory_row(length, dtype, backends, missing):
     """Peak MiB of one causal forward+backward at batch 1, 16 heads, D 128, naive attention
     included (or the out-of-memory it ends in)."""
     heads, head_dim = 16, 128
     q, k, v = (torch.randn(1, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
-    runners, missing = _runners(True, skip)
+    runners = _causal(backends, True)
     row = {"seqlen": length, "heads": heads, "head_dim": head_dim, "peak_mib": {},
            "skipped": dict(missing)}
     for name, run in runners.items():
@@ -146,26 +132,28 @@ def dropout_row(length, head_dim, dropout_p, dtype):
     TFLOP/s at ``dropout_p`` against the same call at 0, causal, B*L = 16k tokens. Correctness
     is the GPU tests' (tests/test_gpu_dropout.py); each library draws its own bits, so the
     outputs are not compared here."""
-    batch, heads = grid_batch(length), GRID_WIDTH // head_dim
+    batch, heads = grid_shape(length, head_dim)
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     dout = torch.randn_like(q)
     row = {"seqlen": length, "head_dim": head_dim, "dropout_p": dropout_p, "tflops": {}}
     f_fwd, f_fwd_bwd = (flops(batch, heads, length, length, head_dim, True, mode)
                         for mode in ("fwd", "fwd_bwd"))
-    libs = {"flash_tile": flash_tile.scaled_dot_product_attention, "sdpa_flash": _sdpa_dropout}
+    libs = {"flash_tile": functools.partial(flash_tile.scaled_dot_product_attention,
+                                            is_causal=True),
+            "sdpa_flash": functools.partial(_sdpa(SDPBackend.FLASH_ATTENTION), causal=True)}
+    steps = {}
     for name, attend in libs.items():
         for p, label in ((0.0, "p=0"), (dropout_p, "p")):
-            run = functools.partial(attend, dropout_p=p, is_causal=True)
-            forward, total, _ = _training_step_ms(run, q, k, v, dout)
-            row["tflops"][f"{name} fwd, {label}"] = round(f_fwd / forward / 1e9, 1)
-            row["tflops"][f"{name} fwd+bwd, {label}"] = round(f_fwd_bwd / total / 1e9, 1)
+            forward, fwd_bwd = _training_step(functools.partial(attend, dropout_p=p), q, k, v,
+                                              dout)
+            steps[f"{name} fwd, {label}"], steps[f"{name} fwd+bwd, {label}"] = forward, fwd_bwd
+    for column, ms in time_all(steps).items():
+        if isinstance(ms, Exception):
+            raise ms
+        row["tflops"][column] = round((f_fwd_bwd if "fwd+bwd" in column else f_fwd) / ms / 1e9,
+                                      1)
     return row
-
-
-def _sdpa_dropout(q, k, v, dropout_p, is_causal):
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def _why_missing(reason):
@@ -211,13 +199,6 @@ def table(rows, memory):
     return "\n".join(parts)
 
 
-def save(rows, memory, dropout, info, out):
-    """<out>.json with the machine and every row so far, kept when a run is cut short."""
-    with open(out + ".json", "w") as f:
-        json.dump({"machine": info, "rows": rows, "memory": memory, "dropout": dropout}, f,
-                  indent=1)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -237,25 +218,30 @@ def main():
     dtype = DTYPES[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    runners, missing = backends(args.skip, "tile_fmha_with_backward")
     rows, memory, dropout = [], [], []
+
+    def save():  # after every row: a run cut short keeps what it measured
+        save_json(args.out, info, rows=rows, memory=memory, dropout=dropout)
+
     for head_dim in args.head_dims:
         for length in args.lengths:
             for causal in (False, True):
-                rows.append(bench_row(grid_batch(length), GRID_WIDTH // head_dim, length, head_dim,
-                                      causal, dtype, args.skip))
+                rows.append(bench_row(*grid_shape(length, head_dim), length, head_dim, causal,
+                                      dtype, runners, missing))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
                       f"bwd {r['bwd_tflops']} {r['skipped'] or ''}", flush=True)
-                save(rows, memory, dropout, info, args.out)
+                save()
     for length in args.memory_lengths:
-        memory.append(memory_row(length, dtype, skip=args.skip))
+        memory.append(memory_row(length, dtype, runners, missing))
         print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
-        save(rows, memory, dropout, info, args.out)
+        save()
     for dropout_p in args.dropout:
         for head_dim in args.head_dims:
             dropout.append(dropout_row(4096, head_dim, dropout_p, dtype))
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
-            save(rows, memory, dropout, info, args.out)
+            save()
     report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
     if args.skip:
         report += f"\n\nLeft out (--skip): {', '.join(args.skip)}."

@@ -12,11 +12,10 @@ import argparse
 import os
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 import flash_tile
-from bench_attention import (SDPA_BACKENDS, machine_info, md_table, measure, save_json,
+from bench_attention import (SDPA_BACKENDS, _sdpa, machine_info, md_table, measure, save_json,
                              write_report)
 from flash_tile._timing import DTYPES
 from flash_tile.reference import visible_keys
@@ -50,10 +49,7 @@ def bench_feature_row(label, batch, heads, kv_heads, length, head_dim, window, c
     gqa = heads != kv_heads
 
     def sdpa(backend, q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                  is_causal=causal and mask is None,
-                                                  enable_gqa=gqa)
+        return _sdpa(backend)(q, k, v, causal and mask is None, attn_mask=mask, enable_gqa=gqa)
 
     group = heads // kv_heads
     k_ref, v_ref = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
@@ -105,7 +101,7 @@ def main():
         r = rows[-1]
         print(f"{r['label']} causal={r['causal']}: {r['tflops']} "
               f"ratio_vs_best_sdpa={r['ratio_vs_best_sdpa']} {r['skipped'] or ''}", flush=True)
-        save_json(rows, info, args.out)
+        save_json(args.out, info, rows=rows)
     print(write_report(args.out, "Forward features, TFLOP/s of visible (query, key) pairs,",
                        info, table(rows)))
 

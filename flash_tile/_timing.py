@@ -1,7 +1,8 @@
-"""FLOP counts, GPU timing and the benchmark grid, shared by bench/ and the ``flash-tile``
-command (demo, tune)."""
+"""FLOP counts, GPU timing and the benchmark grid, shared by bench/, the autotuner and the
+``flash-tile`` command (demo, tune)."""
 
 import statistics
+from typing import Callable, Hashable
 
 import torch
 
@@ -33,3 +34,29 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def grid_shape(length: int, head_dim: int, tokens: int = GRID_TOKENS,
+               width: int = GRID_WIDTH) -> tuple[int, int]:
+    """(batch, heads) of the grid's row at ``length``: ``tokens`` tokens in all (at least one
+    sequence) and heads * head dim = ``width``."""
+    return max(1, tokens // length), max(1, width // head_dim)
+
+
+def interleaved_ms(fns: dict[Hashable, Callable[[], object]], rounds: int,
+                   time_ms: Callable[[Callable[[], object]], float]) -> dict:
+    """The median of ``time_ms(fn)`` over ``rounds`` rounds for each fn, every fn once per
+    round in order, so that a drift of the GPU's clocks over the measurement weighs on all of
+    them alike (timed one after another, the H200 ranked tile configs that do the same work
+    7-9% apart). A fn that raises is not timed again; its value is the exception."""
+    samples = {name: [] for name in fns}
+    failed = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name not in failed:
+                try:
+                    samples[name].append(time_ms(fn))
+                except Exception as e:  # noqa: BLE001 - the caller reports it
+                    failed[name] = e
+    return {name: failed[name] if name in failed else statistics.median(samples[name])
+            for name in fns}

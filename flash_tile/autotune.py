@@ -6,11 +6,11 @@ the GQA group size, the optional features (softcap, ALiBi, mask kind, dropout) a
 and key lengths rounded up to a power of two. The first call of a class times every candidate of
 ``variants.candidates`` on that call's own inputs, rejects any candidate whose result differs
 from the default variant's by more than rounding (a fast wrong variant never wins), and keeps
-the fastest. The winner is launched from then on with exactly the hints it was timed with: the
-config is the key of ``_launch.hinted_kernel``'s cache.
+the fastest. The winner is launched from then on with exactly the config, so the hints, it was
+timed with (``_launch.hinted_kernel``).
 
 Winners persist in a JSON file per machine identity (GPU name, driver, cuda-tile and
-flash_tile versions) in ``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class
+flash_tile versions, and ``code_digest`` of the kernels and the registry) in ``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class
 is tuned once per machine, not once per process; ``flash-tile tune`` fills it ahead of time.
 
 ``FLASH_TILE_AUTOTUNE=0`` turns tuning off: every call gets the architecture's fixed default
@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -33,15 +32,13 @@ from typing import Callable, Sequence
 import torch
 
 from flash_tile import variants
-from flash_tile._timing import cuda_time_ms
+from flash_tile._timing import cuda_time_ms, interleaved_ms
 
 ENV_SWITCH = "FLASH_TILE_AUTOTUNE"
 ENV_CACHE_DIR = "FLASH_TILE_CACHE_DIR"
 
-# Timing per candidate: _ROUNDS rounds of _ITERS launches (after _WARMUP), every candidate
-# once per round. Timed one after another, the H200 ranked configs that run the same work in
-# a different order (longest-first on non-causal) 7-9% apart: a drift over the tuning run,
-# which rounds spread over all candidates alike.
+# Timing per candidate: _ROUNDS interleaved rounds (``_timing.interleaved_ms``) of _ITERS
+# launches after _WARMUP.
 _WARMUP, _ITERS, _ROUNDS = 2, 5, 3
 
 
@@ -136,22 +133,15 @@ def tune(configs: Sequence[variants.TileConfig],
                 log(f"  {name}: rejected (wrong result)")
         except Exception as e:  # noqa: BLE001 - a candidate that fails to build or run loses
             _failed(results, name, e, log)
-    samples = {describe(config): [] for config in checked}
-    for _ in range(_ROUNDS):
-        for config in checked:
-            name = describe(config)
-            if name in results:  # failed in an earlier round
-                continue
-            try:
-                samples[name].append(time_ms(lambda: run(config)))
-            except Exception as e:  # noqa: BLE001 - as above
-                _failed(results, name, e, log)
+    timed = interleaved_ms({describe(config): functools.partial(run, config)
+                            for config in checked}, _ROUNDS, time_ms)
     best = None
     for config in checked:
         name = describe(config)
-        if name in results:
+        if isinstance(timed[name], Exception):
+            _failed(results, name, timed[name], log)
             continue
-        results[name] = round(statistics.median(samples[name]), 4)
+        results[name] = round(timed[name], 4)
         log(f"  {name}: {results[name]:.3f} ms")
         if best is None or results[name] < results[describe(best)]:
             best = config
@@ -191,7 +181,7 @@ class Cache:
             return {}  # missing or unreadable: tune again and overwrite it
 
     def get(self, key: str) -> variants.TileConfig | None:
-        if key in self._configs:  # the hot path: every call after the first
+        if key in self._configs:  # every lookup after the first (calls hit _ops' dict first)
             return self._configs[key]
         entry = self.entries.get(key)
         if entry is None:
@@ -216,7 +206,7 @@ class Cache:
         os.replace(f.name, self.path)
 
 
-def _code_digest() -> str:
+def code_digest() -> str:
     """A digest of the kernel sources and the variant registry: a source checkout keeps its
     version number across changes to either, and a winner tuned for other code is stale."""
     from flash_tile import kernels
@@ -239,7 +229,7 @@ def _machine_slug(gpu_name: str) -> str:
 
     parts = [gpu_name, f"driver{driver_version() or 'unknown'}",
              f"cuda-tile{package_version('cuda-tile') or 'unknown'}", f"flash-tile{__version__}",
-             f"code{_code_digest()}"]
+             f"code{code_digest()}"]
     return "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
 
 
@@ -261,6 +251,12 @@ def _cache_for(device: torch.device) -> Cache:
     if str(path) not in _caches:
         _caches[str(path)] = Cache(path)
     return _caches[str(path)]
+
+
+def cached_entry(key: str, device: torch.device) -> dict | None:
+    """The cache's entry for problem class ``key`` on ``device`` as this process holds it:
+    {"config": the winner's fields, "results": every candidate's time or failure}."""
+    return _cache_for(device).entries.get(key)
 
 
 def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig],

@@ -180,7 +180,7 @@ def tune(args):
     grid = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.lengths
             for c in causals]
     for i, (dtype, head_dim, length, causal) in enumerate(grid, 1):
-        batch, heads = max(1, args.tokens // length), max(1, args.width // head_dim)
+        batch, heads = _timing.grid_shape(length, head_dim, args.tokens, args.width)
         print(f"[{i}/{len(grid)}] {dtype} D={head_dim} L={length} causal={causal} "
               f"(B={batch}, H={heads})", flush=True)
         q, k, v = (torch.randn(batch, length, heads, head_dim, device="cuda",

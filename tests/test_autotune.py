@@ -198,9 +198,9 @@ def test_a_cached_winner_no_longer_registered_is_tuned_again(cache_dir, monkeypa
 def test_the_cache_file_changes_with_the_registry(monkeypatch):
     """A source checkout keeps its version number: the registry's (and the kernels') digest
     names the cache file too."""
-    before = autotune._code_digest()
+    before = autotune.code_digest()
     monkeypatch.setitem(variants._FORWARD_CANDIDATES, (9, 0), ((256, A),))
-    assert autotune._code_digest() != before
+    assert autotune.code_digest() != before
 
 
 def test_switched_off_or_capturing_gives_the_default_untimed(cache_dir, monkeypatch):

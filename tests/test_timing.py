@@ -1,0 +1,66 @@
+"""The timing and grid helpers shared by the benchmarks and the autotuner, and the forward
+benchmark's per-row bookkeeping, on the CPU: timings are stand-ins, the checks are real."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_tile import _timing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_attention  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
+
+def test_interleaved_rounds_take_every_fn_once_per_round_and_keep_the_median():
+    order = []
+    samples = {"a": iter([1.0, 9.0, 2.0]), "b": iter([3.0, 3.0, 4.0])}
+
+    def time_ms(fn):
+        order.append(fn())
+        return next(samples[order[-1]])
+
+    got = _timing.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, 3, time_ms)
+    assert order == ["a", "b"] * 3
+    assert got == {"a": 2.0, "b": 3.0}
+
+
+def test_a_fn_that_raises_is_dropped_with_its_exception():
+    calls = []
+
+    def boom():
+        calls.append("boom")
+        raise RuntimeError("out of memory")
+
+    got = _timing.interleaved_ms({"ok": lambda: None, "boom": boom}, 3,
+                                 lambda fn: (fn(), 1.0)[1])
+    assert got["ok"] == 1.0 and isinstance(got["boom"], RuntimeError)
+    assert calls == ["boom"]  # not timed again after it raised
+
+
+@pytest.mark.parametrize("length,head_dim,expected", [(1024, 64, (16, 32)), (16384, 128, (1, 16)),
+                                                      (32768, 256, (1, 8))])
+def test_grid_shape(length, head_dim, expected):
+    assert _timing.grid_shape(length, head_dim) == expected
+
+
+def test_measure_checks_before_timing_and_times_the_right_ones_together(monkeypatch):
+    ref = torch.randn(4, 8)
+    order = []
+    runners = {"right": lambda: ref.clone(), "also_right": lambda: ref.clone(),
+               "wrong": lambda: ref + 1.0, "broken": lambda: 1 / 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench_attention, "_peak_bytes", lambda fn: 2**20)
+
+    def time_ms(fn, warmup, iters):
+        order.append(next(name for name, run in runners.items() if run is fn))
+        return 2.0
+
+    monkeypatch.setattr(bench_attention, "cuda_time_ms", time_ms)
+    row = {"tflops": {}, "peak_mib": {}, "max_err": {}, "skipped": {}}
+    bench_attention.measure(row, runners, ref, ref, 4e9)
+    assert row["tflops"] == {"right": 2.0, "also_right": 2.0}  # 4e9 FLOPs in 2 ms
+    assert row["skipped"]["wrong"].startswith("wrong result")
+    assert row["skipped"]["broken"].startswith("failed: division by zero")
+    assert order == ["right", "also_right"] * bench_attention.ROUNDS
