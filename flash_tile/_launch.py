@@ -2,8 +2,9 @@
 
 This is the one place that knows the kernels' parameter order: the JIT launches here and the
 ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
-``ForwardSpec`` (``constants`` for the forward, ``backward_constants`` for dK/dV and dQ). It
-knows nothing of validation: callers pass checked tensors.
+``ForwardSpec`` (``constants`` for the forward, ``preprocess_constants``, ``dkdv_constants``
+and ``backward_constants`` (dQ) for the backward). Callers pass checked tensors; the one
+check here is the backward's 32-bit indexing on the arrays it really gets.
 """
 
 import functools
@@ -66,7 +67,7 @@ class Dropout:
     scaled by 1 / (1 - p)), decided by a hash of (seed, batch, head, row, column)."""
 
     p: float
-    seed: int  # in [0, 2**31)
+    seed: int  # in [0, 2**31 - 1)
 
     def scalars(self) -> tuple[int, int, float]:
         """(dropout_seed, dropout_threshold, dropout_scale): the kernels' runtime arguments;
@@ -93,13 +94,14 @@ def mask_kind(attn_mask: torch.Tensor | None) -> int:
     return MASK_KINDS[mask_name(attn_mask)]
 
 
+@functools.cache
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
                  store_lse: bool, dropout: bool) -> ForwardSpec:
     """The kernel instance ``config`` gives for these dims, key length and features.
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
-    ``attn_mask`` is the ATTN_MASK switch (``mask_kind``).
+    ``attn_mask`` is the ATTN_MASK switch (``mask_kind``). Made once per set of arguments.
     """
     left, right = window
     return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim),
@@ -119,12 +121,14 @@ def _with_hints(kernel, hints: tuple):
     return kernel.replace_hints(**dict(hints)) if hints else kernel
 
 
+@functools.cache
 def hinted_kernel(config: TileConfig, int64_index: bool = False):
     """The forward entry point (32- or 64-bit indexing) with ``config``'s compiler hints."""
     kernel = attention_fwd_int64 if int64_index else attention_fwd
     return _with_hints(kernel, tuple(config.hints().items()))
 
 
+@functools.cache
 def hinted_backward_kernels(config: TileConfig) -> tuple:
     """(preprocess, dK/dV, dQ) with ``config``'s hints."""
     hints = tuple(config.hints().items())
@@ -203,6 +207,10 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     writes dq (q's shape), dk and dv (k's and v's
     shapes) in the inputs' dtype. 32-bit indexing only.
     """
+    arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
+    if needs_int64_index(*arrays):
+        raise NotImplementedError("the backward kernels index in 32 bits: an array of 2**31 "
+                                  "elements or more reached them; split the batch")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,

@@ -37,13 +37,19 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
 
 
+def _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p) -> tuple:
+    """What a call's problem class depends on beyond the pass and the GPU, in the order of
+    ``autotune.problem_key``'s arguments (lengths already bucketed)."""
+    return (q.dtype, q.shape[-1], v.shape[-1], autotune.length_bucket(q.shape[2]),
+            autotune.length_bucket(k.shape[2]), q.shape[1] // k.shape[1], window, softcap > 0.0,
+            alibi_slopes is not None, mask_name(attn_mask), dropout_p > 0.0)
+
+
 def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask,
                 dropout_p) -> str:
     """The autotuner's problem class of a call with these (op-level) arguments."""
-    return autotune.problem_key(backward, device_properties(q.device)[0], q.dtype, q.shape[-1],
-                                v.shape[-1], q.shape[2], k.shape[2], q.shape[1] // k.shape[1],
-                                window, softcap > 0.0, alibi_slopes is not None,
-                                mask_name(attn_mask), dropout_p > 0.0)
+    return autotune.problem_key(backward, device_properties(q.device)[0], *_class_fields(
+        q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p))
 
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
@@ -52,18 +58,15 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     among the registered candidates (``flash_tile.autotune``). After the first call of a
     problem class the answer comes from ``autotune.decided``, a dict hit of a few
     microseconds: this runs on every call."""
-    problem = (backward, q.device, q.dtype, q.shape[-1], v.shape[-1],
-               autotune.length_bucket(q.shape[2]), autotune.length_bucket(k.shape[2]),
-               q.shape[1] // k.shape[1], window, softcap > 0.0, alibi_slopes is not None,
-               mask_name(attn_mask), dropout_p > 0.0, autotune.settings())
+    fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p)
+    problem = (backward, q.device, *fields, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward)
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
-            key = problem_key(backward, q, k, v, window, softcap, alibi_slopes, attn_mask,
-                              dropout_p)
+            key = autotune.problem_key(backward, capability, *fields)
             config = autotune.choose(key, q.device, configs, run)
         if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
             autotune.decided[problem] = config

@@ -219,8 +219,10 @@ def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inpu
     """Whether the backward will be needed; raises for what it cannot do. ``no_grad_inputs``
     (alibi_slopes, attn_mask) get no gradient, so they must not ask for one.
 
-    The backward kernels index in 32 bits: every array they read or write (q, k, v, the mask,
-    and out, dout, dq of [B, H, Lq, Dv] / [B, H, Lq, D]) must stay below 2**31 elements."""
+    The backward kernels index in 32 bits: every array they read or write must stay below
+    2**31 elements: q, k, v and the mask through their strides, and what the backward allocates
+    as dense arrays (dq, dk, dv of q's, k's and v's shapes, out and dout of [B, H, Lq, Dv]).
+    ``_launch.launch_backward`` checks the real arrays again."""
     if not torch.is_grad_enabled():
         return False
     for name, t in no_grad_inputs.items():
@@ -231,7 +233,8 @@ def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inpu
         return False
     batch, heads, q_len, _ = q.shape
     masks = [t for t in no_grad_inputs.values() if t is not None]
-    if needs_int64_index(q, k, v, *masks) or batch * heads * q_len * v.shape[3] >= 2**31:
+    dense = (q.numel(), k.numel(), v.numel(), batch * heads * q_len * v.shape[3])
+    if needs_int64_index(q, k, v, *masks) or max(dense) >= 2**31:
         raise NotImplementedError("the backward of tensors (inputs, output or mask) with "
                                   "2**31 elements or more is not supported yet; split the "
                                   "batch")

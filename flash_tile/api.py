@@ -49,7 +49,7 @@ def _dropout_seed(dropout_p: float) -> int:
     dropout under graph capture raises instead."""
     if dropout_p == 0.0:
         return 0
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_current_stream_capturing():  # the inputs are CUDA tensors by now
         raise NotImplementedError("dropout_p > 0 under CUDA-graph capture: the seed is a "
                                   "launch argument, so every replay would drop the same "
                                   "probabilities; capture with dropout_p=0")

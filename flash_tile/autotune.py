@@ -10,8 +10,9 @@ the fastest. The winner is launched from then on with exactly the config, so the
 timed with (``_launch.hinted_kernel``).
 
 Winners persist in a JSON file per machine identity (GPU name, driver, cuda-tile and
-flash_tile versions, and ``code_digest`` of the kernels and the registry) in ``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class
-is tuned once per machine, not once per process; ``flash-tile tune`` fills it ahead of time.
+flash_tile versions, and ``code_digest`` of the kernels and the registry) in
+``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class is tuned once per
+machine, not once per process; ``flash-tile tune`` fills it ahead of time.
 
 ``FLASH_TILE_AUTOTUNE=0`` turns tuning off: every call gets the architecture's fixed default
 (``variants.default_config``), deterministic and with no timing or cache. Calls made while a

@@ -180,7 +180,6 @@ def test_int64_index_is_chosen_by_extent():
 
 def test_dropout_under_graph_capture_raises(monkeypatch):
     """A captured launch would replay one seed: dropout refuses capture, p = 0 does not care."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert api._dropout_seed(0.0) == 0
     with pytest.raises(NotImplementedError, match="CUDA-graph capture"):
@@ -200,6 +199,11 @@ def test_backward_past_32_bit_indexing_raises_before_launch():
         _validate.check_grad(q, k, grad_meta(1, 32, 16, 64), attn_mask=big_mask)
     with pytest.raises(NotImplementedError, match="output"):  # out is [1, 32, 2**16, 2**10]
         _validate.check_grad(q, k, grad_meta(1, 32, 16, 2**10))
+    # k and v broadcast over a batch of 2**11 (stride 0): small offsets, but dk and dv are
+    # allocated dense, of 2**31 elements.
+    wide_kv = grad_meta(1, 32, 2**10, 64).expand(2**11, 32, 2**10, 64)
+    with pytest.raises(NotImplementedError, match="2\\*\\*31"):
+        _validate.check_grad(grad_meta(2**11, 32, 1, 64), wide_kv, wide_kv)
 
 
 def test_flash_attn_positional_order_matches_flash_attn():
