@@ -219,6 +219,11 @@ AHEAD_REGISTERED = [(max_dim, config) for max_dim, config in variants.registered
                     if config.qk_ahead]
 
 
+def test_qk_ahead_variants_are_registered():
+    """The check below is parametrized by them: an empty list would skip it silently."""
+    assert AHEAD_REGISTERED
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,config", AHEAD_REGISTERED,
                          ids=[_name("sm_90", *c) for c in AHEAD_REGISTERED])

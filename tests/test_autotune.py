@@ -216,17 +216,37 @@ def test_switched_off_or_capturing_gives_the_default_untimed(cache_dir, monkeypa
     assert not (cache_dir / "autotune-test.json").exists()
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("backward", [False, True])
 def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head_dim, backward):
     configs = variants.candidates(capability, head_dim, backward)
     pick = variants.default_backward_config if backward else variants.default_config
     assert configs[0] == pick(capability, head_dim)
     assert len(set(configs)) == len(configs)
-    fitting = {c for max_dim, c in variants.registered(capability, backward)
-               if head_dim <= max_dim}
-    assert set(configs[1:]) == fitting - {configs[0]}
+
+
+@pytest.mark.parametrize("head_dim,backward,expected", [
+    (64, False, ["128x128 num_worker_warps=8", "64x128", "128x64 occupancy=2",
+                 "64x64 occupancy=2", "128x64 num_worker_warps=8", "128x64 occupancy=1",
+                 "64x32 occupancy=2", "128x128 num_worker_warps=8 qk_ahead",
+                 "128x64 num_worker_warps=8 qk_ahead", "64x64 occupancy=2 qk_ahead",
+                 "64x128 qk_ahead"]),
+    (128, False, ["128x128 num_worker_warps=8", "64x128", "128x64 occupancy=2",
+                  "64x64 occupancy=2", "128x64 num_worker_warps=8", "128x64 occupancy=1",
+                  "64x32 occupancy=2", "128x64 num_worker_warps=8 qk_ahead",
+                  "64x64 occupancy=2 qk_ahead", "64x128 qk_ahead"]),
+    (256, False, ["64x128", "64x64 occupancy=2", "128x64 num_worker_warps=8",
+                  "64x32 occupancy=2", "64x64 occupancy=2 qk_ahead"]),
+    (128, True, ["128x64 num_worker_warps=8", "64x64 num_worker_warps=8", "64x64",
+                 "64x128 num_worker_warps=8"]),
+    (256, True, ["64x64 num_worker_warps=8"]),
+])
+def test_sm90_candidates_are_those_registered_for_the_head_dim(head_dim, backward, expected):
+    """The H200's lists, written out: an entry's largest head dim keeps it out of wider heads
+    (128x128 qk_ahead spills at D=128; 128x64 and 64x128 qk_ahead do not interleave at 256)."""
+    assert [autotune.describe(c) for c in variants.candidates((9, 0), head_dim, backward)] \
+        == expected
 
 
 def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch):

@@ -21,7 +21,8 @@ def test_inspect_compiles_the_asked_for_schedule(tmp_path, capsys):
         sass = tmp_path / f"k{len(extra)}.sass"
         assert main(["inspect", "--arch", "sm_90", "--head-dim", "64", "--tile-m", "128",
                      "--tile-n", "64", "--sass-out", str(sass), *extra]) == 0
-        assert "128x64" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "128x64" in out and ("qk_ahead" in out) == bool(extra)
         listings.append(sass.read_text())
     assert listings[0] != listings[1]
 
@@ -85,7 +86,7 @@ def test_doctor_reports_variants_and_autotuning(switch, tmp_path, capsys, monkey
     monkeypatch.setattr(cli, "_smoke_test", lambda problems: None)
     monkeypatch.setenv(autotune.ENV_SWITCH, switch)
     monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
-    assert main(["doctor"]) == (0 if _validate.find_tileiras() else 1)
+    assert main(["doctor"]) == 0  # the dev install has tileiras (test_validation checks it)
     out = capsys.readouterr().out
     assert "cuda:0: NVIDIA H200, sm_90" in out
     assert "forward 128x128 num_worker_warps=8, backward 128x64 num_worker_warps=8" in out

@@ -11,7 +11,7 @@ import torch
 
 import flash_tile
 from flash_tile import _launch, autotune, variants
-from flash_tile.reference import attention_dense, check_error
+from flash_tile.reference import attention_dense, check_error, kv_tile_runs
 
 pytestmark = pytest.mark.gpu
 
@@ -54,10 +54,13 @@ AHEAD_CASES = [(d, c) for d, c in CASES if c.qk_ahead]
 @pytest.mark.parametrize("head_dim,config", AHEAD_CASES, ids=_ids(AHEAD_CASES))
 def test_qk_ahead_under_every_score_feature(head_dim, config, mask_kind):
     """qk_ahead carries each key tile's raw scores into the next step, across the runs of
-    masked and unmasked tiles: a two-sided window (both masked runs), with softcap, ALiBi and
-    an attention mask applied to the carried scores."""
+    masked and unmasked tiles: a two-sided window wide enough that some query tile has all
+    three runs, with softcap, ALiBi and an attention mask applied to the carried scores."""
     q, k, v = _inputs(head_dim)
-    offset, window, scale, softcap = 333 - 203, (70, 40), head_dim ** -0.5, 20.0
+    offset, window, scale, softcap = 333 - 203, (200, 150), head_dim ** -0.5, 20.0
+    runs = [kv_tile_runs(m, config.tile_m, config.tile_n, 333, offset, window)
+            for m in range(0, 203, config.tile_m)]
+    assert any(a < b < c < d for a, b, c, d in runs), runs
     slopes = torch.rand(2, 4, device="cuda") * 0.1
     if mask_kind == "bool":
         mask = torch.rand(2, 4, 203, 333, device="cuda") > 0.2
