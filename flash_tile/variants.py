@@ -206,7 +206,7 @@ _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
     # At D=128 on the H200 128x64 with 8 worker warps won (3.64 ms against 4.05 for 64x64 and
-    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 37-51% slower there. Neither
+    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 43-66% slower there. Neither
     # new entry spills at D<=128; 32x64 spills 410 in dQ at D=128.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, TileConfig(tile_m=64, tile_n=64)),
