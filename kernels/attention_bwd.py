@@ -101,26 +101,31 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, 
     return dk, dv
 
 
+def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, i, dk, dv,
+                offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES, GROUP: ConstInt,
+                HEADS: ConstInt):
+    """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
+    for h in range(HEADS):
+        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
+                            kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop, TILES,
+                            MASKED, FEATURES)
+    return dk, dv
+
+
 def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, runs, dk, dv,
                offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
     """The query tiles the band lets through (masked edges, unmasked middle), each for the
     HEADS query heads from group member g_first on; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
-        for h in range(HEADS):
-            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
-                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
-                                TILES, True, FEATURES)
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
+                             i, dk, dv, offs_k, band, drop, TILES, True, FEATURES, GROUP, HEADS)
     for i in range(i_inner, i_outer):
-        for h in range(HEADS):
-            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
-                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
-                                TILES, False, FEATURES)
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
+                             i, dk, dv, offs_k, band, drop, TILES, False, FEATURES, GROUP, HEADS)
     for i in range(i_outer, i_end):
-        for h in range(HEADS):
-            dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
-                                kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop,
-                                TILES, True, FEATURES)
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
+                             i, dk, dv, offs_k, band, drop, TILES, True, FEATURES, GROUP, HEADS)
     return dk, dv
 
 
