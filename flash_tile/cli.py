@@ -94,7 +94,8 @@ def _gpu_demo():
     device = torch.cuda.current_device()
     capability = torch.cuda.get_device_capability(device)
     print(f"GPU: {torch.cuda.get_device_name(device)} ({variants.arch_name(capability)}), "
-          f"tile config {variants.default_config(capability)}")
+          f"default forward variant {autotune.describe(variants.default_config(capability))} "
+          f"(the autotuner may pick another)")
     sdpa = torch.nn.functional.scaled_dot_product_attention
     print(f"{'B':>3} {'H':>3} {'L':>6} {'D':>4} {'causal':>6}  {'max err':>8} {'torch err':>9}"
           f"  {'flash_tile':>10} {'SDPA':>9}  ratio")

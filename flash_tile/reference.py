@@ -165,7 +165,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     k_len = k.shape[2]
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
-    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
+    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len) \
+        if dropout_p > 0.0 else None
 
     for m_start in range(0, q_len, tile_m):
         q_tile = q[:, :, m_start:m_start + tile_m]  # [B, H, rows, D], rows <= TILE_M
@@ -185,8 +186,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]
             l_i = l_i * alpha + p.sum(dim=-1, keepdim=True)
-            z = keep[:, :, m_start:m_start + rows, j * tile_n:(j + 1) * tile_n]
-            acc = acc * alpha + (p * z) @ v_tile  # z is all True without dropout
+            if keep is not None:
+                p = p * keep[:, :, m_start:m_start + rows, j * tile_n:(j + 1) * tile_n]
+            acc = acc * alpha + p @ v_tile
             m_i = m_new
         empty = l_i == 0.0
         out[:, :, m_start:m_start + rows] = acc / torch.where(empty, 1.0, l_i) / (1 - dropout_p)
@@ -224,9 +226,15 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         delta = delta - dlse.detach().to("cpu", torch.float64)
     lse_log2 = lse * LOG2_E
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # The keep bits scaled by 1 / (1 - p): all ones without dropout.
-    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
-    zr = keep.to(torch.float64) / (1 - dropout_p)
+    # The keep bits scaled by 1 / (1 - p), or None without dropout.
+    zr = None
+    if dropout_p > 0.0:
+        keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
+        zr = keep.to(torch.float64) / (1 - dropout_p)
+
+    def dropped(x, rows, cols):
+        """x [B, H, rows, cols] as dropout leaves it (x itself without dropout)."""
+        return x if zr is None else x * zr[:, :, rows, cols]
 
     def probs(m_start, n_start, masked):
         """P [B, H, rows, cols] and ds/dx for one tile pair, from the saved LSE."""
@@ -239,7 +247,7 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def dx(p, dscore, m_start, n_start):
         """dS * ds/dx: the gradient of the raw products q.k of one tile pair."""
         rows, cols = slice(m_start, m_start + tile_m), slice(n_start, n_start + tile_n)
-        dp = dout[:, :, rows] @ v[:, :, cols].transpose(-1, -2) * zr[:, :, rows, cols]
+        dp = dropped(dout[:, :, rows] @ v[:, :, cols].transpose(-1, -2), rows, cols)
         return p * (dp - delta[:, :, rows, None]) * dscore
 
     for n_start in range(0, k_len, tile_n):  # dK/dV: one key tile, its query tiles
@@ -249,7 +257,7 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         for i in range(i_start, i_end):
             p, dscore = probs(i * tile_m, n_start, not i_inner <= i < i_outer)
             rows = slice(i * tile_m, (i + 1) * tile_m)
-            dv[:, :, keys] += (p * zr[:, :, rows, keys]).transpose(-1, -2) @ dout[:, :, rows]
+            dv[:, :, keys] += dropped(p, rows, keys).transpose(-1, -2) @ dout[:, :, rows]
             dk[:, :, keys] += dx(p, dscore, i * tile_m, n_start).transpose(-1, -2) @ q[:, :, rows]
     for m_start in range(0, q_len, tile_m):  # dQ: one query tile, its key tiles
         n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
