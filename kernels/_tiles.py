@@ -179,34 +179,46 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
     """The scores of one tile pair in log2 units from the raw products ``s`` = q . k (or their
     transpose): softcap, ALiBi, the attention mask and, when MASKED, the band (-inf outside).
 
-    Returns (s, factor, t), the scores being s * factor. Under DEFER_SCALE plain scores (no
-    softcap, ALiBi or additive mask) come back unscaled with factor = scale * log2(e): the
+    Returns (s, factor, dscore), the scores being s * factor. Under DEFER_SCALE plain scores
+    (no softcap, ALiBi or additive mask) come back unscaled with factor = scale * log2(e): the
     forward applies it after its row max, one multiply a row (the scale is positive);
-    otherwise factor is 1. ``t`` is tanh(scale * q.k / softcap) under SOFTCAP, which the
-    backward's ds/dx needs, else the raw ``s``.
+    otherwise factor is 1. ``dscore`` is ds/dx, the derivative of a score with respect to its
+    raw product q.k, which the backward needs: scale * (1 - tanh^2) under SOFTCAP, else the
+    scale.
     """
     batch, head, offs_q, slope, _ = rows
     _, qk_scale, softcap, diag_offset, _, _ = band
     _, _, _, SOFTCAP, ALIBI, ATTN_MASK, _ = FEATURES
     factor = qk_scale * LOG2_E
-    t = s
+    dscore = qk_scale
     if SOFTCAP:
         t = ct.tanh(s * (qk_scale / softcap))
         s = t * (softcap * LOG2_E)
+        dscore = qk_scale * (1.0 - t * t)
         factor = 1.0
     elif not DEFER_SCALE:
         s = s * factor
         factor = 1.0
+    # Under DEFER_SCALE the factor still owed (1.0 after a softcap) is folded into the add;
+    # otherwise the scores are scaled already and the add is all there is.
     if ALIBI:
-        s = s * factor + alibi_bias_log2(offs_q, offs_k, diag_offset, slope)
+        bias = alibi_bias_log2(offs_q, offs_k, diag_offset, slope)
+        if DEFER_SCALE:
+            s = s * factor + bias
+        else:
+            s = s + bias
         factor = 1.0
     if ATTN_MASK != NO_MASK:
         mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
         if ATTN_MASK == BOOL_MASK:
             s = ct.where(mask, s, -math.inf)
         else:
-            s = s * factor + mask.astype(ct.float32) * LOG2_E
+            add = mask.astype(ct.float32) * LOG2_E
+            if DEFER_SCALE:
+                s = s * factor + add
+            else:
+                s = s + add
             factor = 1.0
     if MASKED:
         s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
-    return s, factor, t
+    return s, factor, dscore

@@ -47,13 +47,8 @@ POS_INF = ct.PaddingMode.POS_INF
 def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
            TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool):
     """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed."""
-    _, qk_scale, _, _, _, _ = band
-    _, _, _, SOFTCAP, _, _, _ = FEATURES
-    s, _, t = log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q, TILE_K, MASKED,
-                          FEATURES, TRANSPOSED, False)
-    dscore = qk_scale
-    if SOFTCAP:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
-        dscore = qk_scale * (1.0 - t * t)
+    s, _, dscore = log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q, TILE_K,
+                               MASKED, FEATURES, TRANSPOSED, False)
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
