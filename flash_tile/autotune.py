@@ -164,7 +164,8 @@ def describe(config: variants.TileConfig) -> str:
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
-    hints += [name for name in ("qk_ahead", "group_inner") if getattr(config, name)]
+    if config.group_inner:
+        hints.append("group_inner")
     return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 
 

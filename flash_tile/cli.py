@@ -57,12 +57,11 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full Tile IR written to {tile_ir_out}")
 
 
-def _config_for(arch, head_dim, tile_m=None, tile_n=None, qk_ahead=False):
+def _config_for(arch, head_dim, tile_m=None, tile_n=None):
     config = variants.default_config(variants.capability_of(arch), head_dim)
-    # The default's hints and switches, with the asked-for tile shape and schedule.
+    # The default's hints, with the asked-for tile shape.
     return dataclasses.replace(config, tile_m=tile_m or config.tile_m,
-                               tile_n=tile_n or config.tile_n,
-                               qk_ahead=qk_ahead or config.qk_ahead)
+                               tile_n=tile_n or config.tile_n)
 
 
 def _cpu_reference_demo():
@@ -133,7 +132,7 @@ def demo(args):
 
 def inspect(args):
     _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
-    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n, args.qk_ahead)
+    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out, args.tile_ir_out)
 
@@ -286,8 +285,6 @@ def main(argv=None):
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
     p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")
-    p.add_argument("--qk-ahead", action="store_true",
-                   help="form each key tile's S one K-loop step early (the qk_ahead switch)")
     p.add_argument("--sass-out", help="write the full SASS listing to this file")
     p.add_argument("--tile-ir-out", help="write the Tile IR listing to this file")
     p.set_defaults(func=inspect)

@@ -18,8 +18,7 @@ class TileConfig:
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
-    (1-10) of its K and V tile loads; ``qk_ahead`` forms each key tile's scores one K-loop step
-    early, so that their matmul can overlap the previous tile's softmax.
+    (1-10) of its K and V tile loads.
     """
 
     tile_m: int = 64
@@ -30,7 +29,6 @@ class TileConfig:
     group_inner: bool = False
     latency_k: int = 2
     latency_v: int = 4
-    qk_ahead: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n"):
@@ -68,11 +66,14 @@ def tile_width(dim: int, least: int = 16) -> int:
 # had 128x64 o2 ahead at D=64 and 64x64 o2 / 128x64 o2 trading places at D=128; the
 # occupancy hint moved a plain 64x64 forward from about 400 to about 510 TFLOP/s, and 128x128
 # without the 8-warp hint fell to about 250 (255 registers, 620 LDL/STL).
-# - D=256: 64x128, 8-13% faster than 64x64 o2 (1.92 against 2.20 ms at 4k); 128x64 spills
+# - D=256: 128x64 with 8 worker warps, the two-group split again (no spills). It won all 10
+#   bf16 classes (L 1k-16k, causal and not) [H200, session 6, 2026-11-30, same stack;
+#   bench/results/tuning-h200-session6.json], 10-17% ahead of 64x128, the default until then
+#   (3.30 against 3.72 ms at 16k, non-causal), and 27-44% ahead of 64x64 o2. 128x64 spills
 #   without the 8-warp hint.
 SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
-SM90_WIDE = TileConfig(tile_m=64, tile_n=128)
+SM90_WIDE = TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)
 
 # Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (160 and
 # 218 registers, cp.async + 128-bit loads); 64x64 spills 16 LDL/STL at D=64. Above D=128 64x32
@@ -168,11 +169,11 @@ _FORWARD_CANDIDATES = {
     # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
     # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    # Beside the defaults [H200, session 5, as above]: 128x64 o2 wins D=64 at L 1k/2k; 64x64
-    # o2 was the D=128 default until session 5. 128x64 o1 and 64x32 o2 never won (25-50%
-    # slower) and stay as controls for other Hopper parts; so does 128x64 with 8 worker warps
-    # (no spills at D=64/128/256, 168 registers; 0.4-56% behind 128x128 at D<=128, 3-25%
-    # from 2k on).
+    # Beside the defaults [H200, sessions 5 and 6, as above]: 128x64 o2 wins D=64 at L 1k/2k;
+    # 64x64 o2 was the D=128 default until session 5.
+    # 128x64 o1 and 64x32 o2 never won (25-50% slower) and stay as controls for other Hopper
+    # parts. SM90_WIDE (no spills at D=64/128/256, 168 registers) is timed at D<=128 too:
+    # 0.4-56% behind 128x128 there, 3-25% from 2k on.
     # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
     # instead of 36 HGMMA: tileiras pipelines the K-loop less deep) and a longest-first order
     # of the query tiles on 64x64 o2 and 128x64 o2. Against their own base tile they moved
@@ -180,22 +181,21 @@ _FORWARD_CANDIDATES = {
     # the order cannot matter: the noise of one tuning pass. Neither was ever the fastest by
     # more than 1.4%; at D=128 from 2k on 128x128 with 8 worker warps was 3-12% ahead of the
     # better of the two.
-    # Not yet timed [session 5, SASS of tileiras 13.4, bf16]: qk_ahead. Without it each warp
-    # group waits for S = QK^T, runs the softmax, then issues PV: nothing overlaps the exp2s.
-    # With it the next tile's S wgmmas are issued between them (`HGMMA e*13 HGMMA e*14 ...`),
-    # as FA3 overlaps them by hand. Each is registered up to the largest head dim where it
-    # interleaves without spills: 128x128 spills 18 LDL/STL at D=128 causal, and at D=256
-    # 128x64 and 64x128 issue the next S only after the exp2s. One unused tile of S per
-    # program.
+    # Tried and dropped in session 6 (bf16, 30 classes, D 64/128/256; NOTES.md): forming each
+    # key tile's S one K-loop step early (a QK_AHEAD switch, FA3's intra-warpgroup overlap,
+    # whose SASS interleaved the next S wgmmas with the exp2s) on four of these tiles. It was
+    # the fastest in 1 class of 30 (D=64 16k causal, 2.1% ahead of the same tile without it);
+    # the best of them trailed the best plain tile by 0-23% at D=64, 0.3-10% at D=128 and
+    # 28-57% at D=256. The two-group tiles already overlap one group's softmax with the
+    # other's wgmmas, and the switch cost an extra S fragment and one unused tile of S.
+    # Dropped in session 6 too: 64x128, the D=256 default until then. It was never the fastest
+    # (24-60% behind at D<=128, 10-17% at D=256), and at D=256 it spills 178 LDL/STL under a
+    # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
+    # on top, found by tests/test_gpu_variants.py and reproduced with flash_tile.aot.
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
-             (256, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
-             (64, TileConfig(tile_m=128, tile_n=128, num_worker_warps=8, qk_ahead=True)),
-             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8, qk_ahead=True)),
-             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2, qk_ahead=True)),
-             (128, TileConfig(tile_m=64, tile_n=128, qk_ahead=True))),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

@@ -47,15 +47,12 @@ def test_every_forward_variant(head_dim, config):
     assert report["ok"], report
 
 
-AHEAD_CASES = [(d, c) for d, c in CASES if c.qk_ahead]
-
-
 @pytest.mark.parametrize("mask_kind", ["additive", "bool"])
-@pytest.mark.parametrize("head_dim,config", AHEAD_CASES, ids=_ids(AHEAD_CASES))
-def test_qk_ahead_under_every_score_feature(head_dim, config, mask_kind):
-    """qk_ahead carries each key tile's raw scores into the next step, across the runs of
-    masked and unmasked tiles: a two-sided window wide enough that some query tile has all
-    three runs, with softcap, ALiBi and an attention mask applied to the carried scores."""
+@pytest.mark.parametrize("head_dim,config", CASES, ids=_ids(CASES))
+def test_every_forward_variant_under_every_score_feature(head_dim, config, mask_kind):
+    """The tuner may pick any candidate for a class with features: a two-sided window wide
+    enough that some query tile has all three runs of key tiles (masked, unmasked, masked),
+    with softcap, ALiBi and an attention mask on the scores."""
     q, k, v = _inputs(head_dim)
     offset, window, scale, softcap = 333 - 203, (200, 150), head_dim ** -0.5, 20.0
     runs = [kv_tile_runs(m, config.tile_m, config.tile_n, 333, offset, window)
