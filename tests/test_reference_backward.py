@@ -30,6 +30,18 @@ def _autograd_reference(q, k, v, scale, offset, window, softcap, slopes, mask, d
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _mask(kind, batch, heads, q_len, k_len, gen):
+    """None, a boolean mask broadcast over heads with query row 2 hidden, or an additive one
+    broadcast over batch and query rows."""
+    if kind == "bool":
+        mask = torch.rand(batch, 1, q_len, k_len, generator=gen) > 0.3
+        mask[..., 2, :] = False
+        return mask
+    if kind == "additive":
+        return torch.randn(1, heads, 1, k_len, generator=gen, dtype=torch.float64)
+    return None
+
+
 @pytest.mark.parametrize("lse_grad", [False, True], ids=["dout", "dout+dlse"])
 @pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (32, 16)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
@@ -45,12 +57,7 @@ def test_backward_twin_matches_autograd(case, tiles, lse_grad):
     dout = randn(batch, heads, q_len, dv)
     dlse = randn(batch, heads, q_len) if lse_grad else None  # as when ring attention merges
     slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64) * 0.3 if alibi else None
-    mask = None
-    if mask_kind == "bool":
-        mask = torch.rand(batch, 1, q_len, k_len, generator=gen) > 0.3
-        mask[..., 2, :] = False
-    elif mask_kind == "additive":
-        mask = randn(1, heads, 1, k_len)
+    mask = _mask(mask_kind, batch, heads, q_len, k_len, gen)
     scale, offset = 0.8 / math.sqrt(d), k_len - q_len
     tile_m, tile_n = tiles
     out, lse = attention_tiles(q, k, v, scale, offset, window, softcap, slopes, mask,
@@ -68,13 +75,14 @@ def test_backward_twin_matches_autograd(case, tiles, lse_grad):
     assert (grads[0][:, :, empty] == 0).all()
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6]], ids=["gqa", "window-mqa",
-                                                                       "softcap-alibi"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6], CASES[7], CASES[8]],
+                         ids=["gqa", "window-mqa", "softcap-alibi", "bool-mask",
+                              "alibi-additive-mask"])
 @pytest.mark.parametrize("p", [0.2, 0.7])
 def test_backward_twin_with_dropout_matches_autograd(case, p):
     """dV and dP see the dropped, rescaled probabilities and dS the undropped ones: the twin
     against autograd through the dense reference with the same keep bits."""
-    (batch, heads, kv_heads, q_len, k_len, d, dv), window, softcap, alibi, _ = case
+    (batch, heads, kv_heads, q_len, k_len, d, dv), window, softcap, alibi, mask_kind = case
     gen = torch.Generator().manual_seed(q_len + 5 * k_len)
 
     def randn(*shape):
@@ -84,14 +92,15 @@ def test_backward_twin_with_dropout_matches_autograd(case, p):
         randn(batch, kv_heads, k_len, dv)
     dout = randn(batch, heads, q_len, dv)
     slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64) * 0.3 if alibi else None
+    mask = _mask(mask_kind, batch, heads, q_len, k_len, gen)
     scale, offset, seed = 0.8 / math.sqrt(d), k_len - q_len, 31337
-    out, lse = attention_tiles(q, k, v, scale, offset, window, softcap, slopes, None, 16, 32,
+    out, lse = attention_tiles(q, k, v, scale, offset, window, softcap, slopes, mask, 16, 32,
                                dropout_p=p, dropout_seed=seed)
     grads = attention_tiles_backward(q, k, v, out, lse, dout, scale, offset, window, softcap,
-                                     slopes, None, 16, 32, dropout_p=p, dropout_seed=seed)
+                                     slopes, mask, 16, 32, dropout_p=p, dropout_seed=seed)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = attention_dense(*leaves, scale, offset, window, softcap, slopes, dropout_p=p,
-                              dropout_seed=seed)
+    ref_out = attention_dense(*leaves, scale, offset, window, softcap, slopes, mask,
+                              dropout_p=p, dropout_seed=seed)
     ref_out.backward(dout)
     torch.testing.assert_close(out, ref_out.detach(), rtol=1e-10, atol=1e-10)
     for name, grad, leaf in zip(("dq", "dk", "dv"), grads, leaves):
