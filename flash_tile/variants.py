@@ -68,7 +68,7 @@ def tile_width(dim: int, least: int = 16) -> int:
 # without the 8-warp hint fell to about 250 (255 registers, 620 LDL/STL).
 # - D=256: 128x64 with 8 worker warps, the two-group split again (no spills). It won all 10
 #   bf16 classes (L 1k-16k, causal and not) [H200, session 6, 2026-11-30, same stack;
-#   bench/results/tuning-h200-session6.json], 10-17% ahead of 64x128, the default until then
+#   bench/results/tuning-h200-session6.json], 9.5-17% ahead of 64x128, the default until then
 #   (3.30 against 3.72 ms at 16k, non-causal), and 27-44% ahead of 64x64 o2. 128x64 spills
 #   without the 8-warp hint.
 SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
@@ -170,10 +170,10 @@ _FORWARD_CANDIDATES = {
     # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
     # Beside the defaults [H200, sessions 5 and 6, as above]: 128x64 o2 wins D=64 at L 1k/2k;
-    # 64x64 o2 was the D=128 default until session 5.
-    # 128x64 o1 and 64x32 o2 never won (25-50% slower) and stay as controls for other Hopper
-    # parts. SM90_WIDE (no spills at D=64/128/256, 168 registers) is timed at D<=128 too:
-    # 0.4-56% behind 128x128 there, 3-25% from 2k on.
+    # 64x64 o2 was the D=128 default until session 5. 128x64 o1 and 64x32 o2 never won
+    # (15-77% slower at D<=128; 64x32 o2 65-118% at D=256, session 6) and stay as controls
+    # for other Hopper parts. SM90_WIDE (no spills at D=64/128/256, 168 registers) is timed
+    # at D<=128 too: 0.4-56% behind 128x128 there, 3-25% from 2k on (session 5).
     # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
     # instead of 36 HGMMA: tileiras pipelines the K-loop less deep) and a longest-first order
     # of the query tiles on 64x64 o2 and 128x64 o2. Against their own base tile they moved
@@ -189,7 +189,7 @@ _FORWARD_CANDIDATES = {
     # 28-57% at D=256. The two-group tiles already overlap one group's softmax with the
     # other's wgmmas, and the switch cost an extra S fragment and one unused tile of S.
     # Dropped in session 6 too: 64x128, the D=256 default until then. It was never the fastest
-    # (24-60% behind at D<=128, 10-17% at D=256), and at D=256 it spills 178 LDL/STL under a
+    # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
     # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
     # on top, found by tests/test_gpu_variants.py and reproduced with flash_tile.aot.
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),

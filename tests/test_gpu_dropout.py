@@ -88,7 +88,7 @@ def test_dropout_under_softcap_alibi_and_a_window(monkeypatch):
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_dropout_under_an_attention_mask(kind, monkeypatch):
     """SDPA's mask and dropout together: the mask shapes the softmax, the keep bits act after
-    it. The boolean mask hides whole rows of some heads (their output and gradients are 0)."""
+    it. The boolean mask hides query row 5 in every head (its output and gradients are 0)."""
     monkeypatch.setattr(api, "_dropout_seed", lambda dropout_p: SEED)
     q, k, v = (torch.randn(2, 4, n, 64, device="cuda", dtype=torch.bfloat16)
                for n in (130, 177, 177))
