@@ -162,6 +162,25 @@ def _fill_unused(device, lse, alibi_slopes, attn_mask):
             unused if attn_mask is None else attn_mask)
 
 
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                   attn_mask: torch.Tensor | None, scale: float, softcap: float,
+                   diag_offset: int, window: tuple[int, int], config: TileConfig,
+                   dropout: Dropout = NO_DROPOUT) -> tuple:
+    """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
+    ``ct.launch``. Arguments as ``launch_forward``."""
+    batch, heads, q_len, head_dim = q.shape
+    spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
+                        alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
+                        dropout.p > 0.0)
+    lse, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
+    args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
+            int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
+            *spec.constants())
+    kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
+    return forward_grid(q_len, heads, batch, config), kernel, args
+
+
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
@@ -177,16 +196,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     for window = (left, right), -1 leaving that side unbounded (causal: right = 0).
     ``dropout`` (p > 0) drops attention probabilities after the softmax (the LSE is unchanged).
     """
-    batch, heads, q_len, head_dim = q.shape
-    spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
-                        alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
-                        dropout.p > 0.0)
-    lse, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
-    args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
-            int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
-            *spec.constants())
-    grid = forward_grid(q_len, heads, batch, config)
-    kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
+    grid, kernel, args = forward_launch(q, k, v, out, lse, alibi_slopes, attn_mask, scale,
+                                        softcap, diag_offset, window, config, dropout)
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
 

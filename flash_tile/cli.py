@@ -138,7 +138,7 @@ def inspect(args):
 
 
 BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
-              "backward": "bench_backward.py"}
+              "backward": "bench_backward.py", "launch": "bench_launch.py"}
 
 
 def bench(args):

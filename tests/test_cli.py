@@ -48,6 +48,17 @@ def test_bench_runs_the_source_tree_scripts(tmp_path):
     assert (tmp_path / "replot.png").stat().st_size > 10_000
 
 
+def test_every_bench_suite_names_a_script_of_the_source_tree():
+    import pathlib
+
+    from flash_tile.cli import BENCHMARKS
+
+    folder = pathlib.Path(__file__).parent.parent / "bench"
+    assert sorted(BENCHMARKS) == ["backward", "features", "forward", "launch"]
+    for suite, script in BENCHMARKS.items():
+        assert (folder / script).is_file(), suite
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_tune_without_gpu_says_what_is_missing(capsys, monkeypatch):
     monkeypatch.setenv("FLASH_TILE_AUTOTUNE", "1")

@@ -1,0 +1,145 @@
+"""Host cost of one forward call, layer by layer, beside SDPA's.
+
+On short problems the host can take longer to issue a call than the GPU takes to run it; the
+forward benchmark's 1k rows then measure the host, not the kernel. This script splits a call
+into the layers it passes through and times each on its own, with the default variant
+(``FLASH_TILE_AUTOTUNE=0``: no tuning inside the timed calls):
+
+  flash_attn_func   the public call: validation, layout, the custom op and everything below
+  custom op         ``torch.ops.flash_tile.attention_forward``: the dispatcher, ``_choose``,
+                    the output allocation and the launch (what the public call adds to it is
+                    validation and layout)
+  launch_forward    the output allocation and ``_launch.launch_forward``: the autotuner's path
+  ct.launch         cuTile's launch of a prebuilt argument tuple alone
+  sdpa              ``torch.nn.functional.scaled_dot_product_attention`` (torch's backend choice)
+
+For each layer, ``host us`` is the wall time per call over ITERS calls issued back to back on
+a problem small enough that the GPU never holds the host up (B=1, H=1, L=128). At the benchmark
+grid's row for ``--length`` and ``--head-dim``, ``ms per call`` is the wall time per call of
+back-to-back calls (synchronised at the end) and ``device ms`` the GPU's time per call with
+the calls queued behind a sleep kernel, so that no launch gap is counted (CUDA events around
+single calls, as the benchmarks take them, count the gap when the host is slower than the
+GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace.
+
+    python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
+
+Writes <out>.json and <out>.md.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import cuda.tile as ct
+import torch
+import torch.nn.functional as F
+
+import flash_tile
+from flash_tile import _launch, _ops, variants
+from flash_tile._timing import grid_shape
+from bench_attention import machine_info, md_table
+
+ITERS = 200
+# GPU clock cycles of the sleep that the calls of ``device_ms`` queue behind (about 25 ms on
+# an H200), more than the host needs to issue them.
+SLEEP_CYCLES = 50_000_000
+
+
+def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> dict:
+    """Zero-argument callables, one per layer, for q, k, v in flash-attn's [B, L, H, D]."""
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
+    right = 0 if causal else -1
+    config = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
+
+    def tuner_path():
+        out, _ = _ops._forward_outputs(qb, vb, False)
+        _launch.launch_forward(qb, kb, vb, out, None, None, None, scale, 0.0, offset,
+                               (-1, right), config)
+
+    out, _ = _ops._forward_outputs(qb, vb, False)
+    grid, kernel, args = _launch.forward_launch(qb, kb, vb, out, None, None, None, scale, 0.0,
+                                                offset, (-1, right), config)
+    stream = torch.cuda.current_stream(q.device)
+    return {
+        "flash_attn_func": lambda: flash_tile.flash_attn_func(q, k, v, causal=causal),
+        "custom op": lambda: torch.ops.flash_tile.attention_forward(
+            qb, kb, vb, None, None, scale, 0.0, offset, -1, right, False),
+        "launch_forward": tuner_path,
+        "ct.launch": lambda: ct.launch(stream, grid, kernel, args),
+        "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal),
+    }
+
+
+def wall_us(fn, iters: int = ITERS) -> float:
+    """Wall microseconds per call of ``iters`` back-to-back calls, synchronised at the end."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def device_ms(fn, iters: int = 20) -> float:
+    """GPU milliseconds per call of ``iters`` calls issued while the GPU sleeps, so that they
+    run back to back with no launch gap."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def inputs(batch: int, heads: int, length: int, head_dim: int, dtype) -> list:
+    return [torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype)
+            for _ in range(3)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default="bench/out/launch", help="output path prefix")
+    args = parser.parse_args()
+    os.environ["FLASH_TILE_AUTOTUNE"] = "0"
+
+    tiny = layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16), args.causal)
+    batch, heads = grid_shape(args.length, args.head_dim)
+    row = layers(*inputs(batch, heads, args.length, args.head_dim, torch.bfloat16),
+                 args.causal)
+    rows = []
+    for name in tiny:
+        rows.append({"layer": name, "host_us": round(wall_us(tiny[name]), 1),
+                     "ms_per_call": round(wall_us(row[name]) / 1e3, 4),
+                     "device_ms": round(device_ms(row[name]), 4)})
+        print(rows[-1], flush=True)
+
+    info = machine_info()
+    shape = (f"bf16, B={batch}, H={heads}, L={args.length}, D={args.head_dim}, "
+             f"causal={args.causal}")
+    body = md_table(["layer", "host us (B=1, H=1, L=128)", f"ms per call ({shape})",
+                     "device ms (queued)"],
+                    [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]]
+                     for r in rows])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"machine": info, "shape": shape, "rows": rows}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"Host cost per forward call, layer by layer, on {info['gpu']} "
+                f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}; "
+                f"default variants).\n\n{body}\n")
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
