@@ -27,7 +27,6 @@ Writes <out>.json and <out>.md.
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 import flash_tile
 from flash_tile import _launch, _ops, variants
 from flash_tile._timing import grid_shape
-from bench_attention import machine_info, md_table
+from bench_attention import machine_info, md_table, save_json, write_report
 
 ITERS = 200
 # GPU clock cycles of the sleep that the calls of ``device_ms`` queue behind (about 25 ms on
@@ -132,13 +131,8 @@ def main():
                     [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]]
                      for r in rows])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"machine": info, "shape": shape, "rows": rows}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(f"Host cost per forward call, layer by layer, on {info['gpu']} "
-                f"({info['date']}, torch {info['torch']}, cuda-tile {info['cuda_tile']}; "
-                f"default variants).\n\n{body}\n")
-    print(body)
+    save_json(args.out, info, shape=shape, rows=rows)
+    print(write_report(args.out, "Host cost per forward call, layer by layer,", info, body))
 
 
 if __name__ == "__main__":

@@ -164,8 +164,7 @@ def describe(config: variants.TileConfig) -> str:
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
-    if config.group_inner:
-        hints.append("group_inner")
+    hints += [name for name in ("group_inner", "dq_atomic") if getattr(config, name)]
     return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 
 

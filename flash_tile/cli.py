@@ -138,7 +138,8 @@ def inspect(args):
 
 
 BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
-              "backward": "bench_backward.py", "launch": "bench_launch.py"}
+              "backward": "bench_backward.py", "launch": "bench_launch.py",
+              "variants": "bench_variants.py"}
 
 
 def bench(args):

@@ -17,6 +17,9 @@ class TileConfig:
     hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
+    ``dq_atomic`` (backward) forms dQ in the dK/dV pass and sums it with atomic adds, five
+    tile matmuls per tile pair instead of seven, with no dQ pass: dQ's last bits then depend
+    on the order programs run in (not deterministic).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads.
     """
@@ -27,6 +30,7 @@ class TileConfig:
     num_ctas: int | None = None
     num_worker_warps: int | None = None
     group_inner: bool = False
+    dq_atomic: bool = False
     latency_k: int = 2
     latency_v: int = 4
 

@@ -13,6 +13,7 @@ compile-time constants, so these cover every branch of the source at least once:
 Each compile takes a few seconds, which keeps this file near three minutes on two cores.
 """
 
+import dataclasses
 
 import pytest
 
@@ -200,6 +201,27 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
         spills += summary["local_memory"]
     listed = (arch, head_dim, f"{config.tile_m}x{config.tile_n}") in BACKWARD_SPILLS
     assert (spills > 0) == listed, (spills, listed)
+
+
+@pytest.mark.parametrize("arch", variants.ARCHS)
+def test_dq_atomic_dkdv_sums_dq_with_reductions(arch):
+    """With ``dq_atomic`` the dK/dV kernel forms dQ on tensor cores and adds it into fp32
+    global memory with fire-and-forget reductions (RED/REDG ADD.F32), and no dQ kernel is
+    built. On sm_90 the default tiles keep it free of spills, GQA 4 with dropout included."""
+    for head_dim, extra in ((64, {}), (128, {"group": 4, "dropout": True})):
+        config = dataclasses.replace(
+            variants.default_backward_config(variants.capability_of(arch), head_dim),
+            dq_atomic=True)
+        cubins = aot.compile_backward(arch, "bfloat16", head_dim, causal=True, config=config,
+                                      **extra)
+        assert set(cubins) == {"preprocess", "dkdv"}
+        sass = aot.disassemble(cubins["dkdv"])
+        ops = [op for op, _ in aot.opcode_histogram(sass, top=1000)]
+        assert any(op.startswith(("RED.E.ADD.F32", "REDG.E.ADD.F32")) for op in ops), ops
+        summary = aot.summarize(sass)
+        assert summary["tensor_core"] > 0, summary
+        if arch == "sm_90":
+            assert summary["local_memory"] == 0, (head_dim, summary)
 
 
 def test_forward_schedule_fields_reach_the_machine_code():

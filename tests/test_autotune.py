@@ -37,6 +37,9 @@ def test_describe_tells_every_registered_variant_apart():
     assert autotune.describe(A) == "64x64 occupancy=2"
     assert autotune.describe(variants.TileConfig(latency_k=8, latency_v=8)) == \
         "64x64 latency=8/8"
+    assert autotune.describe(variants.TileConfig(tile_n=128, num_worker_warps=8,
+                                                 group_inner=True, dq_atomic=True)) == \
+        "64x128 num_worker_warps=8 group_inner dq_atomic"
     for backward in (False, True):
         for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
             configs = {c for _, c in variants.registered(capability, backward)}

@@ -6,6 +6,8 @@ for gradients), so that the tuner's own check against the default variant is a s
 not the only one. The end-to-end test tunes into a temporary cache and reads it back.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,6 +92,40 @@ def test_every_backward_variant(head_dim, config):
     def autograd(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         attention_dense(*leaves, scale, offset, window).backward(dout.to(dtype))
+        return [t.grad for t in leaves]
+
+    for name, g, r, p in zip(("dq", "dk", "dv"), grads, autograd(torch.float32),
+                             autograd(q.dtype)):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["causal", "window-softcap-alibi-mask"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_atomic_backward(head_dim, features):
+    """The dK/dV pass summing dQ with atomic adds (not registered for tuning yet): dQ, dK, dV
+    against the fp32 reference under the 3x rule, GQA 2, Lq != Lk, on the default tiles."""
+    config = dataclasses.replace(variants.default_backward_config(_CAPABILITY, head_dim),
+                                 dq_atomic=True)
+    q, k, v = _inputs(head_dim, requires_grad=True)
+    offset, scale = 333 - 203, head_dim ** -0.5
+    window, softcap, slopes, mask = (-1, 0), 0.0, None, None
+    if features:
+        window, softcap = (200, 150), 20.0
+        slopes = torch.rand(2, 4, device="cuda") * 0.1
+        mask = torch.rand(2, 1, 203, 333, device="cuda") > 0.2
+    dout = torch.randn(2, 4, 203, head_dim, device="cuda", dtype=q.dtype)
+    out, lse = attention_dense(q.float(), k.float(), v.float(), scale, offset, window, softcap,
+                               slopes, mask, return_lse=True)
+    grads = [torch.full_like(t, torch.nan) for t in (q, k, v)]
+    _launch.launch_backward(dout, q.detach(), k.detach(), v.detach(), out.to(q.dtype).detach(),
+                            lse.detach(), *grads, None, slopes, mask, scale, softcap, offset,
+                            window, config)
+
+    def autograd(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        attention_dense(*leaves, scale, offset, window, softcap, slopes,
+                        mask).backward(dout.to(dtype))
         return [t.grad for t in leaves]
 
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, autograd(torch.float32),

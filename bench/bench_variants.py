@@ -1,0 +1,103 @@
+"""Time tile variants that are not registered (yet) against the default, on the grid's rows.
+
+The autotuner only times registered candidates. To decide whether a new variant earns its
+entry, this script runs the tuner's own check-then-time (``autotune.tune``: each variant's
+result checked against the default's, then all timed in interleaved rounds) on the variants
+given as TileConfig fields, for the forward or the backward, at each row of the benchmark
+grid (bf16):
+
+    python bench/bench_variants.py --backward --configs '{"dq_atomic": true}' \\
+        --head-dims 64 128 --lengths 1024 4096 16384 --out /tmp/variants
+
+A config's fields are laid over the default variant of the row's head dim, so
+``{"dq_atomic": true}`` is the default tiles with atomic dQ. Writes <out>.json and <out>.md:
+per row, each variant's median ms (or why it was rejected) and its time over the default's.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+
+import torch
+
+from flash_tile import _launch, _ops, autotune, variants
+from flash_tile._timing import DTYPES, GRID_LENGTHS, grid_shape
+from bench_attention import machine_info, md_table, save_json, write_report
+
+
+def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
+           backward: bool):
+    """``run(config)`` for one row, as the autotuner builds it: fresh outputs, one launch."""
+    q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
+               for _ in range(3))
+    scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
+
+    def forward(config):
+        out, lse = _ops._forward_outputs(q, v, True)
+        _launch.launch_forward(q, k, v, out, lse, None, None, scale, 0.0, 0, window, config)
+        return out, lse
+
+    if not backward:
+        return forward
+    dout = torch.randn_like(q)
+    out, lse = forward(variants.default_config(torch.cuda.get_device_capability(), head_dim))
+
+    def run(config):
+        grads = _ops._backward_outputs(q, k, v)
+        _launch.launch_backward(dout, q, k, v, out, lse, *grads, None, None, None, scale, 0.0,
+                                0, window, config)
+        return grads
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", required=True,
+                        help="TileConfig fields as JSON objects, laid over the default")
+    parser.add_argument("--backward", action="store_true", help="time the backward kernels")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--lengths", nargs="+", type=int, default=list(GRID_LENGTHS))
+    parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
+    args = parser.parse_args()
+    os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
+    overlays = [json.loads(c) for c in args.configs]
+    capability = torch.cuda.get_device_capability()
+    pick = variants.default_backward_config if args.backward else variants.default_config
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+
+    rows = []
+    for head_dim in args.head_dims:
+        default = pick(capability, head_dim)
+        configs = [default, *(dataclasses.replace(default, **o) for o in overlays)]
+        for length in args.lengths:
+            for causal in causals:
+                batch, heads = grid_shape(length, head_dim)
+                run = runner(batch, heads, length, head_dim, causal, DTYPES["bf16"],
+                             args.backward)
+                _, results = autotune.tune(configs, run)
+                base = results[autotune.describe(default)]
+                rows.append({"head_dim": head_dim, "length": length, "causal": causal,
+                             "ms": results,
+                             "ratio": {name: round(ms / base, 3) for name, ms in results.items()
+                                       if isinstance(ms, float)}})
+                print(rows[-1], flush=True)
+                del run
+                torch.cuda.empty_cache()
+
+    names = list(rows[0]["ms"])
+    body = md_table(["D", "L", "causal", *(f"{n} ms" for n in names), "over the default"],
+                    [[r["head_dim"], r["length"], "yes" if r["causal"] else "no",
+                      *(r["ms"][n] for n in names),
+                      ", ".join(f"{n}: {x}x" for n, x in r["ratio"].items())] for r in rows])
+    info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
+            "it (the autotuner's check-then-time, not its choice)."}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    save_json(args.out, info, backward=args.backward, rows=rows)
+    print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
+                       "against the default, bf16,", info, body))
+
+
+if __name__ == "__main__":
+    main()
