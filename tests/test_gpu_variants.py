@@ -100,32 +100,38 @@ def test_every_backward_variant(head_dim, config):
         assert report["ok"], f"{name}: {report}"
 
 
-@pytest.mark.parametrize("features", [False, True], ids=["causal", "window-softcap-alibi-mask"])
+@pytest.mark.parametrize("features", [False, True],
+                         ids=["causal", "window-softcap-alibi-mask-dropout"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_atomic_backward(head_dim, features):
     """The dK/dV pass summing dQ with atomic adds (not registered for tuning yet): dQ, dK, dV
-    against the fp32 reference under the 3x rule, GQA 2, Lq != Lk, on the default tiles."""
+    against the fp32 reference under the 3x rule, GQA 2, Lq != Lk, on the default tiles; the
+    second case adds a two-sided window, softcap, ALiBi, a head-broadcast boolean mask and
+    dropout."""
     config = dataclasses.replace(variants.default_backward_config(_CAPABILITY, head_dim),
                                  dq_atomic=True)
     q, k, v = _inputs(head_dim, requires_grad=True)
     offset, scale = 333 - 203, head_dim ** -0.5
-    window, softcap, slopes, mask = (-1, 0), 0.0, None, None
+    window, softcap, slopes, mask, drop = (-1, 0), 0.0, None, None, _launch.NO_DROPOUT
     if features:
-        window, softcap = (200, 150), 20.0
+        window, softcap, drop = (200, 150), 20.0, _launch.Dropout(0.2, 4321)
         slopes = torch.rand(2, 4, device="cuda") * 0.1
-        mask = torch.rand(2, 1, 203, 333, device="cuda") > 0.2
+        mask = (torch.rand(2, 1, 203, 333, device="cuda") > 0.2).expand(2, 4, 203, 333)
     dout = torch.randn(2, 4, 203, head_dim, device="cuda", dtype=q.dtype)
-    out, lse = attention_dense(q.float(), k.float(), v.float(), scale, offset, window, softcap,
-                               slopes, mask, return_lse=True)
+
+    def dense(*qkv, **kw):
+        return attention_dense(*qkv, scale, offset, window, softcap, slopes, mask,
+                               dropout_p=drop.p, dropout_seed=drop.seed, **kw)
+
+    out, lse = dense(q.float(), k.float(), v.float(), return_lse=True)
     grads = [torch.full_like(t, torch.nan) for t in (q, k, v)]
     _launch.launch_backward(dout, q.detach(), k.detach(), v.detach(), out.to(q.dtype).detach(),
                             lse.detach(), *grads, None, slopes, mask, scale, softcap, offset,
-                            window, config)
+                            window, config, drop)
 
     def autograd(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        attention_dense(*leaves, scale, offset, window, softcap, slopes,
-                        mask).backward(dout.to(dtype))
+        dense(*leaves).backward(dout.to(dtype))
         return [t.grad for t in leaves]
 
     for name, g, r, p in zip(("dq", "dk", "dv"), grads, autograd(torch.float32),
