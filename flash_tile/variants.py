@@ -196,10 +196,15 @@ _FORWARD_CANDIDATES = {
     # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
     # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
     # on top, found by tests/test_gpu_variants.py and reproduced with flash_tile.aot.
+    # Not yet timed [session 6, SASS of tileiras 13.4, bf16]: 128x256 with 8 worker warps at
+    # D<=64, the two-group tile with twice the keys per K-loop step (half the steps, N=256
+    # wgmmas): 168 registers, no spills, 117 KB of shared memory causal. At D=128 it spills
+    # 184 LDL/STL causal (none non-causal with an even length).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
+             (64, TileConfig(tile_m=128, tile_n=256, num_worker_warps=8))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

@@ -232,7 +232,7 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
 @pytest.mark.parametrize("head_dim,backward,expected", [
     (64, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
                  "128x64 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
-                 "64x32 occupancy=2"]),
+                 "64x32 occupancy=2", "128x256 num_worker_warps=8"]),
     (128, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
                   "128x64 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
                   "64x32 occupancy=2"]),
@@ -246,6 +246,22 @@ def test_sm90_candidates_are_those_registered_for_the_head_dim(head_dim, backwar
     and the default of the head dim's bucket comes first."""
     assert [autotune.describe(c) for c in variants.candidates((9, 0), head_dim, backward)] \
         == expected
+
+
+def test_the_gpu_feature_test_gives_every_registered_tile_all_three_runs():
+    """tests/test_gpu_variants.py runs every forward candidate under a two-sided window; it
+    asserts that some query tile sees masked, unmasked and masked key tiles. Checked here for
+    every registered forward tile of every architecture, so that a new entry that the window
+    is too narrow for fails on the CPU, not first on a GPU."""
+    from flash_tile.reference import kv_tile_runs
+    from test_gpu_variants import FEATURE_K_LEN, FEATURE_WINDOW
+
+    for arch in variants.ARCHS:
+        for _, config in variants.registered(variants.capability_of(arch)):
+            runs = [kv_tile_runs(m, config.tile_m, config.tile_n, FEATURE_K_LEN,
+                                 FEATURE_K_LEN - 203, FEATURE_WINDOW)
+                    for m in range(0, 203, config.tile_m)]
+            assert any(a < b < c < d for a, b, c, d in runs), (arch, config, runs)
 
 
 def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch):

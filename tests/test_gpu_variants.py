@@ -26,13 +26,18 @@ BACKWARD_CASES = [(d, c) for d in (64, 128, 256)
                   for c in variants.candidates(_CAPABILITY, d, backward=True)]
 
 
+# The score-feature test's keys and two-sided window: long and wide enough that every
+# registered tile shape has a query tile with all three runs (tests/test_autotune.py checks).
+FEATURE_K_LEN, FEATURE_WINDOW = 700, (400, 50)
+
+
 def _ids(cases):
     return [f"d{d}-{autotune.describe(c).replace(' ', '-')}" for d, c in cases]
 
 
-def _inputs(head_dim, requires_grad=False):
+def _inputs(head_dim, requires_grad=False, k_len=333):
     # GQA 2, Lq != Lk, ragged lengths, bottom-right causal: every masked path of the kernels.
-    shapes = [(2, 4, 203, head_dim), (2, 2, 333, head_dim), (2, 2, 333, head_dim)]
+    shapes = [(2, 4, 203, head_dim), (2, 2, k_len, head_dim), (2, 2, k_len, head_dim)]
     return [torch.randn(*s, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
             for s in shapes]
 
@@ -55,16 +60,17 @@ def test_every_forward_variant_under_every_score_feature(head_dim, config, mask_
     """The tuner may pick any candidate for a class with features: a two-sided window wide
     enough that some query tile has all three runs of key tiles (masked, unmasked, masked),
     with softcap, ALiBi and an attention mask on the scores."""
-    q, k, v = _inputs(head_dim)
-    offset, window, scale, softcap = 333 - 203, (200, 150), head_dim ** -0.5, 20.0
-    runs = [kv_tile_runs(m, config.tile_m, config.tile_n, 333, offset, window)
+    q, k, v = _inputs(head_dim, k_len=FEATURE_K_LEN)
+    offset, window = FEATURE_K_LEN - 203, FEATURE_WINDOW
+    scale, softcap = head_dim ** -0.5, 20.0
+    runs = [kv_tile_runs(m, config.tile_m, config.tile_n, FEATURE_K_LEN, offset, window)
             for m in range(0, 203, config.tile_m)]
     assert any(a < b < c < d for a, b, c, d in runs), runs
     slopes = torch.rand(2, 4, device="cuda") * 0.1
     if mask_kind == "bool":
-        mask = torch.rand(2, 4, 203, 333, device="cuda") > 0.2
+        mask = torch.rand(2, 4, 203, FEATURE_K_LEN, device="cuda") > 0.2
     else:
-        mask = torch.randn(2, 4, 203, 333, device="cuda").to(q.dtype)
+        mask = torch.randn(2, 4, 203, FEATURE_K_LEN, device="cuda").to(q.dtype)
     out = torch.full((2, 4, 203, head_dim), torch.nan, device="cuda", dtype=q.dtype)
     _launch.launch_forward(q, k, v, out, None, slopes, mask, scale, softcap, offset, window,
                            config)
