@@ -97,9 +97,10 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, head, i, dk, 
         dp_t = ct.where(keep_t, dp_t * drop[2], 0.0)
     dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
-    dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
+    dx_t = dx_t.astype(q.dtype)  # the matmuls' operand; q and k share the dtype
+    dk = ct.mma(dx_t, q, dk)  # [TILE_N, TILE_D]
     if DQ_ATOMIC:
-        dq = ct.mma(ct.transpose(dx_t.astype(k.dtype)), k,
+        dq = ct.mma(ct.transpose(dx_t), k,
                     ct.zeros((TILE_M, TILE_D), dtype=ct.float32))  # [TILE_M, TILE_D]
         # Rows past Lq and columns past D are outside dQ: atomic_add skips them. Relaxed
         # order: the adds only need to be atomic, nothing reads dQ during the launch.

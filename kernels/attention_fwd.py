@@ -64,25 +64,19 @@ from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, log
                      query_rows, tile_runs)
 
 
-def _raw_scores(q, K, batch, kv_head, j, TILES):
-    """q . k for key tile j on tensor cores: [TILE_M, TILE_N] fp32."""
-    TILE_N, TILE_D, _, LATENCY_K, _ = TILES
-    # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
-    k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
-                  order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
-    s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
-    return ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)
-
-
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
                     MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
     TILE_DV, LATENCY_K, LATENCY_V)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, _, TILE_DV, _, LATENCY_V = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
-    s = _raw_scores(q, K, batch, kv_head, j, TILES)
+    # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
+    k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
+                  order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
+    s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
+    s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)  # [TILE_M, TILE_N] raw scores q . k
 
     # The scores in log2 units; plain ones still owe score_scale, applied after the row max.
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
