@@ -27,6 +27,7 @@ Writes <out>.json and <out>.md.
 """
 
 import argparse
+import functools
 import os
 import time
 
@@ -51,12 +52,9 @@ def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> d
     scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
     right = 0 if causal else -1
     config = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
-
-    def tuner_path():
-        out, _ = _ops._forward_outputs(qb, vb, False)
-        _launch.launch_forward(qb, kb, vb, out, None, None, None, scale, 0.0, offset,
-                               (-1, right), config)
-
+    tuner_path = functools.partial(
+        _ops.forward_runner(qb, kb, vb, None, None, scale, 0.0, offset, (-1, right), False),
+        config)
     out, _ = _ops._forward_outputs(qb, vb, False)
     grid, kernel, args = _launch.forward_launch(qb, kb, vb, out, None, None, None, scale, 0.0,
                                                 offset, (-1, right), config)

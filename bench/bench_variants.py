@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from flash_tile import _launch, _ops, autotune, variants
+from flash_tile import _ops, autotune, variants
 from flash_tile._timing import DTYPES, GRID_LENGTHS, grid_shape
 from bench_attention import machine_info, md_table, save_json, write_report
 
@@ -32,23 +32,12 @@ def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dty
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
-
-    def forward(config):
-        out, lse = _ops._forward_outputs(q, v, True)
-        _launch.launch_forward(q, k, v, out, lse, None, None, scale, 0.0, 0, window, config)
-        return out, lse
-
+    forward = _ops.forward_runner(q, k, v, None, None, scale, 0.0, 0, window, True)
     if not backward:
         return forward
-    dout = torch.randn_like(q)
     out, lse = forward(variants.default_config(torch.cuda.get_device_capability(), head_dim))
-
-    def run(config):
-        grads = _ops._backward_outputs(q, k, v)
-        _launch.launch_backward(dout, q, k, v, out, lse, *grads, None, None, None, scale, 0.0,
-                                0, window, config)
-        return grads
-    return run
+    return _ops.backward_runner(torch.randn_like(q), q, k, v, out, lse, None, None, None, scale,
+                                0.0, 0, window)
 
 
 def main():

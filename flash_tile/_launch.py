@@ -154,13 +154,14 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
 
 
-def _fill_unused(device, lse, alibi_slopes, attn_mask):
-    """Placeholders for the optional arrays: the kernels never touch Lse without STORE_LSE,
-    Slopes without ALIBI nor Mask without ATTN_MASK, but each parameter needs an array."""
+def _fill_unused(device, *arrays):
+    """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
+    rank for each None: the kernels never touch Lse without STORE_LSE, Slopes without ALIBI,
+    Mask without ATTN_MASK nor dK/dV's dQ sum without DQ_ATOMIC, but each parameter needs an
+    array."""
     unused = _placeholder(device)
-    return (unused[0] if lse is None else lse,
-            unused[0, 0] if alibi_slopes is None else alibi_slopes,
-            unused if attn_mask is None else attn_mask)
+    return tuple(unused[(0,) * (4 - rank)] if array is None else array
+                 for array, rank in arrays)
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -174,7 +175,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
                         dropout.p > 0.0)
-    lse, slopes, attn_mask = _fill_unused(q.device, lse, alibi_slopes, attn_mask)
+    lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2), (attn_mask, 4))
     args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -230,8 +231,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kv_heads, k_len = k.shape[1], k.shape[2]
     spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), True, dropout.p > 0.0)
-    dlse_arg, slopes, attn_mask = _fill_unused(q.device, dlse, alibi_slopes, attn_mask)
-    dq_arg = _placeholder(q.device) if dq_sum is None else dq_sum
+    dlse_arg, slopes, attn_mask, dq_arg = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
+                                                       (attn_mask, 4), (dq_sum, 4))
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())

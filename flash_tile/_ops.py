@@ -15,7 +15,7 @@ their default with ``FLASH_TILE_AUTOTUNE=0`` (``flash_tile.autotune``).
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import Dropout, launch_backward, launch_forward, mask_name
+from flash_tile._launch import NO_DROPOUT, Dropout, launch_backward, launch_forward, mask_name
 from flash_tile._validate import device_properties
 
 
@@ -35,6 +35,30 @@ def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
 
 def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
+
+
+def forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
+                   return_lse, dropout=NO_DROPOUT):
+    """``run(config)``: fresh outputs (out, and the LSE or an empty tensor), one forward launch
+    with ``config``; what the op launches and the autotuner times. Arguments as the op's."""
+    def run(config):
+        out, lse = _forward_outputs(q, v, return_lse)
+        launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask,
+                       scale, softcap, diag_offset, window, config, dropout)
+        return out, lse
+    return run
+
+
+def backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale, softcap,
+                    diag_offset, window, dropout=NO_DROPOUT):
+    """``run(config)``: fresh (dq, dk, dv), one backward launch with ``config``, as
+    ``forward_runner``."""
+    def run(config):
+        dq, dk, dv = _backward_outputs(q, k, v)
+        launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask,
+                        scale, softcap, diag_offset, window, config, dropout)
+        return dq, dk, dv
+    return run
 
 
 def _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p) -> tuple:
@@ -79,18 +103,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float, softcap: float, diag_offset: int, window_left: int,
                       window_right: int, return_lse: bool, dropout_p: float = 0.0,
                       dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    dropout = Dropout(dropout_p, dropout_seed)
-
-    def run(config):
-        out, lse = _forward_outputs(q, v, return_lse)
-        launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask,
-                       scale, softcap, diag_offset, (window_left, window_right), config,
-                       dropout)
-        return out, lse
-
     window = (window_left, window_right)
-    config = _choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run)
-    return run(config)
+    run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
+                         return_lse, Dropout(dropout_p, dropout_seed))
+    return run(_choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run))
 
 
 @attention_forward.register_fake
@@ -111,16 +127,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
-    dropout = Dropout(dropout_p, dropout_seed)
-
-    def run(config):
-        dq, dk, dv = _backward_outputs(q, k, v)
-        launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask,
-                        scale, softcap, diag_offset, window, config, dropout)
-        return dq, dk, dv
-
-    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
-                       run))
+    run = backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
+                          softcap, diag_offset, window, Dropout(dropout_p, dropout_seed))
+    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run))
 
 
 @attention_backward.register_fake

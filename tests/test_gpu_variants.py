@@ -82,40 +82,10 @@ def test_every_forward_variant_under_every_score_feature(head_dim, config, mask_
     assert report["ok"], report
 
 
-@pytest.mark.parametrize("head_dim,config", BACKWARD_CASES, ids=_ids(BACKWARD_CASES))
-def test_every_backward_variant(head_dim, config):
-    q, k, v = _inputs(head_dim, requires_grad=True)
-    offset, window, scale = 333 - 203, (-1, 0), head_dim ** -0.5
-    dout = torch.randn(2, 4, 203, head_dim, device="cuda", dtype=q.dtype)
-    out = attention_dense(q.float(), k.float(), v.float(), scale, offset, window)
-    lse = attention_dense(q.float(), k.float(), v.float(), scale, offset, window,
-                          return_lse=True)[1]
-    grads = [torch.full_like(t, torch.nan) for t in (q, k, v)]
-    _launch.launch_backward(dout, q.detach(), k.detach(), v.detach(), out.to(q.dtype).detach(),
-                            lse.detach(), *grads, None, None, None, scale, 0.0, offset, window,
-                            config)
-
-    def autograd(dtype):
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        attention_dense(*leaves, scale, offset, window).backward(dout.to(dtype))
-        return [t.grad for t in leaves]
-
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, autograd(torch.float32),
-                             autograd(q.dtype)):
-        report = check_error(g, r, p, 3)
-        assert report["ok"], f"{name}: {report}"
-
-
-@pytest.mark.parametrize("features", [False, True],
-                         ids=["causal", "window-softcap-alibi-mask-dropout"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_atomic_backward(head_dim, features):
-    """The dK/dV pass summing dQ with atomic adds (not registered for tuning yet): dQ, dK, dV
-    against the fp32 reference under the 3x rule, GQA 2, Lq != Lk, on the default tiles; the
-    second case adds a two-sided window, softcap, ALiBi, a head-broadcast boolean mask and
-    dropout."""
-    config = dataclasses.replace(variants.default_backward_config(_CAPABILITY, head_dim),
-                                 dq_atomic=True)
+def _check_backward(head_dim, config, features):
+    """dQ, dK, dV of ``config`` launched directly against the fp32 reference under the 3x rule:
+    GQA 2, Lq != Lk, bottom-right causal; with ``features`` a two-sided window, softcap,
+    ALiBi, a head-broadcast boolean mask and dropout instead."""
     q, k, v = _inputs(head_dim, requires_grad=True)
     offset, scale = 333 - 203, head_dim ** -0.5
     window, softcap, slopes, mask, drop = (-1, 0), 0.0, None, None, _launch.NO_DROPOUT
@@ -144,6 +114,21 @@ def test_dq_atomic_backward(head_dim, features):
                              autograd(q.dtype)):
         report = check_error(g, r, p, 3)
         assert report["ok"], f"{name}: {report}"
+
+
+@pytest.mark.parametrize("head_dim,config", BACKWARD_CASES, ids=_ids(BACKWARD_CASES))
+def test_every_backward_variant(head_dim, config):
+    _check_backward(head_dim, config, features=False)
+
+
+@pytest.mark.parametrize("features", [False, True],
+                         ids=["causal", "window-softcap-alibi-mask-dropout"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_atomic_backward(head_dim, features):
+    """The dK/dV pass summing dQ with atomic adds (not registered for tuning yet), on the
+    default tiles."""
+    _check_backward(head_dim, dataclasses.replace(
+        variants.default_backward_config(_CAPABILITY, head_dim), dq_atomic=True), features)
 
 
 def test_autotune_tunes_once_into_the_cache(tmp_path, monkeypatch):
