@@ -6,11 +6,11 @@ result checked against the default's, then all timed in interleaved rounds) on t
 given as TileConfig fields, for the forward or the backward, at each row of the benchmark
 grid (bf16):
 
-    python bench/bench_variants.py --backward --configs '{"dq_atomic": true}' \\
+    python bench/bench_variants.py --backward --configs '{"dq_tile_m": 64}' \\
         --head-dims 64 128 --lengths 1024 4096 16384 --out /tmp/variants
 
 A config's fields are laid over the default variant of the row's head dim, so
-``{"dq_atomic": true}`` is the default tiles with atomic dQ. Writes <out>.json and <out>.md:
+``{"dq_tile_m": 64}`` is the default with 64-row dQ programs. Writes <out>.json and <out>.md:
 per row, each variant's median ms (or why it was rejected) and its time over the default's.
 """
 
@@ -68,6 +68,7 @@ def main():
                 _, results = autotune.tune(configs, run)
                 base = results[autotune.describe(default)]
                 rows.append({"head_dim": head_dim, "length": length, "causal": causal,
+                             "variants": [autotune.describe(c) for c in configs],
                              "ms": results,
                              "ratio": {name: round(ms / base, 3) for name, ms in results.items()
                                        if isinstance(ms, float)}})
@@ -75,11 +76,13 @@ def main():
                 del run
                 torch.cuda.empty_cache()
 
-    names = list(rows[0]["ms"])
-    body = md_table(["D", "L", "causal", *(f"{n} ms" for n in names), "over the default"],
+    # The default, and so each overlay's name, differs by head dim: a column per overlay.
+    body = md_table(["D", "L", "causal", "default ms", *(f"{c} ms (over the default)"
+                                                         for c in args.configs)],
                     [[r["head_dim"], r["length"], "yes" if r["causal"] else "no",
-                      *(r["ms"][n] for n in names),
-                      ", ".join(f"{n}: {x}x" for n, x in r["ratio"].items())] for r in rows])
+                      *(f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"]
+                                                else "")
+                        for i, n in enumerate(r["variants"]))] for r in rows])
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

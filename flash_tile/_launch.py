@@ -50,10 +50,9 @@ class ForwardSpec:
         """The dQ kernel's: the forward's switches but STORE_LSE and the schedule fields."""
         return (*self._shared(), self.dropout)
 
-    def dkdv_constants(self, group: int, group_inner: bool, dq_atomic: bool) -> tuple:
-        """The dK/dV kernel's: the dQ kernel's, then the GQA group size, loop order and
-        whether it adds dQ in with atomics (``TileConfig.dq_atomic``)."""
-        return (*self.backward_constants(), group, group_inner, dq_atomic)
+    def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
+        """The dK/dV kernel's: the dQ kernel's, then the GQA group size and loop order."""
+        return (*self.backward_constants(), group, group_inner)
 
     def preprocess_constants(self, lse_grad: bool) -> tuple:
         """The preprocess kernel's: its row tile, value width and whether dLSE is read."""
@@ -157,8 +156,7 @@ def _placeholder(device: torch.device) -> torch.Tensor:
 def _fill_unused(device, *arrays):
     """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
     rank for each None: the kernels never touch Lse without STORE_LSE, Slopes without ALIBI,
-    Mask without ATTN_MASK nor dK/dV's dQ sum without DQ_ATOMIC, but each parameter needs an
-    array."""
+    Mask without ATTN_MASK, but each parameter needs an array."""
     unused = _placeholder(device)
     return tuple(unused[(0,) * (4 - rank)] if array is None else array
                  for array, rank in arrays)
@@ -216,39 +214,31 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
     LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
     writes dq (q's shape), dk and dv (k's and v's
-    shapes) in the inputs' dtype. 32-bit indexing only. With ``config.dq_atomic`` dQ is summed
-    by atomic adds into an fp32 buffer (run to run, its last bits may differ) and copied into
-    dq; otherwise its own kernel computes it (deterministic).
+    shapes) in the inputs' dtype; deterministic (no atomics). 32-bit indexing only. The dK/dV
+    kernel runs on ``config``'s tiles, the dQ kernel on ``config.dq_kernel()``'s.
     """
-    dq_sum = (torch.zeros(q.shape, dtype=torch.float32, device=q.device) if config.dq_atomic
-              else None)
-    arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)),
-              *(() if dq_sum is None else (dq_sum,)))
+    arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):
         raise NotImplementedError("the backward kernels index in 32 bits: an array of 2**31 "
                                   "elements or more reached them; split the batch")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
-    spec = forward_spec(config, head_dim, v.shape[3], k_len, window, softcap > 0.0,
-                        alibi_slopes is not None, mask_kind(attn_mask), True, dropout.p > 0.0)
-    dlse_arg, slopes, attn_mask, dq_arg = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
-                                                       (attn_mask, 4), (dq_sum, 4))
+    spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
+                                  alibi_slopes is not None, mask_kind(attn_mask), True,
+                                  dropout.p > 0.0) for c in (config, config.dq_kernel()))
+    dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
+                                               (attn_mask, 4))
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
     preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
-    grid_q = forward_grid(q_len, heads, batch, config)
+    grid_q = forward_grid(q_len, heads, batch, config.dq_kernel())
     with torch.cuda.device(q.device):
         ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta,
-                                               *spec.preprocess_constants(dlse is not None)))
+                                               *dq_spec.preprocess_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
-                  (q, k, v, dout, lse, delta, dk, dv, dq_arg, slopes, attn_mask, *scalars,
-                   *spec.dkdv_constants(heads // kv_heads, config.group_inner,
-                                        config.dq_atomic)))
-        if dq_sum is None:
-            ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes,
-                                                  attn_mask, *scalars,
-                                                  *spec.backward_constants()))
-    if dq_sum is not None:
-        dq.copy_(dq_sum)
+                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
+                   *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
+        ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes, attn_mask,
+                                              *scalars, *dq_spec.backward_constants()))

@@ -102,20 +102,20 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         config: variants.TileConfig, group: int = 1,
                         lse_grad: bool = False,
                         dropout: bool = False) -> tuple[KernelSignature, ...]:
-    """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order;
+    """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order
+    (dK/dV on ``config``'s tiles, the preprocess and dQ on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
-    spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
-        dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, True, config,
-        ct.int32, dropout)
-    # dK/dV's fp32 dQ sum under dq_atomic, else the [1, 1, 1, 1] placeholder it never touches.
-    dq_sum = _array(ct.float32, 4, head_dim if config.dq_atomic else 1)
+    (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
+        _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
+                         even_n, True, c, ct.int32, dropout)
+        for c in (config, config.dq_kernel()))
     cc = CallingConvention.cutile_python_v1()
-    return (KernelSignature([vo, vo, rows, rows, *spec.preprocess_constants(lse_grad)], cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, dq_sum, slopes, mask, *scalars,
-                             *spec.dkdv_constants(group, config.group_inner, config.dq_atomic)],
-                            cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, slopes, mask, *scalars,
-                             *spec.backward_constants()], cc))
+    return (KernelSignature([dq_vo, dq_vo, rows, rows,
+                             *dq_spec.preprocess_constants(lse_grad)], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
+                             *spec.dkdv_constants(group, config.group_inner)], cc),
+            KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, rows, rows, dq_qk, slopes, mask,
+                             *scalars, *dq_spec.backward_constants()], cc))
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False):
@@ -155,17 +155,15 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                      config: variants.TileConfig | None = None, group: int = 1,
                      lse_grad: bool = False, dropout: bool = False) -> dict[str, bytes]:
-    """Cubins of the backward kernels ("preprocess", "dkdv", "dq"; no "dq" under the config's
-    ``dq_atomic``, which launches none) for ``arch``, arguments as ``compile_forward`` plus
-    ``group`` (query heads per key/value head) and ``lse_grad`` (a gradient reaches the LSE);
-    the config defaults to the architecture's backward default."""
+    """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
+    ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
+    gradient reaches the LSE); the config defaults to the architecture's backward default."""
     config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                                attn_mask, even_n, config, group, lse_grad, dropout)
-    names = ("preprocess", "dkdv") if config.dq_atomic else ("preprocess", "dkdv", "dq")
-    return {name: _export(kernel, sig, arch)
-            for name, kernel, sig in zip(names, hinted_backward_kernels(config), sigs)}
+    return {name: _export(kernel, sig, arch) for name, kernel, sig in
+            zip(("preprocess", "dkdv", "dq"), hinted_backward_kernels(config), sigs)}
 
 
 def _cuda_tool(name: str) -> str:

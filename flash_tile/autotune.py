@@ -164,7 +164,11 @@ def describe(config: variants.TileConfig) -> str:
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
-    hints += [name for name in ("group_inner", "dq_atomic") if getattr(config, name)]
+    if config.group_inner:
+        hints.append("group_inner")
+    dq = config.dq_kernel()
+    if (dq.tile_m, dq.tile_n) != (config.tile_m, config.tile_n):
+        hints.append(f"dq={dq.tile_m}x{dq.tile_n}")
     return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 
 

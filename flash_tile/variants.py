@@ -5,7 +5,7 @@ compiler hints of ``cuda.tile.kernel``. Each architecture family has a default; 
 what was measured for it, on what and when, or that nothing was.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,9 @@ class TileConfig:
     hint, ``num_worker_warps`` the warps of the compute warp groups; None leaves the choice to
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
-    ``dq_atomic`` (backward) forms dQ in the dK/dV pass and sums it with atomic adds, five
-    tile matmuls per tile pair instead of seven, with no dQ pass: dQ's last bits then depend
-    on the order programs run in (not deterministic).
+    ``dq_tile_m`` and ``dq_tile_n`` (backward) are the dQ kernel's own query rows per program
+    and key rows per step; None takes ``tile_m`` / ``tile_n``, which the dK/dV kernel reads
+    (key rows per program ``tile_n``, query rows per step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads.
     """
@@ -30,14 +30,15 @@ class TileConfig:
     num_ctas: int | None = None
     num_worker_warps: int | None = None
     group_inner: bool = False
-    dq_atomic: bool = False
+    dq_tile_m: int | None = None
+    dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n"):
+        for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
+            if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         for name in ("latency_k", "latency_v"):
             if not 1 <= getattr(self, name) <= 10:
@@ -49,6 +50,11 @@ class TileConfig:
         hints = {"occupancy": self.occupancy, "num_ctas": self.num_ctas,
                  "num_worker_warps": self.num_worker_warps}
         return {k: v for k, v in hints.items() if v is not None}
+
+    def dq_kernel(self) -> "TileConfig":
+        """The config the backward's dQ kernel runs with: its own tiles where set."""
+        return replace(self, tile_m=self.dq_tile_m or self.tile_m,
+                       tile_n=self.dq_tile_n or self.tile_n, dq_tile_m=None, dq_tile_n=None)
 
 
 def tile_width(dim: int, least: int = 16) -> int:
@@ -147,14 +153,26 @@ def _lookup(table, capability, head_dim):
 # ms against 6.79 for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won
 # 10 of 12 classes, 64x64 the other two by 1%); it also compiles without spills for GQA 4
 # with dropout, where 64x64 nww8 spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps
-# (3.66 against 4.05 for 64x64 at 4k, every class). At D=256 on sm_90 64x64 spills 1172 in
+# (3.66 against 4.05 for 64x64 at 4k, every class). Those were one shape for both kernels.
+# Timed kernel by kernel [H200, session 7, 2026-11-30, bf16, same stack, L 1k/4k/16k, five
+# interleaved rounds; NOTES.md], each wants its own rows tall and its steps narrow: dQ at D=64
+# ran 0.47-0.73x as long with 128x64 as with 64x128 (3.18 against 5.15 ms at 16k causal),
+# and dK/dV at D=128 0.79-0.86x as long with 64x128 as with 128x64 (4.04 against 5.13 ms
+# at 16k causal); the other two kernels were already on their best shape (dK/dV 128x128 at
+# D=64 within 1.5% of 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on 128x64, both
+# with 8 worker warps: the D<=64 default (no spills with GQA, dropout, softcap, ALiBi and a
+# mask). At D=128 its dK/dV spills under the score features (16 LDL/STL with dropout, 191 with
+# a window, softcap, ALiBi and a mask, where 128x64 spills none), so it is a candidate there
+# and 128x64 stays the default; the autotuner picks per feature class. At D=256 on sm_90
+# 64x64 spills 1172 in
 # dK/dV; with 8 worker warps none (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or
 # the other). On sm_80/sm_120 32x32 still spills at
 # D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
+SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
+                           dq_tile_n=64)
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
-    (9, 0): ((64, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8)),
-             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
+    (9, 0): ((64, SM90_BACKWARD), (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
@@ -179,12 +197,11 @@ _FORWARD_CANDIDATES = {
     # for other Hopper parts. SM90_WIDE (no spills at D=64/128/256, 168 registers) is timed
     # at D<=128 too: 0.4-56% behind 128x128 there, 3-25% from 2k on (session 5).
     # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
-    # instead of 36 HGMMA: tileiras pipelines the K-loop less deep) and a longest-first order
-    # of the query tiles on 64x64 o2 and 128x64 o2. Against their own base tile they moved
-    # -8% to +8% and -7% to +9%, as much as longest-first moved the non-causal classes, where
-    # the order cannot matter: the noise of one tuning pass. Neither was ever the fastest by
-    # more than 1.4%; at D=128 from 2k on 128x128 with 8 worker warps was 3-12% ahead of the
-    # better of the two.
+    # instead of 36 HGMMA: tileiras pipelines the K-loop less deep). Against its base tile it
+    # moved -8% to +8%, never the fastest by more than 1.4%. A longest-first order of the
+    # query tiles, judged noise then on these one-group tiles (one tuning pass, no control),
+    # measured 0.92-0.96x at 16k causal on the two-group tiles in session 7 with interleaved
+    # rounds, the non-causal control at 1.000x; the kernels now always run it.
     # Tried and dropped in session 6 (bf16, 30 classes, D 64/128/256; NOTES.md): forming each
     # key tile's S one K-loop step early (a QK_AHEAD switch, FA3's intra-warpgroup overlap,
     # whose SASS interleaved the next S wgmmas with the exp2s) on four of these tiles. It was
@@ -196,15 +213,13 @@ _FORWARD_CANDIDATES = {
     # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
     # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
     # on top, found by tests/test_gpu_variants.py and reproduced with flash_tile.aot.
-    # Not yet timed [session 6, SASS of tileiras 13.4, bf16]: 128x256 with 8 worker warps at
-    # D<=64, the two-group tile with twice the keys per K-loop step (half the steps, N=256
-    # wgmmas): 168 registers, no spills, 117 KB of shared memory causal. At D=128 it spills
-    # 184 LDL/STL causal (none non-causal with an even length).
+    # Dropped in session 7 (bf16, D=64, 10 classes): 128x256 with 8 worker warps, the
+    # two-group tile with twice the keys per K-loop step (168 registers, no spills). It was
+    # never the fastest: 4.8-39% behind the best tile (bench/results/tuning-h200-session7.json).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2)),
-             (64, TileConfig(tile_m=128, tile_n=256, num_worker_warps=8))),
+             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),
@@ -214,12 +229,13 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # At D=128 on the H200 128x64 with 8 worker warps won (3.64 ms against 4.05 for 64x64 and
-    # 64x128 nww8 at 4k; 14.4 against 15.8 at 16k); 64x64 nww8 was 43-66% slower there. Neither
-    # new entry spills at D<=128; 32x64 spills 410 in dQ at D=128.
+    # Beside the defaults on sm_90: SM90_BACKWARD at D=128 (above); 64x64 (43-66% slower at
+    # D=128 on the H200, session 5) as a control. Not registered: dK/dV stepping 128 query
+    # rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12 LDL/STL); 32x64
+    # (spills 410 in dQ at D=128).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
-             (128, TileConfig(tile_m=64, tile_n=64)),
-             (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
+             (128, SM90_BACKWARD),
+             (128, TileConfig(tile_m=64, tile_n=64))),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],

@@ -29,10 +29,12 @@ order programs run in (deterministic, no atomics):
   - dQ: one program per (query tile, head, batch) walks the key tiles, as the forward does.
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
 whole (``_tiles.tile_runs``). The dQ pass recomputes S and dP: seven tile matmuls per pair of
-tiles in all, where a single pass needs five. Under DQ_ATOMIC the dK/dV pass also forms
-dQ_i += dX_ij k_j (the fifth matmul) and adds it into an fp32 dQ with atomic adds, and the dQ
-pass is not run (FA2's form): less work, but the order of the adds, so the last bits of dQ,
-then depend on the order programs run in.
+tiles in all, where a single pass that sums dQ with atomic adds needs five; on the H200 that
+form measured 1.02-3.05x slower than the two passes (docs/kernel-internals.md). The passes take
+their own tile shapes: each owns a tall tile of its rows and walks the other side in narrower
+steps. Under a causal band both start their heaviest programs first (the dK/dV pass by key
+tile order, the dQ pass by taking its query tiles last to first), so the light ones fill the
+tail of the launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log) and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
@@ -71,12 +73,11 @@ def _preprocess_impl(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt
     ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
 
 
-def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, head, i, dk, dv, offs_k,
-               band, drop, TILES, MASKED: ConstBool, FEATURES):
-    """Query tile i of one query head against this program's key tile; the new (dk, dv), and
-    under DQ_ATOMIC this pair's share of dQ added into ``dQ``. TILES = (TILE_M, TILE_N,
-    TILE_D, TILE_DV, DQ_ATOMIC); the rest as in ``_tiles``."""
-    TILE_M, TILE_N, TILE_D, TILE_DV, DQ_ATOMIC = TILES
+def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, offs_k, band,
+               drop, TILES, MASKED: ConstBool, FEATURES):
+    """Query tile i of one query head against this program's key tile; the new (dk, dv).
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV); the rest as in ``_tiles``."""
+    TILE_M, TILE_N, TILE_D, TILE_DV = TILES
     DROPOUT = FEATURES[6]
     q = load_rows(Q, batch, head, i, TILE_M, TILE_D)
     do = load_rows(dOut, batch, head, i, TILE_M, TILE_DV)
@@ -97,59 +98,49 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, head, i, dk, 
         dp_t = ct.where(keep_t, dp_t * drop[2], 0.0)
     dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
-    dx_t = dx_t.astype(q.dtype)  # the matmuls' operand; q and k share the dtype
-    dk = ct.mma(dx_t, q, dk)  # [TILE_N, TILE_D]
-    if DQ_ATOMIC:
-        dq = ct.mma(ct.transpose(dx_t), k,
-                    ct.zeros((TILE_M, TILE_D), dtype=ct.float32))  # [TILE_M, TILE_D]
-        # Rows past Lq and columns past D are outside dQ: atomic_add skips them. Relaxed
-        # order: the adds only need to be atomic, nothing reads dQ during the launch.
-        ct.atomic_add(dQ, (batch, head, ct.transpose(offs_q),
-                           ct.arange(TILE_D, dtype=ct.int32)[None, :]),
-                      dq, memory_order=ct.MemoryOrder.RELAXED)
+    dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
     return dk, dv
 
 
-def _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head, g_first, i, dk,
+def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, i, dk,
                 dv, offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES, GROUP: ConstInt,
                 HEADS: ConstInt):
     """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
     for h in range(HEADS):
-        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch,
+        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
                             kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop, TILES,
                             MASKED, FEATURES)
     return dk, dv
 
 
-def _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head, g_first, runs, dk,
+def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, runs, dk,
                dv, offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
     """The query tiles the band lets through (masked edges, unmasked middle), each for the
     HEADS query heads from group member g_first on; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
                              g_first, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     for i in range(i_inner, i_outer):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
                              g_first, i, dk, dv, offs_k, band, drop, TILES, False, FEATURES,
                              GROUP, HEADS)
     for i in range(i_outer, i_end):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
                              g_first, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     return dk, dv
 
 
-def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Slopes, Mask, qk_scale, softcap,
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
                diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
                dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-               GROUP: ConstInt, GROUP_INNER: ConstBool, DQ_ATOMIC: ConstBool):
-    """dK, dV of key tile bid(0) of key/value head bid(1) of batch bid(2), and under DQ_ATOMIC
-    their tile pairs' shares of dQ, added into the fp32 ``dQ``.
+               GROUP: ConstInt, GROUP_INNER: ConstBool):
+    """dK, dV of key tile bid(0) of key/value head bid(1) of batch bid(2).
 
     The GROUP query heads sharing the key/value head are summed in place, either head by head
     (each walking the query tiles) or, with GROUP_INNER, all heads per query tile. The two
@@ -164,7 +155,7 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Slopes, Mask, qk_scale, so
     n_start = tile_n * TILE_N
     band = (K.shape[2], qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, DQ_ATOMIC)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     k = load_rows(K, batch, kv_head, tile_n, TILE_N, TILE_D)
     v = load_rows(V, batch, kv_head, tile_n, TILE_N, TILE_DV)
@@ -177,11 +168,11 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Slopes, Mask, qk_scale, so
     runs = tile_runs(n_start, q_len, -diag_offset - window_right, window_left - diag_offset,
                      TILE_N, TILE_M, MASK_RIGHT, MASK_LEFT)
     if GROUP_INNER:
-        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head, 0, runs,
+        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, runs,
                             dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, GROUP)
     else:
         for g in range(GROUP):
-            dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQ, Slopes, Mask, batch, kv_head, g,
+            dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g,
                                 runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, 1)
     ct.store(dK, index=(batch, kv_head, tile_n, 0),
              tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
@@ -213,8 +204,8 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
              TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
              MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
              SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool):
-    """dQ of query tile bid(0) of head bid(1) of batch bid(2)."""
-    tile_m = ct.bid(0)
+    """dQ of query tile cdiv(Lq, TILE_M) - 1 - bid(0) of head bid(1) of batch bid(2)."""
+    tile_m = ct.num_blocks(0) - 1 - ct.bid(0)  # heaviest first under a causal band
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])
@@ -258,20 +249,18 @@ def attention_bwd_preprocess(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: 
 
 
 @ct.kernel
-def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Slopes, Mask, qk_scale: float,
+def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale: float,
                        softcap: float, diag_offset: int, window_left: int, window_right: int,
                        dropout_seed: int, dropout_threshold: int, dropout_scale: float,
                        TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                        MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                        SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                       DROPOUT: ConstBool, GROUP: ConstInt, GROUP_INNER: ConstBool,
-                       DQ_ATOMIC: ConstBool):
-    """dK and dV; under DQ_ATOMIC also dQ, added into ``dQ`` (fp32 [B, H, Lq, D], zeroed by
-    the caller; touched only then). Grid (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv."""
-    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQ, Slopes, Mask, qk_scale, softcap,
+                       DROPOUT: ConstBool, GROUP: ConstInt, GROUP_INNER: ConstBool):
+    """dK and dV. Grid (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
                diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
                dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
-               SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER, DQ_ATOMIC)
+               SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER)
 
 
 @ct.kernel

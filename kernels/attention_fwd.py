@@ -112,8 +112,10 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt):
-    """The forward for query tile bid(0) of head bid(1) of batch bid(2)."""
-    tile_m = ct.bid(0)
+    """The forward for query tile cdiv(Lq, TILE_M) - 1 - bid(0) of head bid(1) of batch bid(2):
+    under a causal band the last query tiles see the most keys, and starting them first leaves
+    the light ones to fill the tail of the launch."""
+    tile_m = ct.num_blocks(0) - 1 - ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head

@@ -203,25 +203,22 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     assert (spills > 0) == listed, (spills, listed)
 
 
-@pytest.mark.parametrize("arch", variants.ARCHS)
-def test_dq_atomic_dkdv_sums_dq_with_reductions(arch):
-    """With ``dq_atomic`` the dK/dV kernel forms dQ on tensor cores and adds it into fp32
-    global memory with fire-and-forget reductions (RED/REDG ADD.F32), and no dQ kernel is
-    built. On sm_90 the default tiles keep it free of spills, GQA 4 with dropout included."""
-    for head_dim, extra in ((64, {}), (128, {"group": 4, "dropout": True})):
-        config = dataclasses.replace(
-            variants.default_backward_config(variants.capability_of(arch), head_dim),
-            dq_atomic=True)
-        cubins = aot.compile_backward(arch, "bfloat16", head_dim, causal=True, config=config,
-                                      **extra)
-        assert set(cubins) == {"preprocess", "dkdv"}
-        sass = aot.disassemble(cubins["dkdv"])
-        ops = [op for op, _ in aot.opcode_histogram(sass, top=1000)]
-        assert any(op.startswith(("RED.E.ADD.F32", "REDG.E.ADD.F32")) for op in ops), ops
-        summary = aot.summarize(sass)
-        assert summary["tensor_core"] > 0, summary
-        if arch == "sm_90":
-            assert summary["local_memory"] == 0, (head_dim, summary)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
+    """SM90_BACKWARD (the D<=64 default, a D=128 candidate) runs dQ on 128x64 and dK/dV on
+    64x128: only the dQ kernel's (and the preprocess's) machine code changes when the dQ
+    tiles are dropped, and the dQ kernel keeps free of spills with GQA 4 and dropout."""
+    config = variants.SM90_BACKWARD
+    assert (config.dq_kernel().tile_m, config.dq_kernel().tile_n) == (128, 64)
+    own = aot.compile_backward("sm_90", "bfloat16", head_dim, config=config, group=4,
+                               dropout=True)
+    shared = aot.compile_backward("sm_90", "bfloat16", head_dim, group=4, dropout=True,
+                                  config=dataclasses.replace(config, dq_tile_m=None,
+                                                             dq_tile_n=None))
+    assert own["dkdv"] == shared["dkdv"]
+    assert own["dq"] != shared["dq"] and own["preprocess"] != shared["preprocess"]
+    summary = aot.summarize(aot.disassemble(own["dq"]))
+    assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, summary
 
 
 def test_forward_schedule_fields_reach_the_machine_code():

@@ -38,8 +38,9 @@ def test_describe_tells_every_registered_variant_apart():
     assert autotune.describe(variants.TileConfig(latency_k=8, latency_v=8)) == \
         "64x64 latency=8/8"
     assert autotune.describe(variants.TileConfig(tile_n=128, num_worker_warps=8,
-                                                 group_inner=True, dq_atomic=True)) == \
-        "64x128 num_worker_warps=8 group_inner dq_atomic"
+                                                 group_inner=True, dq_tile_m=128)) == \
+        "64x128 num_worker_warps=8 group_inner dq=128x128"
+    assert autotune.describe(variants.TileConfig(dq_tile_m=64, dq_tile_n=64)) == "64x64"
     for backward in (False, True):
         for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
             configs = {c for _, c in variants.registered(capability, backward)}
@@ -232,13 +233,15 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
 @pytest.mark.parametrize("head_dim,backward,expected", [
     (64, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
                  "128x64 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
-                 "64x32 occupancy=2", "128x256 num_worker_warps=8"]),
+                 "64x32 occupancy=2"]),
     (128, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
                   "128x64 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
                   "64x32 occupancy=2"]),
     (256, False, ["128x64 num_worker_warps=8", "64x64 occupancy=2", "64x32 occupancy=2"]),
-    (128, True, ["128x64 num_worker_warps=8", "64x64 num_worker_warps=8", "64x64",
-                 "64x128 num_worker_warps=8"]),
+    (64, True, ["64x128 num_worker_warps=8 dq=128x64", "128x64 num_worker_warps=8",
+                "64x64 num_worker_warps=8", "64x64"]),
+    (128, True, ["128x64 num_worker_warps=8", "64x64 num_worker_warps=8",
+                 "64x128 num_worker_warps=8 dq=128x64", "64x64"]),
     (256, True, ["64x64 num_worker_warps=8"]),
 ])
 def test_sm90_candidates_are_those_registered_for_the_head_dim(head_dim, backward, expected):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, variants
+from flash_tile import _launch, autotune, variants
 from flash_tile.reference import attention_dense, check_error, visible_keys
 
 pytestmark = pytest.mark.gpu
@@ -252,8 +252,11 @@ def test_long_keys():
                                              262144 - 256, (-1, 0)), "256k keys")
 
 
-def test_cupy_arrays_in_and_out():
+def test_cupy_arrays_in_and_out(monkeypatch):
+    """The same bits as the torch call. Tuning is off: two tuning passes may pick different
+    tiles (their timings are close), whose sums round differently."""
     cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda13x) is not installed")
+    monkeypatch.setenv(autotune.ENV_SWITCH, "0")
     q, k, v = _qkv((2, 4, 2, 130, 170, 64, 64), torch.float16, layout="blhd")
     expected = flash_tile.flash_attn_func(q, k, v, causal=True)
     out = flash_tile.flash_attn_func(*(cupy.from_dlpack(t) for t in (q, k, v)), causal=True)

@@ -121,3 +121,35 @@ def test_dropout_arguments_reach_the_backward_op():
         dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
                          12345)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_backward_launch_gives_each_kernel_its_tiles(monkeypatch):
+    """``launch_backward`` with the H200's default: dK/dV on 64x128 (a program per 128 keys),
+    the preprocess and dQ on 128x64 (a program per 128 queries), each with its own EVEN_N.
+    The launches are recorded on the CPU instead of run."""
+    from contextlib import nullcontext
+
+    from flash_tile import _launch, variants
+
+    launched = []
+    monkeypatch.setattr(_launch.ct, "launch",
+                        lambda stream, grid, kernel, args: launched.append((grid, kernel, args)))
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    q, k, v = (torch.randn(2, 8, 300, 64), torch.randn(2, 2, 320, 64),
+               torch.randn(2, 2, 320, 64))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    lse = torch.randn(2, 8, 300)
+    config = variants.default_backward_config((9, 0), 64)
+    _launch.launch_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, dq, dk, dv,
+                            None, None, None, 0.125, 0.0, 20, (-1, 0), config)
+    (pre_grid, pre, pre_args), (kv_grid, dkdv, kv_args), (q_grid, dq_kernel, q_args) = launched
+    assert (pre, dkdv, dq_kernel) == _launch.hinted_backward_kernels(config)
+    assert pre_grid == q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
+    assert pre_args[-3] == 128  # the preprocess's TILE_M
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 10 arrays and 8
+    # scalars for dK/dV (9 arrays for dQ): 320 keys are a whole number of dQ's 64-key steps
+    # and not of dK/dV's 128-key tiles.
+    assert kv_args[18:25] == (64, 128, 64, 64, False, True, False)
+    assert q_args[17:24] == (128, 64, 64, 64, False, True, True)
+    assert kv_args[1] is k and q_args[6] is dq and kv_args[6:8] == (dk, dv)
