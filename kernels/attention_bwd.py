@@ -205,7 +205,7 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
              MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
              SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool):
     """dQ of query tile cdiv(Lq, TILE_M) - 1 - bid(0) of head bid(1) of batch bid(2)."""
-    tile_m = ct.num_blocks(0) - 1 - ct.bid(0)  # heaviest first under a causal band
+    tile_m = ct.cdiv(Q.shape[2], TILE_M) - 1 - ct.bid(0)  # heaviest first under a causal band
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])
