@@ -159,15 +159,16 @@ def _failed(results: dict, name: str, error: Exception, log: Callable[[str], Non
 
 
 def describe(config: variants.TileConfig) -> str:
-    """``64x64 occupancy=2``: the tile shape and the hints that are set."""
+    """``64x64 occupancy=2``: the tile shape, the hints and switches that are set and the dQ
+    kernel's tiles when they are (``64x128 num_worker_warps=8 dq=128x64``)."""
     hints = [f"{k}={v}" for k, v in config.hints().items()]
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
     if config.group_inner:
         hints.append("group_inner")
-    dq = config.dq_kernel()
-    if (dq.tile_m, dq.tile_n) != (config.tile_m, config.tile_n):
+    if (config.dq_tile_m, config.dq_tile_n) != (None, None):  # named whenever set: configs
+        dq = config.dq_kernel()                                # that differ never share a name
         hints.append(f"dq={dq.tile_m}x{dq.tile_n}")
     return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 

@@ -204,8 +204,9 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              alibi_slopes: torch.Tensor | None = None,
                              attn_mask: torch.Tensor | None = None, tile_m: int = 64,
                              tile_n: int = 64, dlse: torch.Tensor | None = None,
-                             dropout_p: float = 0.0,
-                             dropout_seed: int = 0) -> tuple[torch.Tensor, ...]:
+                             dropout_p: float = 0.0, dropout_seed: int = 0,
+                             dq_tile_m: int | None = None,
+                             dq_tile_n: int | None = None) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
 
@@ -215,7 +216,9 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the dropped, rescaled P; dP = dO V^T is masked by the same keep bits and rescaled; dS
     multiplies it by the undropped P). dK/dV are computed per key tile
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
-    group; dQ per query tile over ``kv_tile_runs``.
+    group, on ``tile_m`` x ``tile_n`` (a key tile of tile_n rows, query steps of tile_m); dQ
+    per query tile over ``kv_tile_runs``, on ``dq_tile_m`` x ``dq_tile_n`` when given (as
+    ``TileConfig``'s, None taking tile_m / tile_n).
     """
     q, k, v, scale, slopes, attn_mask, group = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
     out, lse, dout = (t.detach().to("cpu", torch.float64) for t in (out, lse, dout))
@@ -236,17 +239,14 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         """x [B, H, rows, cols] as dropout leaves it (x itself without dropout)."""
         return x if zr is None else x * zr[:, :, rows, cols]
 
-    def probs(m_start, n_start, masked):
+    def probs(rows, cols, masked):
         """P [B, H, rows, cols] and ds/dx for one tile pair, from the saved LSE."""
-        q_tile = q[:, :, m_start:m_start + tile_m]
-        k_tile = k[:, :, n_start:n_start + tile_n]
-        s, dscore = _tile_scores(q_tile, k_tile, scale, softcap, slopes, attn_mask, m_start,
-                                 n_start, diag_offset, window, masked)
-        return torch.exp2(s - lse_log2[:, :, m_start:m_start + tile_m, None]), dscore
+        s, dscore = _tile_scores(q[:, :, rows], k[:, :, cols], scale, softcap, slopes,
+                                 attn_mask, rows.start, cols.start, diag_offset, window, masked)
+        return torch.exp2(s - lse_log2[:, :, rows, None]), dscore
 
-    def dx(p, dscore, m_start, n_start):
+    def dx(p, dscore, rows, cols):
         """dS * ds/dx: the gradient of the raw products q.k of one tile pair."""
-        rows, cols = slice(m_start, m_start + tile_m), slice(n_start, n_start + tile_n)
         dp = dropped(dout[:, :, rows] @ v[:, :, cols].transpose(-1, -2), rows, cols)
         return p * (dp - delta[:, :, rows, None]) * dscore
 
@@ -255,17 +255,19 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                        diag_offset, window)
         keys = slice(n_start, n_start + tile_n)
         for i in range(i_start, i_end):
-            p, dscore = probs(i * tile_m, n_start, not i_inner <= i < i_outer)
             rows = slice(i * tile_m, (i + 1) * tile_m)
+            p, dscore = probs(rows, keys, not i_inner <= i < i_outer)
             dv[:, :, keys] += dropped(p, rows, keys).transpose(-1, -2) @ dout[:, :, rows]
-            dk[:, :, keys] += dx(p, dscore, i * tile_m, n_start).transpose(-1, -2) @ q[:, :, rows]
-    for m_start in range(0, q_len, tile_m):  # dQ: one query tile, its key tiles
-        n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
+            dk[:, :, keys] += dx(p, dscore, rows, keys).transpose(-1, -2) @ q[:, :, rows]
+    dq_m, dq_n = dq_tile_m or tile_m, dq_tile_n or tile_n
+    for m_start in range(0, q_len, dq_m):  # dQ: one query tile, its key tiles
+        n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, dq_m, dq_n, k_len,
                                                         diag_offset, window)
+        rows = slice(m_start, m_start + dq_m)
         for j in range(n_first, n_end):
-            p, dscore = probs(m_start, j * tile_n, not n_inner <= j < n_outer)
-            dq[:, :, m_start:m_start + tile_m] += (
-                dx(p, dscore, m_start, j * tile_n) @ k[:, :, j * tile_n:(j + 1) * tile_n])
+            cols = slice(j * dq_n, (j + 1) * dq_n)
+            p, dscore = probs(rows, cols, not n_inner <= j < n_outer)
+            dq[:, :, rows] += dx(p, dscore, rows, cols) @ k[:, :, cols]
     # Each key/value head's gradient is the sum over the query heads of its group.
     kv_shape = (batch, heads // group, group, k_len)
     return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)

@@ -18,8 +18,9 @@ class TileConfig:
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
     ``dq_tile_m`` and ``dq_tile_n`` (backward) are the dQ kernel's own query rows per program
-    and key rows per step; None takes ``tile_m`` / ``tile_n``, which the dK/dV kernel reads
-    (key rows per program ``tile_n``, query rows per step ``tile_m``).
+    and key rows per step (the preprocess takes ``dq_tile_m`` rows per program too); None
+    takes ``tile_m`` / ``tile_n``, which the dK/dV kernel reads (key rows per program
+    ``tile_n``, query rows per step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads.
     """
@@ -85,11 +86,12 @@ SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 SM90_WIDE = TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)
 
-# Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (160 and
-# 218 registers, cp.async + 128-bit loads); 64x64 spills 16 LDL/STL at D=64. Above D=128 64x32
-# spills (434 at D=256) and 32x32 with 8 worker warps does not (227 registers). [2026-11-30,
-# cuobjdump of tileiras 13.4 cubins for sm_80 with the JIT's shape/stride specialisation
-# reproduced (flash_tile.aot); not yet timed on such a GPU.]
+# Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (162 and
+# 219 registers with session 7's heaviest-first index; cp.async + 128-bit loads); 64x64
+# spills 16 LDL/STL at D=64. Above D=128 64x32 spills (434 at D=256) and 32x32 with 8 worker
+# warps does not (227 registers). [2026-11-30, cuobjdump of tileiras 13.4 cubins for sm_80
+# with the JIT's shape/stride specialisation reproduced (flash_tile.aot); not yet timed on
+# such a GPU.]
 SM80_DEFAULT = TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)
 SM80_WIDE = TileConfig(tile_m=32, tile_n=32, num_worker_warps=8)
 
@@ -143,31 +145,32 @@ def _lookup(table, capability, head_dim):
 
 # The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
 # forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed;
-# each compiles the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1
-# and 4. On the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps remove
-# them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried)
-# came from walking the GQA group's heads in an outer loop: with the heads inside each query
-# tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on sm_90.
-# On sm_90 the autotuner's winners on the H200 are the defaults [2026-11-30, bf16 and fp16,
-# L 1k-16k, bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps (4.89
-# ms against 6.79 for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won
-# 10 of 12 classes, 64x64 the other two by 1%); it also compiles without spills for GQA 4
-# with dropout, where 64x64 nww8 spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps
-# (3.66 against 4.05 for 64x64 at 4k, every class). Those were one shape for both kernels.
-# Timed kernel by kernel [H200, session 7, 2026-11-30, bf16, same stack, L 1k/4k/16k, five
-# interleaved rounds; NOTES.md], each wants its own rows tall and its steps narrow: dQ at D=64
-# ran 0.47-0.73x as long with 128x64 as with 64x128 (3.18 against 5.15 ms at 16k causal),
-# and dK/dV at D=128 0.79-0.86x as long with 64x128 as with 128x64 (4.04 against 5.13 ms
-# at 16k causal); the other two kernels were already on their best shape (dK/dV 128x128 at
-# D=64 within 1.5% of 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on 128x64, both
-# with 8 worker warps: the D<=64 default (no spills with GQA, dropout, softcap, ALiBi and a
-# mask). At D=128 its dK/dV spills under the score features (16 LDL/STL with dropout, 191 with
-# a window, softcap, ALiBi and a mask, where 128x64 spills none), so it is a candidate there
-# and 128x64 stays the default; the autotuner picks per feature class. At D=256 on sm_90
-# 64x64 spills 1172 in
-# dK/dV; with 8 worker warps none (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or
-# the other). On sm_80/sm_120 32x32 still spills at
-# D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
+# each compiles the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1 and
+# 4 (without dropout: with GQA 4 and dropout sm_90's D=128 default spills 145 LDL/STL in dK/dV,
+# session 7). On the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps
+# remove them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape
+# tried) came from walking the GQA group's heads in an outer loop: with the heads inside each
+# query tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on
+# sm_90. On sm_90 the autotuner's winners on the H200 are the defaults [2026-11-30, bf16 and
+# fp16, L 1k-16k, bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps
+# (4.89 ms against 6.79 for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won
+# 10 of 12 classes, 64x64 the other two by 1%); it also compiles without spills for GQA 4 with
+# dropout, where 64x64 nww8 spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps (3.66
+# against 4.05 for 64x64 at 4k, every class). Those were one shape for both kernels. Timed
+# kernel by kernel [H200, session 7, 2026-11-30, bf16, same stack, L 1k/4k/16k, five interleaved
+# rounds; NOTES.md], each wants its own rows tall and its steps narrow: dQ at D=64 ran
+# 0.47-0.73x as long with 128x64 as with 64x128 (3.18 against 5.15 ms at 16k causal), and dK/dV
+# at D=128 0.79-0.86x as long with 64x128 as with 128x64 (4.04 against 5.13 ms at 16k causal);
+# the other two kernels were already on their best shape (dK/dV 128x128 at D=64 within 1.5% of
+# 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on 128x64, both with 8 worker warps: the
+# D<=64 default (no spills with GQA, dropout, softcap, ALiBi and a mask). At D=128 its dK/dV
+# spills under the score features: 16 LDL/STL with dropout, 38 with GQA 4 and dropout, 191 with
+# a window, softcap, ALiBi and a mask, where 128x64 spills 0, 145 and 0. The mask case decides:
+# it is a candidate there and 128x64 stays the untuned default; the autotuner picks per feature
+# class (session 7: the new shape in every plain class, 128x64 with dropout). At D=256 on sm_90
+# 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and 32x32 all spill 380-740
+# in one kernel or the other while both kernels share a shape). On sm_80/sm_120 32x32 still
+# spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
 SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
                            dq_tile_n=64)
 _BACKWARD_DEFAULTS = {

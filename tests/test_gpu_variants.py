@@ -81,17 +81,17 @@ def test_every_forward_variant_under_every_score_feature(head_dim, config, mask_
     assert report["ok"], report
 
 
-def _check_backward(head_dim, config, features):
+def _check_backward(head_dim, config, features, k_len=333):
     """dQ, dK, dV of ``config`` launched directly against the fp32 reference under the 3x rule:
-    GQA 2, Lq != Lk, bottom-right causal; with ``features`` a two-sided window, softcap,
-    ALiBi, a head-broadcast boolean mask and dropout instead."""
-    q, k, v = _inputs(head_dim, requires_grad=True)
-    offset, scale = 333 - 203, head_dim ** -0.5
+    GQA 2, 203 queries against ``k_len`` keys, bottom-right causal; with ``features`` a
+    two-sided window, softcap, ALiBi, a head-broadcast boolean mask and dropout instead."""
+    q, k, v = _inputs(head_dim, requires_grad=True, k_len=k_len)
+    offset, scale = k_len - 203, head_dim ** -0.5
     window, softcap, slopes, mask, drop = (-1, 0), 0.0, None, None, _launch.NO_DROPOUT
     if features:
         window, softcap, drop = (200, 150), 20.0, _launch.Dropout(0.2, 4321)
         slopes = torch.rand(2, 4, device="cuda") * 0.1
-        mask = (torch.rand(2, 1, 203, 333, device="cuda") > 0.2).expand(2, 4, 203, 333)
+        mask = (torch.rand(2, 1, 203, k_len, device="cuda") > 0.2).expand(2, 4, 203, k_len)
     dout = torch.randn(2, 4, 203, head_dim, device="cuda", dtype=q.dtype)
 
     def dense(*qkv, **kw):
@@ -120,12 +120,13 @@ def test_every_backward_variant(head_dim, config):
     _check_backward(head_dim, config, features=False)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_default_backward_under_every_feature(head_dim):
-    """The default backward, whose dQ kernel may take its own tiles (on the H200 dQ steps 64
-    keys where dK/dV owns 128, so the two see a 333-key length differently ragged), under a
-    window with softcap, ALiBi, a mask and dropout."""
-    _check_backward(head_dim, variants.default_backward_config(_CAPABILITY, head_dim), True)
+@pytest.mark.parametrize("head_dim,config", BACKWARD_CASES, ids=_ids(BACKWARD_CASES))
+def test_every_backward_variant_under_every_feature(head_dim, config):
+    """Under a window with softcap, ALiBi, a mask and dropout, with 320 keys: a whole number of
+    64-key tiles and not of 128-key ones, so a variant whose dQ kernel steps 64 keys where its
+    dK/dV kernel owns 128 (sm_90's SM90_BACKWARD) runs dQ without the ragged-end masks and
+    dK/dV with them."""
+    _check_backward(head_dim, config, True, k_len=320)
 
 
 def test_autotune_tunes_once_into_the_cache(tmp_path, monkeypatch):
