@@ -223,9 +223,10 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   "elements or more reached them; split the batch")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
+    dq_config = config.dq_kernel()
     spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
-                                  dropout.p > 0.0) for c in (config, config.dq_kernel()))
+                                  dropout.p > 0.0) for c in (config, dq_config))
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (attn_mask, 4))
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
@@ -233,7 +234,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                *dropout.scalars())
     preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
-    grid_q = forward_grid(q_len, heads, batch, config.dq_kernel())
+    grid_q = forward_grid(q_len, heads, batch, dq_config)
     with torch.cuda.device(q.device):
         ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta,
                                                *dq_spec.preprocess_constants(dlse is not None)))

@@ -167,8 +167,9 @@ def describe(config: variants.TileConfig) -> str:
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
     if config.group_inner:
         hints.append("group_inner")
-    if (config.dq_tile_m, config.dq_tile_n) != (None, None):  # named whenever set: configs
-        dq = config.dq_kernel()                                # that differ never share a name
+    # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.
+    if (config.dq_tile_m, config.dq_tile_n) != (None, None):
+        dq = config.dq_kernel()
         hints.append(f"dq={dq.tile_m}x{dq.tile_n}")
     return " ".join([f"{config.tile_m}x{config.tile_n}", *hints])
 

@@ -53,7 +53,10 @@ class TileConfig:
         return {k: v for k, v in hints.items() if v is not None}
 
     def dq_kernel(self) -> "TileConfig":
-        """The config the backward's dQ kernel runs with: its own tiles where set."""
+        """The config the backward's dQ kernel runs with: its own tiles where set (``self``
+        when neither is)."""
+        if self.dq_tile_m is None and self.dq_tile_n is None:
+            return self
         return replace(self, tile_m=self.dq_tile_m or self.tile_m,
                        tile_n=self.dq_tile_n or self.tile_n, dq_tile_m=None, dq_tile_n=None)
 
