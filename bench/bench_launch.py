@@ -5,10 +5,12 @@ forward benchmark's 1k rows then measure the host, not the kernel. This script s
 into the layers it passes through and times each on its own, with the default variant
 (``FLASH_TILE_AUTOTUNE=0``: no tuning inside the timed calls):
 
-  flash_attn_func   the public call: validation, layout, the custom op and everything below
-  custom op         ``torch.ops.flash_tile.attention_forward``: the dispatcher, ``_choose``,
-                    the output allocation and the launch (what the public call adds to it is
-                    validation and layout)
+  flash_attn_func   the public call: validation, layout, the eager path and everything below
+  eager path        ``_ops.attention_forward`` in eager mode: the autograd.Function around the
+                    op's body (``_choose``, the output allocation and the launch); what the
+                    public call adds to it is validation and layout
+  custom op         ``torch.ops.flash_tile.attention_forward``, the same body behind torch's
+                    dispatcher (what torch.compile's graphs call)
   launch_forward    the output allocation and ``_launch.launch_forward``: the autotuner's path
   ct.launch         cuTile's launch of a prebuilt argument tuple alone
   sdpa              ``torch.nn.functional.scaled_dot_product_attention`` (torch's backend choice)
@@ -61,6 +63,8 @@ def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> d
     stream = torch.cuda.current_stream(q.device)
     return {
         "flash_attn_func": lambda: flash_tile.flash_attn_func(q, k, v, causal=causal),
+        "eager path": lambda: _ops.attention_forward(
+            qb, kb, vb, None, None, scale, 0.0, offset, -1, right, False),
         "custom op": lambda: torch.ops.flash_tile.attention_forward(
             qb, kb, vb, None, None, scale, 0.0, offset, -1, right, False),
         "launch_forward": tuner_path,

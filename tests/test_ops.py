@@ -153,3 +153,70 @@ def test_backward_launch_gives_each_kernel_its_tiles(monkeypatch):
     assert kv_args[18:25] == (64, 128, 64, 64, False, True, False)
     assert q_args[17:24] == (128, 64, 64, 64, False, True, True)
     assert kv_args[1] is k and q_args[6] is dq and kv_args[6:8] == (dk, dv)
+
+
+class _OpCalls(TorchDispatchMode):
+    """Records which flash_tile ops were dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (FWD.default, BWD.default):
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loss", ["out", "out+lse"])
+def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
+    """In eager mode the public functions' ``attention_forward`` runs the ops' bodies through
+    an autograd.Function, dispatching neither op: one forward launch, then one backward launch
+    that gets the forward's output and LSE, the output's gradient, the LSE's gradient when the
+    loss uses the LSE, and the forward's scalars and dropout. On meta tensors, the launches
+    recorded instead of run."""
+    from flash_tile import _launch, _ops, variants
+
+    launches = []
+    config = variants.default_config((9, 0), 64)
+    monkeypatch.setattr(_ops, "_choose", lambda *args: config)
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a: launches.append(a))
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    with _OpCalls() as calls:
+        out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True,
+                                          0.1, 7)
+        (out.sum() + (lse.sum() if loss == "out+lse" else 0)).backward()
+    assert calls.ops == []
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    (fq, fk, fv, f_out, f_lse, *f_rest), (dout, bq, bk, bv, b_out, b_lse, *b_rest) = launches
+    assert all(x is y for x, y in zip((fq, fk, fv, f_out, f_lse, bq, bk, bv),
+                                      (q, k, v, out, lse, q, k, v)))
+    # The saved output and LSE come back as new tensor objects over the same storage.
+    assert torch._C._is_alias_of(b_out, out) and not torch._C._is_alias_of(b_out, lse)
+    assert torch._C._is_alias_of(b_lse, lse) and dout.shape == out.shape
+    dq, dk, dv, dlse, *scalars = b_rest
+    assert (dlse is None) == (loss == "out")
+    dropout = _launch.Dropout(0.1, 7)
+    assert f_rest == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
+    assert scalars == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
+
+
+def test_public_functions_take_the_op_under_torch_compile():
+    """While torch.compile traces, ``attention_forward`` is the custom op (its fake and its
+    registered autograd are what a graph can hold)."""
+    from flash_tile import _ops
+
+    seen = []
+
+    def fn(q, k, v):
+        out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+        return out
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(*_qkv(device="meta"))
+    assert "flash_tile.attention_forward.default" in seen, seen
