@@ -15,8 +15,11 @@ into the layers it passes through and times each on its own, with the default va
   ct.launch         cuTile's launch of a prebuilt argument tuple alone
   sdpa              ``torch.nn.functional.scaled_dot_product_attention`` (torch's backend choice)
 
-For each layer, ``host us`` is the wall time per call over ITERS calls issued back to back on
-a problem small enough that the GPU never holds the host up (B=1, H=1, L=128). At the benchmark
+For each layer, ``host us`` is the wall time per call of ITERS calls issued back to back on
+a problem small enough that the GPU never holds the host up (B=1, H=1, L=128), the median of
+ROUNDS rounds that visit the layers in turn (so that a slow stretch of the host falls on
+every layer alike); ``with grad`` is the same with q, k and v needing their gradients (a
+training step's forward: autograd records the call). At the benchmark
 grid's row for ``--length`` and ``--head-dim``, ``ms per call`` is the wall time per call of
 back-to-back calls (synchronised at the end) and ``device ms`` the GPU's time per call with
 the calls queued behind a sleep kernel, so that no launch gap is counted (CUDA events around
@@ -31,6 +34,7 @@ Writes <out>.json and <out>.md.
 import argparse
 import functools
 import os
+import statistics
 import time
 
 import cuda.tile as ct
@@ -42,7 +46,8 @@ from flash_tile import _launch, _ops, variants
 from flash_tile._timing import grid_shape
 from bench_attention import machine_info, md_table, save_json, write_report
 
-ITERS = 200
+ITERS = 100
+ROUNDS = 7
 # GPU clock cycles of the sleep that the calls of ``device_ms`` queue behind (about 25 ms on
 # an H200), more than the host needs to issue them.
 SLEEP_CYCLES = 50_000_000
@@ -54,11 +59,13 @@ def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> d
     scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
     right = 0 if causal else -1
     config = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
+    # The layers below autograd see plain tensors, as the op's body does.
+    qd, kd, vd = (t.detach() for t in (qb, kb, vb))
     tuner_path = functools.partial(
-        _ops.forward_runner(qb, kb, vb, None, None, scale, 0.0, offset, (-1, right), False),
+        _ops.forward_runner(qd, kd, vd, None, None, scale, 0.0, offset, (-1, right), False),
         config)
-    out, _ = _ops._forward_outputs(qb, vb, False)
-    grid, kernel, args = _launch.forward_launch(qb, kb, vb, out, None, None, None, scale, 0.0,
+    out, _ = _ops._forward_outputs(qd, vd, False)
+    grid, kernel, args = _launch.forward_launch(qd, kd, vd, out, None, None, None, scale, 0.0,
                                                 offset, (-1, right), config)
     stream = torch.cuda.current_stream(q.device)
     return {
@@ -100,9 +107,19 @@ def device_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def inputs(batch: int, heads: int, length: int, head_dim: int, dtype) -> list:
-    return [torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype)
-            for _ in range(3)]
+def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,
+           requires_grad: bool = False) -> list:
+    return [torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype,
+                        requires_grad=requires_grad) for _ in range(3)]
+
+
+def host_us(calls: dict) -> dict:
+    """Median over ROUNDS interleaved rounds of ``wall_us`` for each of ``calls``."""
+    times = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, fn in calls.items():
+            times[name].append(wall_us(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -114,13 +131,16 @@ def main():
     args = parser.parse_args()
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"
 
-    tiny = layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16), args.causal)
+    tiny = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16), args.causal))
+    tiny_grad = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16, True),
+                               args.causal))
     batch, heads = grid_shape(args.length, args.head_dim)
     row = layers(*inputs(batch, heads, args.length, args.head_dim, torch.bfloat16),
                  args.causal)
     rows = []
     for name in tiny:
-        rows.append({"layer": name, "host_us": round(wall_us(tiny[name]), 1),
+        rows.append({"layer": name, "host_us": round(tiny[name], 1),
+                     "host_us_grad": round(tiny_grad[name], 1),
                      "ms_per_call": round(wall_us(row[name]) / 1e3, 4),
                      "device_ms": round(device_ms(row[name]), 4)})
         print(rows[-1], flush=True)
@@ -128,9 +148,10 @@ def main():
     info = machine_info()
     shape = (f"bf16, B={batch}, H={heads}, L={args.length}, D={args.head_dim}, "
              f"causal={args.causal}")
-    body = md_table(["layer", "host us (B=1, H=1, L=128)", f"ms per call ({shape})",
-                     "device ms (queued)"],
-                    [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]]
+    body = md_table(["layer", "host us (B=1, H=1, L=128)", "with grad",
+                     f"ms per call ({shape})", "device ms (queued)"],
+                    [[r["layer"], r["host_us"], r["host_us_grad"], r["ms_per_call"],
+                      r["device_ms"]]
                      for r in rows])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     save_json(args.out, info, shape=shape, rows=rows)

@@ -72,10 +72,17 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
     vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)
     rows = _array(ct.float32, 3, index_dtype=index)
-    # A mask broadcast over batch, heads or query rows has zero strides: no assumption.
-    mask = ArrayConstraint(ct.bool_ if attn_mask == "bool" else DTYPES[dtype], 4,
-                           index_dtype=index, stride_lower_bound_incl=0, alias_groups=(),
-                           may_alias_internally=True)
+    # A mask broadcast over batch, heads or query rows has zero strides (which every divisor
+    # divides); its rows are as long as the keys, so even instances get the JIT's 16-byte
+    # alignment, with which it may load through TMA.
+    mask_dtype = ct.bool_ if attn_mask == "bool" else DTYPES[dtype]
+    mask_div = (16 if attn_mask == "bool" else 8) if even_n else 1  # 16 bytes, in elements
+    mask = ArrayConstraint(mask_dtype, 4, index_dtype=index, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=True,
+                           stride_constant=(None, None, None, 1),
+                           stride_divisible_by=(mask_div, mask_div, mask_div, 1),
+                           shape_divisible_by=(1, 1, 1, 16 if even_n else 1),
+                           base_addr_divisible_by=16)
     # scale, softcap, diag_offset, window_left, window_right, then dropout's seed, threshold
     # and scale.
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32),

@@ -176,10 +176,18 @@ def _lookup(table, capability, head_dim):
 # spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
 SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
                            dq_tile_n=64)
+# At D=256 on sm_90 the dQ kernel owns 128 query rows and steps 32 keys (dK/dV as before, 64x64
+# with 8 worker warps): the whole backward took 0.81-0.85x the time of 64x64 for both kernels
+# on every bf16 row (L 1k/4k/16k, causal and not; bench_variants, H200, session 8); dQ stepping
+# 32 keys with 64 rows took 1.00-1.19x, dK/dV stepping 32 queries 1.06-1.11x. SASS (tileiras
+# 13.4): the 128x32 dQ spills none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and
+# dropout; 128x64 spills 2380.
+SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_tile_m=128,
+                                dq_tile_n=32)
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, SM90_BACKWARD), (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
-             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
+             (256, SM90_BACKWARD_WIDE)),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
 }
@@ -241,6 +249,7 @@ _BACKWARD_CANDIDATES = {
     # (spills 410 in dQ at D=128).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, SM90_BACKWARD),
+             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=64, tile_n=64))),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),

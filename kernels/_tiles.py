@@ -162,14 +162,15 @@ def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt):
 
 
 def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,
-                   TRANSPOSED: ConstBool):
-    """The [TILE_Q, TILE_K] tile (or its [TILE_K, TILE_Q] transpose) of Mask [B, H, Lq, Lk]."""
+                   TRANSPOSED: ConstBool, TMA: ConstBool):
+    """The [TILE_Q, TILE_K] tile (or its [TILE_K, TILE_Q] transpose) of Mask [B, H, Lq, Lk],
+    through TMA where the compiler can and TMA is set."""
     if TRANSPOSED:
         tile = ct.load(Mask, index=(batch, head, tile_k, tile_q), shape=(1, 1, TILE_K, TILE_Q),
-                       order=(0, 1, 3, 2), padding_mode=ZERO)
+                       order=(0, 1, 3, 2), padding_mode=ZERO, allow_tma=TMA)
         return tile.reshape((TILE_K, TILE_Q))
     tile = ct.load(Mask, index=(batch, head, tile_q, tile_k), shape=(1, 1, TILE_Q, TILE_K),
-                   padding_mode=ZERO)
+                   padding_mode=ZERO, allow_tma=TMA)
     return tile.reshape((TILE_Q, TILE_K))
 
 
@@ -209,7 +210,12 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
             s = s + bias
         factor = 1.0
     if ATTN_MASK != NO_MASK:
-        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
+        # Never a bool mask through TMA: on the H200 (cuda-tile 1.7.0, tileiras 13.4) bool
+        # tiles loaded so were misread whenever the mask's rows were 16-byte aligned (Lk a
+        # multiple of 16), max error 0.4-1.8 against torch's 0.003-0.03 in bf16; the same
+        # loads without TMA, or of the mask viewed as uint8, were right [2026-11-30].
+        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED,
+                              ATTN_MASK != BOOL_MASK)
         if ATTN_MASK == BOOL_MASK:
             s = ct.where(mask, s, -math.inf)
         else:

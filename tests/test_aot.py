@@ -104,6 +104,28 @@ def test_int64_index_entry_point(arch):
     assert (summary["local_memory"] > 0) == (arch in INT64_SPILLS), summary
 
 
+def test_bool_masks_stay_off_tma():
+    """sm_90 at a 16-aligned key length (where the JIT may use TMA): a bool mask is read with
+    plain global loads in the forward and in both backward kernels (cuTile's TMA misread bool
+    tiles on the H200; with TMA allowed the forward had no global load at all), while an
+    additive mask still takes TMA (more UTMALDG than without a mask)."""
+    def summary(cubin):
+        return aot.summarize(aot.disassemble(cubin))
+
+    kw = dict(dtype="bfloat16", head_dim=64, even_n=True)
+    plain = summary(aot.compile_forward("sm_90", **kw))
+    bool_fwd = summary(aot.compile_forward("sm_90", attn_mask="bool", **kw))
+    additive = summary(aot.compile_forward("sm_90", attn_mask="additive", **kw))
+    assert plain["global_load"] == 0 and bool_fwd["global_load"] > 0, (plain, bool_fwd)
+    assert bool_fwd["tma_load"] == plain["tma_load"] < additive["tma_load"], (bool_fwd,
+                                                                              additive)
+    for kernel in ("dkdv", "dq"):
+        cubins = [aot.compile_backward("sm_90", attn_mask=mask, **kw)[kernel]
+                  for mask in (None, "bool")]
+        loads = [summary(c)["global_load"] for c in cubins]
+        assert loads[1] > loads[0], (kernel, loads)
+
+
 BACKWARD_VARIANTS = {
     "fp16-d128-causal-ragged-dropout": dict(dtype="float16", head_dim=128, causal=True,
                                             even_n=False, dropout=True),

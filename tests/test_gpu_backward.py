@@ -116,19 +116,29 @@ def test_deterministic():
         assert torch.equal(a, b)
 
 
-def test_sdpa_function_gradients_with_mask():
-    q, k, v = (torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.float16).requires_grad_()
-               for _ in range(3))
-    mask = torch.rand(2, 1, 150, 150, device="cuda") > 0.3
+@pytest.mark.parametrize("k_len", [150, 160, 512])  # ragged; multiples of 16 (TMA-aligned)
+@pytest.mark.parametrize("kind", ["bool", "bool-full", "additive"])
+def test_sdpa_function_gradients_with_mask(kind, k_len):
+    """Bool masks broadcast over heads or full, and an additive one, at ragged and 16-aligned
+    key lengths (a bool mask read through TMA was misread, see _launch.kernel_mask)."""
+    q = torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.float16).requires_grad_()
+    k, v = (torch.randn(2, 4, k_len, 64, device="cuda", dtype=torch.float16).requires_grad_()
+            for _ in range(2))
+    if kind == "additive":
+        mask = torch.randn(2, 4, 150, k_len, device="cuda", dtype=torch.float16)
+    else:
+        mask = torch.rand(2, 1 if kind == "bool" else 4, 150, k_len, device="cuda") > 0.3
     dout = torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.float16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref_mask = mask if mask.dtype == torch.bool else mask.float()
     got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(*t, attn_mask=mask),
                  q, k, v, dout)
-    ref = _grads(lambda *t: sdpa(*t, attn_mask=mask), q.float(), k.float(), v.float(),
+    ref = _grads(lambda *t: sdpa(*t, attn_mask=ref_mask), q.float(), k.float(), v.float(),
                  dout.float())
     low = _grads(lambda *t: sdpa(*t, attn_mask=mask), q, k, v, dout)
     for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
-        assert check_error(g, r, p, 3)["ok"], name
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
 
 
 def test_opcheck():

@@ -217,15 +217,22 @@ def test_mixed_devices_rejected():
         flash_tile.scaled_dot_product_attention(q, q.cpu(), q)
 
 
+# Key lengths for the mask tests: ragged, and a multiple of 16 (mask rows 16-byte aligned, so
+# the JIT may load mask tiles through TMA; bool tiles loaded so were misread, see
+# _launch.kernel_mask).
+MASK_K_LENS = [170, 176]
+
+
+@pytest.mark.parametrize("k_len", MASK_K_LENS)
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_sdpa_attention_masks(kind):
+def test_sdpa_attention_masks(kind, k_len):
     """Masks broadcast over batch/heads/rows are read in place; fully masked rows give 0."""
-    q, k, v = _qkv((2, 4, 4, 150, 170, 64, 64), torch.float16)
+    q, k, v = _qkv((2, 4, 4, 150, k_len, 64, 64), torch.float16)
     if kind == "bool":
-        mask = torch.rand(2, 1, 150, 170, device="cuda") > 0.4  # broadcast over heads
+        mask = torch.rand(2, 1, 150, k_len, device="cuda") > 0.4  # broadcast over heads
         mask[:, :, 3] = False  # fully masked rows
     else:
-        mask = torch.randn(1, 4, 1, 170, device="cuda", dtype=torch.float16)  # per-key bias
+        mask = torch.randn(1, 4, 1, k_len, device="cuda", dtype=torch.float16)  # per-key bias
     sdpa = torch.nn.functional.scaled_dot_product_attention
     out = flash_tile.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref = sdpa(q.float(), k.float(), v.float(), attn_mask=mask if kind == "bool" else mask.float())
