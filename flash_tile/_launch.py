@@ -148,17 +148,17 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
 
 
 @functools.cache
-def _placeholder(device: torch.device) -> torch.Tensor:
-    # One per device for the process: never read nor written, so it is safe on any stream.
-    return torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+def _placeholder(device: torch.device, rank: int) -> torch.Tensor:
+    # One per device and rank for the process: never read nor written, so it is safe on any
+    # stream; cached as the view itself, because indexing a view out costs microseconds a call.
+    return torch.empty((1,) * rank, dtype=torch.float32, device=device)
 
 
 def _fill_unused(device, *arrays):
     """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
     rank for each None: the kernels never touch Lse without STORE_LSE, Slopes without ALIBI,
     Mask without ATTN_MASK, but each parameter needs an array."""
-    unused = _placeholder(device)
-    return tuple(unused[(0,) * (4 - rank)] if array is None else array
+    return tuple(_placeholder(device, rank) if array is None else array
                  for array, rank in arrays)
 
 

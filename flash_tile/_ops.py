@@ -205,9 +205,12 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_off
                       window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0):
     """(out, lse) with autograd, arguments as the ``flash_tile::attention_forward`` op's: the
     op while torch.compile traces (a graph needs its fake and its registered autograd), the
-    same body through ``_EagerAttention`` otherwise."""
+    same body through ``_EagerAttention`` where q, k or v needs its gradient, and the body
+    alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
             window_right, return_lse, dropout_p, dropout_seed)
     if torch.compiler.is_compiling():
         return forward_op(*args)
-    return _EagerAttention.apply(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args)
+    return _forward_impl(*args)  # nothing to differentiate: no autograd node to build

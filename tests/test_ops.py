@@ -202,6 +202,22 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
     assert scalars == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
 
 
+@pytest.mark.parametrize("case", ["no input needs a gradient", "torch.no_grad"])
+def test_inference_builds_no_autograd_node(monkeypatch, case):
+    """Where nothing will be differentiated, ``attention_forward`` runs the op's body alone
+    (no autograd.Function, no op): one forward launch, an output with no grad_fn."""
+    from flash_tile import _ops, variants
+
+    launches = []
+    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
+    monkeypatch.setattr(_ops._EagerAttention, "apply", lambda *a: pytest.fail("Function used"))
+    q, k, v = _qkv(requires_grad=case == "torch.no_grad", device="meta")
+    with _OpCalls() as calls, torch.set_grad_enabled(case != "torch.no_grad"):
+        out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
+    assert calls.ops == [] and len(launches) == 1 and out.grad_fn is None
+
+
 def test_public_functions_take_the_op_under_torch_compile():
     """While torch.compile traces, ``attention_forward`` is the custom op (its fake and its
     registered autograd are what a graph can hold)."""
