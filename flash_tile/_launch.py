@@ -92,6 +92,18 @@ def mask_kind(attn_mask: torch.Tensor | None) -> int:
     return MASK_KINDS[mask_name(attn_mask)]
 
 
+def kernel_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as the kernels take it: a bool mask whose rows can be 16-byte aligned (Lk a
+    multiple of 16) as its uint8 view (no copy, same strides), which the kernels may load
+    through TMA; bool tiles never are, as TMA misread them (``kernels/_tiles.py``, BOOL_MASK).
+    At other lengths the bool mask stays: TMA cannot take its rows anyway, and the uint8 form
+    spills there on sm_90 (54-90 LDL/STL, tileiras 13.4)."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool and \
+            attn_mask.shape[-1] % 16 == 0:
+        return attn_mask.view(torch.uint8)
+    return attn_mask
+
+
 @functools.cache
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
@@ -173,7 +185,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
                         dropout.p > 0.0)
-    lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2), (attn_mask, 4))
+    lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
+                                          (kernel_mask(attn_mask), 4))
     args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -228,7 +241,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0) for c in (config, dq_config))
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
-                                               (attn_mask, 4))
+                                               (kernel_mask(attn_mask), 4))
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())

@@ -75,7 +75,9 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     # A mask broadcast over batch, heads or query rows has zero strides (which every divisor
     # divides); its rows are as long as the keys, so even instances get the JIT's 16-byte
     # alignment, with which it may load through TMA.
-    mask_dtype = ct.bool_ if attn_mask == "bool" else DTYPES[dtype]
+    # A bool mask reaches the kernels as bool at ragged lengths, as its uint8 view at even ones
+    # (_launch.kernel_mask).
+    mask_dtype = (ct.uint8 if even_n else ct.bool_) if attn_mask == "bool" else DTYPES[dtype]
     mask_div = (16 if attn_mask == "bool" else 8) if even_n else 1  # 16 bytes, in elements
     mask = ArrayConstraint(mask_dtype, 4, index_dtype=index, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=True,

@@ -40,6 +40,11 @@ LOG2_E = 1.4426950408889634
 LN_2 = math.log(2.0)
 
 # ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
+# A boolean mask comes as bool or as its uint8 view (nonzero = attend). TMA loads of bool tiles
+# were misread on the H200 (cuda-tile 1.7.0, tileiras 13.4: whenever the mask's rows were
+# 16-byte aligned, outputs and gradients off by 0.4-1.8 against torch's 0.003-0.03 in bf16),
+# so bool tiles load without TMA; the host passes the uint8 view where rows are aligned, which
+# TMA reads right [2026-12-01].
 NO_MASK = 0
 BOOL_MASK = 1
 ADDITIVE_MASK = 2
@@ -210,13 +215,12 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
             s = s + bias
         factor = 1.0
     if ATTN_MASK != NO_MASK:
-        # Never a bool mask through TMA: on the H200 (cuda-tile 1.7.0, tileiras 13.4) bool
-        # tiles loaded so were misread whenever the mask's rows were 16-byte aligned (Lk a
-        # multiple of 16), max error 0.4-1.8 against torch's 0.003-0.03 in bf16; the same
-        # loads without TMA, or of the mask viewed as uint8, were right [2026-11-30].
+        # Never a bool-typed mask through TMA (see BOOL_MASK); its uint8 view may take it.
         mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED,
-                              ATTN_MASK != BOOL_MASK)
+                              Mask.dtype != ct.bool_)
         if ATTN_MASK == BOOL_MASK:
+            if Mask.dtype != ct.bool_:  # the uint8 view; comparing a bool tile spills
+                mask = mask != 0
             s = ct.where(mask, s, -math.inf)
         else:
             add = mask.astype(ct.float32) * LOG2_E

@@ -15,9 +15,10 @@ Each compile takes a few seconds, which keeps this file near three minutes on tw
 
 import dataclasses
 
+import cuda.tile as ct
 import pytest
 
-from flash_tile import aot, autotune, variants
+from flash_tile import _launch, aot, autotune, variants
 
 VARIANTS = {
     "fp16-d128-causal-ragged-lse": dict(dtype="float16", head_dim=128, causal=True,
@@ -104,26 +105,29 @@ def test_int64_index_entry_point(arch):
     assert (summary["local_memory"] > 0) == (arch in INT64_SPILLS), summary
 
 
-def test_bool_masks_stay_off_tma():
-    """sm_90 at a 16-aligned key length (where the JIT may use TMA): a bool mask is read with
-    plain global loads in the forward and in both backward kernels (cuTile's TMA misread bool
-    tiles on the H200; with TMA allowed the forward had no global load at all), while an
-    additive mask still takes TMA (more UTMALDG than without a mask)."""
+def test_bool_masks_load_through_tma_only_as_uint8():
+    """sm_90 at a 16-aligned key length (the JIT's alignment, with which it may use TMA): a
+    bool mask, which reaches the kernels as its uint8 view there, is loaded through TMA (more
+    UTMALDG than without a mask, no plain global load), while the same mask typed bool never
+    is (TMA misread bool tiles on the H200): no more UTMALDG than without a mask, plain loads
+    instead. With TMA allowed for bool tiles, the bool-typed forward had no plain load."""
     def summary(cubin):
         return aot.summarize(aot.disassemble(cubin))
 
-    kw = dict(dtype="bfloat16", head_dim=64, even_n=True)
-    plain = summary(aot.compile_forward("sm_90", **kw))
-    bool_fwd = summary(aot.compile_forward("sm_90", attn_mask="bool", **kw))
-    additive = summary(aot.compile_forward("sm_90", attn_mask="additive", **kw))
-    assert plain["global_load"] == 0 and bool_fwd["global_load"] > 0, (plain, bool_fwd)
-    assert bool_fwd["tma_load"] == plain["tma_load"] < additive["tma_load"], (bool_fwd,
-                                                                              additive)
-    for kernel in ("dkdv", "dq"):
-        cubins = [aot.compile_backward("sm_90", attn_mask=mask, **kw)[kernel]
-                  for mask in (None, "bool")]
-        loads = [summary(c)["global_load"] for c in cubins]
-        assert loads[1] > loads[0], (kernel, loads)
+    config = variants.default_config((9, 0), 64)
+    plain = summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64, even_n=True))
+    as_uint8 = summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64,
+                                           attn_mask="bool", even_n=True))
+    sig = aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False, "bool", True, True,
+                                config)
+    params = list(sig.parameters)
+    assert params[6].dtype == ct.uint8  # the mask, as _launch.kernel_mask passes it
+    params[6] = dataclasses.replace(params[6], dtype=ct.bool_)
+    as_bool = summary(aot._export(_launch.hinted_kernel(config),
+                                  dataclasses.replace(sig, parameters=params), "sm_90"))
+    assert as_uint8["tma_load"] > plain["tma_load"] and as_uint8["global_load"] == 0, as_uint8
+    assert as_bool["tma_load"] == plain["tma_load"] and as_bool["global_load"] > 0, as_bool
+    assert as_uint8["local_memory"] == as_bool["local_memory"] == 0
 
 
 BACKWARD_VARIANTS = {

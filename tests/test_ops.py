@@ -155,6 +155,22 @@ def test_backward_launch_gives_each_kernel_its_tiles(monkeypatch):
     assert kv_args[1] is k and q_args[6] is dq and kv_args[6:8] == (dk, dv)
 
 
+@pytest.mark.parametrize("k_len", [48, 50])
+def test_bool_masks_reach_the_kernels_as_uint8_at_aligned_lengths(k_len):
+    """At a key length that is a multiple of 16 a bool mask is passed as its uint8 view (same
+    memory and strides: the kernels may load it through TMA, which misread bool tiles); at
+    other lengths it stays bool; additive masks pass as they are."""
+    from flash_tile import _launch
+
+    bool_mask = (torch.rand(2, 1, 40, k_len) > 0.5).expand(2, 4, 40, k_len)
+    additive = torch.randn(2, 4, 40, k_len, dtype=torch.bfloat16)
+    got = _launch.kernel_mask(bool_mask)
+    assert got.dtype == (torch.uint8 if k_len % 16 == 0 else torch.bool)
+    assert got.data_ptr() == bool_mask.data_ptr() and got.stride() == bool_mask.stride()
+    assert torch.equal(got.bool(), bool_mask)
+    assert _launch.kernel_mask(additive) is additive and _launch.kernel_mask(None) is None
+
+
 class _OpCalls(TorchDispatchMode):
     """Records which flash_tile ops were dispatched."""
 
