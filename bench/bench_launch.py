@@ -6,9 +6,10 @@ into the layers it passes through and times each on its own, with the default va
 (``FLASH_TILE_AUTOTUNE=0``: no tuning inside the timed calls):
 
   flash_attn_func   the public call: validation, layout, the eager path and everything below
-  eager path        ``_ops.attention_forward`` in eager mode: the autograd.Function around the
-                    op's body (``_choose``, the output allocation and the launch); what the
-                    public call adds to it is validation and layout
+  eager path        ``_ops.attention_forward`` in eager mode: the op's body (``_choose``, the
+                    output allocation and the launch), through an autograd.Function when an
+                    input needs its gradient (the "with grad" column) and alone otherwise;
+                    what the public call adds to it is validation and layout
   custom op         ``torch.ops.flash_tile.attention_forward``, the same body behind torch's
                     dispatcher (what torch.compile's graphs call)
   launch_forward    the output allocation and ``_launch.launch_forward``: the autotuner's path

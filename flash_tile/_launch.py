@@ -93,13 +93,14 @@ def mask_kind(attn_mask: torch.Tensor | None) -> int:
 
 
 def kernel_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The mask as the kernels take it: a bool mask whose rows can be 16-byte aligned (Lk a
-    multiple of 16) as its uint8 view (no copy, same strides), which the kernels may load
-    through TMA; bool tiles never are, as TMA misread them (``kernels/_tiles.py``, BOOL_MASK).
-    At other lengths the bool mask stays: TMA cannot take its rows anyway, and the uint8 form
-    spills there on sm_90 (54-90 LDL/STL, tileiras 13.4)."""
+    """The mask as the kernels take it: a bool mask that TMA can read (unit last stride,
+    16-byte aligned base and other strides, so Lk a multiple of 16 for a dense one) as its
+    uint8 view (no copy, same strides); bool tiles are never loaded through TMA, which misread
+    them (``kernels/_tiles.py``, BOOL_MASK). Otherwise the bool mask stays: without TMA the
+    uint8 form spills on sm_90 (38-90 LDL/STL at D 64/128, tileiras 13.4), the bool one not."""
     if attn_mask is not None and attn_mask.dtype == torch.bool and \
-            attn_mask.shape[-1] % 16 == 0:
+            attn_mask.stride(-1) == 1 and attn_mask.data_ptr() % 16 == 0 and \
+            all(stride % 16 == 0 for stride in attn_mask.stride()[:-1]):
         return attn_mask.view(torch.uint8)
     return attn_mask
 

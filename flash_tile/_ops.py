@@ -201,15 +201,24 @@ class _EagerAttention(torch.autograd.Function):
         return _backward(ctx, dout, dlse, _backward_impl)
 
 
+def _seen_by_a_tracer(*tensors: torch.Tensor) -> bool:
+    """Whether anything but plain eager execution sees this call: torch.compile or export, a
+    dispatch mode (make_fx, FakeTensorMode, FlopCounterMode) or a tensor subclass (fake,
+    functional, distributed tensors). Those get the custom op, which they can trace and fake;
+    the body would launch kernels on their tensors."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or
+            any(type(t) is not torch.Tensor for t in tensors))
+
+
 def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
                       window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0):
     """(out, lse) with autograd, arguments as the ``flash_tile::attention_forward`` op's: the
-    op while torch.compile traces (a graph needs its fake and its registered autograd), the
-    same body through ``_EagerAttention`` where q, k or v needs its gradient, and the body
-    alone where none does (inference)."""
+    op where something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake
+    and its registered autograd), else the same body through ``_EagerAttention`` where q, k or
+    v needs its gradient, and the body alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
             window_right, return_lse, dropout_p, dropout_seed)
-    if torch.compiler.is_compiling():
+    if _seen_by_a_tracer(q, k, v):
         return forward_op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)

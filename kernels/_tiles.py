@@ -42,7 +42,7 @@ LN_2 = math.log(2.0)
 # ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
 # A boolean mask comes as bool or as its uint8 view (nonzero = attend). TMA loads of bool tiles
 # were misread on the H200 (cuda-tile 1.7.0, tileiras 13.4: whenever the mask's rows were
-# 16-byte aligned, outputs and gradients off by 0.4-1.8 against torch's 0.003-0.03 in bf16),
+# 16-byte aligned, outputs and gradients off by 0.4-2.4 against torch's 0.003-0.03 in bf16),
 # so bool tiles load without TMA; the host passes the uint8 view where rows are aligned, which
 # TMA reads right [2026-12-01].
 NO_MASK = 0

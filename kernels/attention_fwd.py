@@ -30,8 +30,8 @@ S' = s * log2(e): for plain scores the factor scale * log2(e) is applied after t
 is converted back to natural log.
 
 Layout. Q [B, H, Lq, D], K [B, H_kv, Lk, D], V [B, H_kv, Lk, Dv], Out [B, H, Lq, Dv],
-Lse [B, H, Lq] fp32, Slopes [B, H] fp32, Mask [B, H, Lq, Lk] bool or uint8 (nonzero = attend)
-or float (stride-0 broadcast dims are read in place). Any strides: the torch side passes flash-attn's
+Lse [B, H, Lq] fp32, Slopes [B, H] fp32, Mask [B, H, Lq, Lk] bool or uint8 (nonzero =
+attend) or float (stride-0 broadcast dims are read in place). Any strides: the torch side passes flash-attn's
 [B, L, H, D] tensors as transposed views. K is loaded as a [TILE_D, TILE_N] tile through a
 permuted load, so no transpose of K is stored. H is a multiple of H_kv (GQA/MQA): query head h
 reads key/value head h // (H / H_kv), in place. D and Dv need not be powers of two: the tiles

@@ -155,20 +155,44 @@ def test_backward_launch_gives_each_kernel_its_tiles(monkeypatch):
     assert kv_args[1] is k and q_args[6] is dq and kv_args[6:8] == (dk, dv)
 
 
-@pytest.mark.parametrize("k_len", [48, 50])
-def test_bool_masks_reach_the_kernels_as_uint8_at_aligned_lengths(k_len):
-    """At a key length that is a multiple of 16 a bool mask is passed as its uint8 view (same
-    memory and strides: the kernels may load it through TMA, which misread bool tiles); at
-    other lengths it stays bool; additive masks pass as they are."""
-    from flash_tile import _launch
+def _bool_mask(layout):
+    dense = torch.rand(2, 1, 40, 64) > 0.5
+    return {"aligned": dense[..., :48],  # rows 64 bytes apart, 48 keys
+            "broadcast": dense[..., :48].expand(2, 4, 40, 48),
+            "ragged": (torch.rand(2, 4, 40, 50) > 0.5)[..., :48],  # rows 50 bytes apart
+            "offset": dense[..., 1:49],  # base one byte past alignment
+            "keys strided": torch.rand(2, 1, 48, 40).transpose(-1, -2) > 0.5}[layout]
 
-    bool_mask = (torch.rand(2, 1, 40, k_len) > 0.5).expand(2, 4, 40, k_len)
-    additive = torch.randn(2, 4, 40, k_len, dtype=torch.bfloat16)
-    got = _launch.kernel_mask(bool_mask)
-    assert got.dtype == (torch.uint8 if k_len % 16 == 0 else torch.bool)
-    assert got.data_ptr() == bool_mask.data_ptr() and got.stride() == bool_mask.stride()
-    assert torch.equal(got.bool(), bool_mask)
-    assert _launch.kernel_mask(additive) is additive and _launch.kernel_mask(None) is None
+
+@pytest.mark.parametrize("layout", ["aligned", "broadcast", "ragged", "offset", "keys strided"])
+def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(monkeypatch, layout):
+    """A bool mask that TMA can read (unit last stride, 16-byte aligned base and strides) is
+    passed to the forward, dK/dV and dQ kernels as its uint8 view, same memory and strides
+    (TMA misread bool tiles); any other stays bool (no TMA there, and uint8 would spill).
+    Launches recorded on the CPU instead of run."""
+    from contextlib import nullcontext
+
+    from flash_tile import _launch, variants
+
+    launched = []
+    monkeypatch.setattr(_launch.ct, "launch",
+                        lambda stream, grid, kernel, args: launched.append(args))
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    mask = _bool_mask(layout).expand(2, 4, 40, 48)
+    q, k, v = torch.randn(2, 4, 40, 64), torch.randn(2, 4, 48, 64), torch.randn(2, 4, 48, 64)
+    _launch.launch_forward(q, k, v, torch.empty_like(q), None, None, mask, 0.125, 0.0, 8,
+                           (-1, -1), variants.default_config((9, 0), 64))
+    _launch.launch_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
+                            torch.randn(2, 4, 40), *(torch.empty_like(t) for t in (q, k, v)),
+                            None, None, mask, 0.125, 0.0, 8, (-1, -1),
+                            variants.default_backward_config((9, 0), 64))
+    fwd, _, dkdv, dq = launched
+    as_uint8 = layout in ("aligned", "broadcast")
+    for got in (fwd[6], dkdv[9], dq[8]):
+        assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
+        assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
+    assert fwd[-5] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
 
 
 class _OpCalls(TorchDispatchMode):
@@ -182,6 +206,14 @@ class _OpCalls(TorchDispatchMode):
         if func in (FWD.default, BWD.default):
             self.ops.append(func)
         return func(*args, **(kwargs or {}))
+
+
+def _refuse_the_ops(monkeypatch):
+    """Make any call of the two custom ops (as the eager path must not) fail the test."""
+    from flash_tile import _ops
+
+    for name in ("forward_op", "backward_op"):
+        monkeypatch.setattr(_ops, name, lambda *a, name=name: pytest.fail(f"{name} called"))
 
 
 @pytest.mark.parametrize("loss", ["out", "out+lse"])
@@ -198,12 +230,10 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
     monkeypatch.setattr(_ops, "_choose", lambda *args: config)
     monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
     monkeypatch.setattr(_ops, "launch_backward", lambda *a: launches.append(a))
+    _refuse_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=True, device="meta")
-    with _OpCalls() as calls:
-        out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True,
-                                          0.1, 7)
-        (out.sum() + (lse.sum() if loss == "out+lse" else 0)).backward()
-    assert calls.ops == []
+    out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 7)
+    (out.sum() + (lse.sum() if loss == "out+lse" else 0)).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     (fq, fk, fv, f_out, f_lse, *f_rest), (dout, bq, bk, bv, b_out, b_lse, *b_rest) = launches
     assert all(x is y for x, y in zip((fq, fk, fv, f_out, f_lse, bq, bk, bv),
@@ -228,10 +258,35 @@ def test_inference_builds_no_autograd_node(monkeypatch, case):
     monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
     monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
     monkeypatch.setattr(_ops._EagerAttention, "apply", lambda *a: pytest.fail("Function used"))
+    _refuse_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=case == "torch.no_grad", device="meta")
-    with _OpCalls() as calls, torch.set_grad_enabled(case != "torch.no_grad"):
+    with torch.set_grad_enabled(case != "torch.no_grad"):
         out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
-    assert calls.ops == [] and len(launches) == 1 and out.grad_fn is None
+    assert len(launches) == 1 and out.grad_fn is None
+
+
+@pytest.mark.parametrize("tracer", ["dispatch mode", "make_fx"])
+def test_tracers_see_the_op(tracer):
+    """Under a dispatch mode (FlopCounterMode, FakeTensorMode, ...) or make_fx the call is the
+    custom op, forward and backward, as under torch.compile: the body would launch kernels on
+    tensors that have no memory."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flash_tile import _ops
+
+    def fn(q, k, v):
+        out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+        return out, lse
+
+    if tracer == "make_fx":
+        graph = make_fx(fn)(*_qkv(device="meta")).graph
+        assert "flash_tile.attention_forward.default" in {str(n.target) for n in graph.nodes}
+        return
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    with _OpCalls() as calls:
+        out, _ = fn(q, k, v)
+        out.sum().backward()
+    assert calls.ops == [FWD.default, BWD.default]
 
 
 def test_public_functions_take_the_op_under_torch_compile():
