@@ -60,30 +60,31 @@ def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32,
 
 
 def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n,
-                     store_lse, config, index, dropout=False):
+                     store_lse, config, index, dropout=False, aligned=False):
     """(spec, constraint of Q/K, of V/Out, of fp32 [B, H, L] rows, of Slopes, of Mask,
     scalar constraints) shared by the forward and backward signatures."""
-    k_len = config.tile_n * 4 + (0 if even_n else 1)
+    # Even instances get a key length that is a multiple of the tiles (so of 16); ragged ones
+    # one that is not, and, when ``aligned``, still a multiple of 16.
+    k_len = config.tile_n * 4 + (0 if even_n else 16 if aligned else 1)
+    aligned = k_len % 16 == 0
     kind = MASK_KINDS[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
                         store_lse, dropout)
-    # Even instances get lengths that are multiples of the tiles (so of 16); ragged ones not.
-    length = k_len if even_n else 1
+    length = k_len if aligned else 1
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
     vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)
     rows = _array(ct.float32, 3, index_dtype=index)
     # A mask broadcast over batch, heads or query rows has zero strides (which every divisor
-    # divides); its rows are as long as the keys, so even instances get the JIT's 16-byte
-    # alignment, with which it may load through TMA.
-    # A bool mask reaches the kernels as bool at ragged lengths, as its uint8 view at even ones
-    # (_launch.kernel_mask).
-    mask_dtype = (ct.uint8 if even_n else ct.bool_) if attn_mask == "bool" else DTYPES[dtype]
-    mask_div = (16 if attn_mask == "bool" else 8) if even_n else 1  # 16 bytes, in elements
+    # divides); its rows are as long as the keys, so aligned lengths get the JIT's 16-byte
+    # alignment, with which it may load through TMA. There a bool mask reaches the kernels as
+    # its uint8 view, elsewhere as bool (_launch.kernel_mask).
+    mask_dtype = (ct.uint8 if aligned else ct.bool_) if attn_mask == "bool" else DTYPES[dtype]
+    mask_div = (16 if attn_mask == "bool" else 8) if aligned else 1  # 16 bytes, in elements
     mask = ArrayConstraint(mask_dtype, 4, index_dtype=index, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=True,
                            stride_constant=(None, None, None, 1),
                            stride_divisible_by=(mask_div, mask_div, mask_div, 1),
-                           shape_divisible_by=(1, 1, 1, 16 if even_n else 1),
+                           shape_divisible_by=(1, 1, 1, 16 if aligned else 1),
                            base_addr_divisible_by=16)
     # scale, softcap, diag_offset, window_left, window_right, then dropout's seed, threshold
     # and scale.
@@ -96,12 +97,14 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
 def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                       softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                       store_lse: bool, config: variants.TileConfig,
-                      int64_index: bool = False, dropout: bool = False) -> KernelSignature:
+                      int64_index: bool = False, dropout: bool = False,
+                      aligned: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
-    ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N."""
+    ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
+    ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read)."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
-        ct.int64 if int64_index else ct.int32, dropout)
+        ct.int64 if int64_index else ct.int32, dropout, aligned)
     params = [qk, qk, vo, vo, rows, slopes, mask, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
@@ -109,14 +112,14 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
 def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tuple[int, int],
                         softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                         config: variants.TileConfig, group: int = 1,
-                        lse_grad: bool = False,
-                        dropout: bool = False) -> tuple[KernelSignature, ...]:
+                        lse_grad: bool = False, dropout: bool = False,
+                        aligned: bool = False) -> tuple[KernelSignature, ...]:
     """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order
     (dK/dV on ``config``'s tiles, the preprocess and dQ on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
     (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
         _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
-                         even_n, True, c, ct.int32, dropout)
+                         even_n, True, c, ct.int32, dropout, aligned)
         for c in (config, config.dq_kernel()))
     cc = CallingConvention.cutile_python_v1()
     return (KernelSignature([dq_vo, dq_vo, rows, rows,
@@ -144,17 +147,18 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
                     int64_index: bool = False, dropout: bool = False,
-                    output_format: str = "cubin") -> bytes:
+                    output_format: str = "cubin", aligned: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
-    tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch;
+    tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch; ``aligned`` makes a
+    ragged key length a multiple of 16 (rows TMA can read);
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
     config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                            attn_mask, even_n, store_lse, config, int64_index, dropout)
+                            attn_mask, even_n, store_lse, config, int64_index, dropout, aligned)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 
@@ -163,14 +167,15 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      window: tuple[int, int] = (-1, -1), softcap: bool = False,
                      alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                      config: variants.TileConfig | None = None, group: int = 1,
-                     lse_grad: bool = False, dropout: bool = False) -> dict[str, bytes]:
+                     lse_grad: bool = False, dropout: bool = False,
+                     aligned: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default."""
     config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                               attn_mask, even_n, config, group, lse_grad, dropout)
+                               attn_mask, even_n, config, group, lse_grad, dropout, aligned)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
             zip(("preprocess", "dkdv", "dq"), hinted_backward_kernels(config), sigs)}
 

@@ -130,6 +130,24 @@ def test_bool_masks_load_through_tma_only_as_uint8():
     assert as_uint8["local_memory"] == as_bool["local_memory"] == 0
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_bool_mask_at_an_aligned_ragged_length(arch):
+    """Keys a multiple of 16 but not of the tiles (EVEN_N off, the bool mask as its uint8
+    view): forward and both backward kernels load the mask through TMA (more UTMALDG than
+    without a mask) and spill nothing, at D 64 and 128 (bf16, causal)."""
+    for head_dim in (64, 128):
+        kw = dict(dtype="bfloat16", head_dim=head_dim, aligned=True)
+        cubins = {None: {"forward": aot.compile_forward(arch, **kw),
+                         **aot.compile_backward(arch, **kw)},
+                  "bool": {"forward": aot.compile_forward(arch, attn_mask="bool", **kw),
+                           **aot.compile_backward(arch, attn_mask="bool", **kw)}}
+        for kernel in ("forward", "dkdv", "dq"):
+            plain, masked = (aot.summarize(aot.disassemble(cubins[m][kernel]))
+                             for m in (None, "bool"))
+            assert masked["tma_load"] > plain["tma_load"], (arch, head_dim, kernel, masked)
+            assert masked["local_memory"] == 0, (arch, head_dim, kernel, masked)
+
+
 BACKWARD_VARIANTS = {
     "fp16-d128-causal-ragged-dropout": dict(dtype="float16", head_dim=128, causal=True,
                                             even_n=False, dropout=True),
