@@ -5,6 +5,7 @@ compiler hints of ``cuda.tile.kernel``. Each architecture family has a default; 
 what was measured for it, on what and when, or that nothing was.
 """
 
+import functools
 from dataclasses import dataclass, replace
 
 
@@ -54,11 +55,16 @@ class TileConfig:
 
     def dq_kernel(self) -> "TileConfig":
         """The config the backward's dQ kernel runs with: its own tiles where set (``self``
-        when neither is)."""
-        if self.dq_tile_m is None and self.dq_tile_n is None:
-            return self
-        return replace(self, tile_m=self.dq_tile_m or self.tile_m,
-                       tile_n=self.dq_tile_n or self.tile_n, dq_tile_m=None, dq_tile_n=None)
+        when neither is). Made once per config: every backward call asks."""
+        return _dq_kernel(self)
+
+
+@functools.cache
+def _dq_kernel(config: TileConfig) -> TileConfig:
+    if config.dq_tile_m is None and config.dq_tile_n is None:
+        return config
+    return replace(config, tile_m=config.dq_tile_m or config.tile_m,
+                   tile_n=config.dq_tile_n or config.tile_n, dq_tile_m=None, dq_tile_n=None)
 
 
 def tile_width(dim: int, least: int = 16) -> int:

@@ -87,18 +87,22 @@ def test_backward_without_lse_is_an_error():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("entry", ["flash_attn_func", "scaled_dot_product_attention"])
-def test_public_functions_trace_without_graph_breaks(entry, monkeypatch):
-    """torch.compile(fullgraph=True) through the public functions: validation, layout and the
-    custom op in one graph. Meta tensors stand in for CUDA ones, so the device check (which
-    needs a GPU) is stubbed; the GPU tests compile the real thing."""
+def test_public_functions_trace_without_graph_breaks(entry, requires_grad, monkeypatch):
+    """torch.compile(fullgraph=True) through the public functions: validation (with the
+    backward's checks when a gradient is needed), layout and the custom op in one graph. Meta
+    tensors stand in for CUDA ones, so the device check (which needs a GPU) is stubbed; the
+    GPU tests compile the real thing."""
     import flash_tile
     from flash_tile import api
 
     monkeypatch.setattr(api._validate, "check_device", lambda *tensors: tensors[0].device)
     torch._dynamo.reset()
-    q = torch.empty(2, 100, 4, 64, dtype=torch.float16, device="meta")
-    k = torch.empty(2, 120, 2, 64, dtype=torch.float16, device="meta")
+    q = torch.empty(2, 100, 4, 64, dtype=torch.float16, device="meta",
+                    requires_grad=requires_grad)
+    k = torch.empty(2, 120, 2, 64, dtype=torch.float16, device="meta",
+                    requires_grad=requires_grad)
     if entry == "flash_attn_func":
         def fn(q, k, v):
             return flash_tile.flash_attn_func(q, k, v, causal=True, window_size=(32, -1))
