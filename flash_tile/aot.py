@@ -66,11 +66,11 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     # Even instances get a key length that is a multiple of the tiles (so of 16); ragged ones
     # one that is not, and, when ``aligned``, still a multiple of 16.
     k_len = config.tile_n * 4 + (0 if even_n else 16 if aligned else 1)
-    aligned = k_len % 16 == 0
+    rows_aligned = k_len % 16 == 0  # 16-byte aligned key rows, as the JIT would see them
     kind = MASK_KINDS[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
                         store_lse, dropout)
-    length = k_len if aligned else 1
+    length = k_len if rows_aligned else 1
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
     vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)
     rows = _array(ct.float32, 3, index_dtype=index)
@@ -78,13 +78,14 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     # divides); its rows are as long as the keys, so aligned lengths get the JIT's 16-byte
     # alignment, with which it may load through TMA. There a bool mask reaches the kernels as
     # its uint8 view, elsewhere as bool (_launch.kernel_mask).
-    mask_dtype = (ct.uint8 if aligned else ct.bool_) if attn_mask == "bool" else DTYPES[dtype]
-    mask_div = (16 if attn_mask == "bool" else 8) if aligned else 1  # 16 bytes, in elements
+    mask_dtype = (ct.uint8 if rows_aligned else ct.bool_) if attn_mask == "bool" \
+        else DTYPES[dtype]
+    mask_div = (16 if attn_mask == "bool" else 8) if rows_aligned else 1  # 16 B, in elements
     mask = ArrayConstraint(mask_dtype, 4, index_dtype=index, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=True,
                            stride_constant=(None, None, None, 1),
                            stride_divisible_by=(mask_div, mask_div, mask_div, 1),
-                           shape_divisible_by=(1, 1, 1, 16 if aligned else 1),
+                           shape_divisible_by=(1, 1, 1, 16 if rows_aligned else 1),
                            base_addr_divisible_by=16)
     # scale, softcap, diag_offset, window_left, window_right, then dropout's seed, threshold
     # and scale.
