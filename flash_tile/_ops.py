@@ -2,13 +2,14 @@
 torch.compile, fake tensors and autograd each see one opaque call; and the eager path to the
 same implementation.
 
-``attention_forward`` is what the public functions call: under ``torch.compile`` (and export)
-the custom op ``flash_tile::attention_forward``; in eager mode a ``torch.autograd.Function``
-around the op's own implementation, with the same context and backward. The two run the same
-code and launch the same kernels; the Function only skips the dispatcher's work for a Python
-custom op, which costs more than the small problems' kernels do (on a CPU build, with a
-trivial body and this signature: 67 against 10 us per call when an input needs its gradient,
-16 against 9 when none does; session 7).
+``attention_forward`` is what the public functions call: the custom op
+``flash_tile::attention_forward`` where something traces the call (torch.compile, export,
+make_fx, a dispatch mode, tensor subclasses); in plain eager mode the op's own body, inside
+a ``torch.autograd.Function`` with the same context and backward when a gradient is needed.
+All run the same code and launch the same kernels; the eager path only skips the
+dispatcher's work for a Python custom op, which costs more than the small problems' kernels
+do (H200 host, session 8: 84 / 170 us per call through the op without / with a gradient,
+48 / 68 us eager; bench/results/launch-h200-session8.md).
 
 ``attention_forward`` takes [B, H, L, D] views (any strides with a unit last stride; K/V may
 have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is laid out as

@@ -186,9 +186,8 @@ SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=
 # with 8 worker warps): the whole backward took 0.81-0.85x the time of 64x64 for both kernels
 # on every bf16 row (L 1k/4k/16k, causal and not; bench_variants, H200, session 8); dQ stepping
 # 32 keys with 64 rows took 1.00-1.19x and dK/dV stepping 32 queries (dQ on 128x32)
-# 1.06-1.11x, each against that former default. SASS (tileiras
-# 13.4): the 128x32 dQ spills none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and
-# dropout; 128x64 spills 2380.
+# 1.06-1.11x, each against that former default. SASS (tileiras 13.4): the 128x32 dQ spills
+# none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and dropout; 128x64 spills 2380.
 SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_tile_m=128,
                                 dq_tile_n=32)
 _BACKWARD_DEFAULTS = {

@@ -43,8 +43,8 @@ Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Ou
 
 import cuda.tile as ct
 
-from ._tiles import (LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep, load_rows, log2_scores,
-                     query_rows, tile_runs)
+from ._tiles import (LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
+                     load_rows, log2_scores, query_rows, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -204,8 +204,8 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
              TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
              MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
              SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool):
-    """dQ of query tile cdiv(Lq, TILE_M) - 1 - bid(0) of head bid(1) of batch bid(2)."""
-    tile_m = ct.cdiv(Q.shape[2], TILE_M) - 1 - ct.bid(0)  # heaviest first under a causal band
+    """dQ of query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
+    tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])

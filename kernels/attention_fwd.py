@@ -31,12 +31,13 @@ is converted back to natural log.
 
 Layout. Q [B, H, Lq, D], K [B, H_kv, Lk, D], V [B, H_kv, Lk, Dv], Out [B, H, Lq, Dv],
 Lse [B, H, Lq] fp32, Slopes [B, H] fp32, Mask [B, H, Lq, Lk] bool or uint8 (nonzero =
-attend) or float (stride-0 broadcast dims are read in place). Any strides: the torch side passes flash-attn's
-[B, L, H, D] tensors as transposed views. K is loaded as a [TILE_D, TILE_N] tile through a
-permuted load, so no transpose of K is stored. H is a multiple of H_kv (GQA/MQA): query head h
-reads key/value head h // (H / H_kv), in place. D and Dv need not be powers of two: the tiles
-are TILE_D >= D and TILE_DV >= Dv wide and zero-padded by the loads, so the padding adds 0 to
-every dot product and the padded output columns are never stored.
+attend) or float (stride-0 broadcast dims are read in place). Any strides: the torch side
+passes flash-attn's [B, L, H, D] tensors as transposed views. K is loaded as a
+[TILE_D, TILE_N] tile through a permuted load, so no transpose of K is stored. H is a
+multiple of H_kv (GQA/MQA): query head h reads key/value head h // (H / H_kv), in place. D
+and Dv need not be powers of two: the tiles are TILE_D >= D and TILE_DV >= Dv wide and
+zero-padded by the loads, so the padding adds 0 to every dot product and the padded output
+columns are never stored.
 
 Masking. Row i sees key j iff
 
@@ -60,8 +61,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, log2_scores,
-                     query_rows, tile_runs)
+from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
+                     log2_scores, query_rows, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
@@ -112,12 +113,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt):
-    """The forward for query tile cdiv(Lq, TILE_M) - 1 - bid(0) of head bid(1) of batch bid(2):
-    under a causal band the last query tiles see the most keys, and starting them first leaves
-    the light ones to fill the tail of the launch."""
-    # The grid's size along bid(0), from the shape: reading ct.num_blocks(0) instead cost 8
-    # LDL/STL on sm_80 at D=128 with a bool mask (tileiras 13.4).
-    tile_m = ct.cdiv(Q.shape[2], TILE_M) - 1 - ct.bid(0)
+    """The forward for query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
+    tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head

@@ -6,7 +6,6 @@ for gradients), so that the tuner's own check against the default variant is a s
 not the only one. The end-to-end test tunes into a temporary cache and reads it back.
 """
 
-
 import pytest
 import torch
 

@@ -127,19 +127,27 @@ def test_dropout_arguments_reach_the_backward_op():
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
-def test_backward_launch_gives_each_kernel_its_tiles(monkeypatch):
-    """``launch_backward`` with the H200's default: dK/dV on 64x128 (a program per 128 keys),
-    the preprocess and dQ on 128x64 (a program per 128 queries), each with its own EVEN_N.
-    The launches are recorded on the CPU instead of run."""
+@pytest.fixture
+def launched(monkeypatch):
+    """The (grid, kernel, args) of every ``ct.launch`` that ``flash_tile._launch`` makes,
+    recorded on the CPU instead of run."""
     from contextlib import nullcontext
 
-    from flash_tile import _launch, variants
+    from flash_tile import _launch
 
-    launched = []
+    calls = []
     monkeypatch.setattr(_launch.ct, "launch",
-                        lambda stream, grid, kernel, args: launched.append((grid, kernel, args)))
+                        lambda stream, grid, kernel, args: calls.append((grid, kernel, args)))
     monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    return calls
+
+
+def test_backward_launch_gives_each_kernel_its_tiles(launched):
+    """``launch_backward`` with the H200's default: dK/dV on 64x128 (a program per 128 keys),
+    the preprocess and dQ on 128x64 (a program per 128 queries), each with its own EVEN_N."""
+    from flash_tile import _launch, variants
+
     q, k, v = (torch.randn(2, 8, 300, 64), torch.randn(2, 2, 320, 64),
                torch.randn(2, 2, 320, 64))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
@@ -169,20 +177,12 @@ def _bool_mask(layout):
 
 
 @pytest.mark.parametrize("layout", ["aligned", "broadcast", "ragged", "offset", "keys strided"])
-def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(monkeypatch, layout):
+def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched, layout):
     """A bool mask that TMA can read (unit last stride, 16-byte aligned base and strides) is
     passed to the forward, dK/dV and dQ kernels as its uint8 view, same memory and strides
-    (TMA misread bool tiles); any other stays bool (no TMA there, and uint8 would spill).
-    Launches recorded on the CPU instead of run."""
-    from contextlib import nullcontext
-
+    (TMA misread bool tiles); any other stays bool (no TMA there, and uint8 would spill)."""
     from flash_tile import _launch, variants
 
-    launched = []
-    monkeypatch.setattr(_launch.ct, "launch",
-                        lambda stream, grid, kernel, args: launched.append(args))
-    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     mask = _bool_mask(layout).expand(2, 4, 40, 48)
     q, k, v = torch.randn(2, 4, 40, 64), torch.randn(2, 4, 48, 64), torch.randn(2, 4, 48, 64)
     _launch.launch_forward(q, k, v, torch.empty_like(q), None, None, mask, 0.125, 0.0, 8,
@@ -191,7 +191,7 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(monkeypat
                             torch.randn(2, 4, 40), *(torch.empty_like(t) for t in (q, k, v)),
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
-    fwd, _, dkdv, dq = launched
+    fwd, _, dkdv, dq = (args for _, _, args in launched)
     as_uint8 = layout in ("aligned", "broadcast")
     for got in (fwd[6], dkdv[9], dq[8]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
