@@ -1,4 +1,4 @@
-"""Host cost of one forward call, layer by layer, beside SDPA's.
+"""Host cost of one forward call and one backward call, layer by layer, beside SDPA's.
 
 On short problems the host can take longer to issue a call than the GPU takes to run it; the
 forward benchmark's 1k rows then measure the host, not the kernel. This script splits a call
@@ -16,6 +16,16 @@ into the layers it passes through and times each on its own, with the default va
   ct.launch         cuTile's launch of a prebuilt argument tuple alone
   sdpa              ``torch.nn.functional.scaled_dot_product_attention`` (torch's backend choice)
 
+and the backward's:
+
+  autograd          ``torch.autograd.grad`` through ``flash_attn_func``'s output: the autograd
+                    engine, the eager path's backward (dout's layout, ``_choose``, the gradient
+                    allocations) and everything below
+  backward op       ``torch.ops.flash_tile.attention_backward`` behind torch's dispatcher
+  launch_backward   the gradient allocations and ``_launch.launch_backward`` (three launches:
+                    preprocess, dK/dV, dQ): the autotuner's path
+  sdpa              ``torch.autograd.grad`` through SDPA's output
+
 For each layer, ``host us`` is the wall time per call of ITERS calls issued back to back on
 a problem small enough that the GPU never holds the host up (B=1, H=1, L=128), the median of
 ROUNDS rounds that visit the layers in turn (so that a slow stretch of the host falls on
@@ -25,7 +35,8 @@ grid's row for ``--length`` and ``--head-dim``, ``ms per call`` is the wall time
 back-to-back calls (synchronised at the end) and ``device ms`` the GPU's time per call with
 the calls queued behind a sleep kernel, so that no launch gap is counted (CUDA events around
 single calls, as the benchmarks take them, count the gap when the host is slower than the
-GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace.
+GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace. The backward's
+layers have no "with grad" column: every one of them is a training step's.
 
     python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
 
@@ -78,6 +89,34 @@ def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> d
         "launch_forward": tuner_path,
         "ct.launch": lambda: ct.launch(stream, grid, kernel, args),
         "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal),
+    }
+
+
+def backward_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> dict:
+    """Zero-argument callables, one per backward layer, for q, k, v in flash-attn's
+    [B, L, H, D] (they must need their gradients). Each runs the same backward again: the
+    forward's graph is kept."""
+    qb, kb, vb = (t.detach().transpose(1, 2) for t in (q, k, v))
+    scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
+    right = 0 if causal else -1
+    out = flash_tile.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    sdpa_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                              is_causal=causal)
+    out_b, lse = _ops._forward_impl(qb, kb, vb, None, None, scale, 0.0, offset, -1, right, True)
+    dout_b = dout.transpose(1, 2)
+    config = variants.default_backward_config(torch.cuda.get_device_capability(q.device),
+                                              q.shape[-1])
+    tuner_path = functools.partial(
+        _ops.backward_runner(dout_b, qb, kb, vb, out_b, lse, None, None, None, scale, 0.0,
+                             offset, (-1, right)), config)
+    return {
+        "autograd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        "backward op": lambda: torch.ops.flash_tile.attention_backward(
+            dout_b, qb, kb, vb, out_b, lse, None, None, None, scale, 0.0, offset, -1, right),
+        "launch_backward": tuner_path,
+        "sdpa": lambda: torch.autograd.grad(sdpa_out, (q, k, v), dout.transpose(1, 2),
+                                            retain_graph=True),
     }
 
 
@@ -135,16 +174,24 @@ def main():
     tiny = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16), args.causal))
     tiny_grad = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16, True),
                                args.causal))
+    tiny_bwd = host_us(backward_layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16,
+                                               True), args.causal))
     batch, heads = grid_shape(args.length, args.head_dim)
-    row = layers(*inputs(batch, heads, args.length, args.head_dim, torch.bfloat16),
-                 args.causal)
-    rows = []
+    problem = (batch, heads, args.length, args.head_dim, torch.bfloat16)
+    row = layers(*inputs(*problem), args.causal)
+    row_bwd = backward_layers(*inputs(*problem, True), args.causal)
+    rows, bwd_rows = [], []
     for name in tiny:
         rows.append({"layer": name, "host_us": round(tiny[name], 1),
                      "host_us_grad": round(tiny_grad[name], 1),
                      "ms_per_call": round(wall_us(row[name]) / 1e3, 4),
                      "device_ms": round(device_ms(row[name]), 4)})
         print(rows[-1], flush=True)
+    for name in tiny_bwd:
+        bwd_rows.append({"layer": name, "host_us": round(tiny_bwd[name], 1),
+                         "ms_per_call": round(wall_us(row_bwd[name]) / 1e3, 4),
+                         "device_ms": round(device_ms(row_bwd[name]), 4)})
+        print("backward", bwd_rows[-1], flush=True)
 
     info = machine_info()
     shape = (f"bf16, B={batch}, H={heads}, L={args.length}, D={args.head_dim}, "
@@ -154,9 +201,13 @@ def main():
                     [[r["layer"], r["host_us"], r["host_us_grad"], r["ms_per_call"],
                       r["device_ms"]]
                      for r in rows])
+    body += "\n\nThe backward (same shapes):\n\n" + md_table(
+        ["layer", "host us (B=1, H=1, L=128)", f"ms per call ({shape})", "device ms (queued)"],
+        [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]] for r in bwd_rows])
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    save_json(args.out, info, shape=shape, rows=rows)
-    print(write_report(args.out, "Host cost per forward call, layer by layer,", info, body))
+    save_json(args.out, info, shape=shape, rows=rows, backward_rows=bwd_rows)
+    print(write_report(args.out, "Host cost per forward and backward call, layer by layer,",
+                       info, body))
 
 
 if __name__ == "__main__":

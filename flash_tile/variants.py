@@ -236,7 +236,17 @@ _FORWARD_CANDIDATES = {
     # Dropped in session 7 (bf16, D=64, 10 classes): 128x256 with 8 worker warps, the
     # two-group tile with twice the keys per K-loop step (168 registers, no spills). It was
     # never the fastest: 4.8-39% behind the best tile (bench/results/tuning-h200-session7.json).
+    # Added in session 9 [H200, 2026-12-01, bf16, bench_variants.py, interleaved rounds]:
+    # 128x128 with occupancy 2 and no worker-warp hint at D<=64 took 0.84-0.96x the time of
+    # 128x128 nww8 on the non-causal rows (L 1k-16k) and 1.15-1.36x on the causal ones, and
+    # 1.6-2.0x at D=128, where it is not registered. One consumer warp group holds all 128
+    # rows and spills (84 LDL/STL non-causal, 243 causal at D=64), yet it wins the non-causal
+    # rows: two CTAs per SM, each its own K/V pipeline. The tuner picked it at 1k-8k in both
+    # dtypes (bench/results/forward-h200-session9.md). Timed then and not
+    # registered: 256x64 with 8 worker warps (1.01-1.23x, no spills at D=64), clusters of two
+    # (num_ctas=2: 1.9-3.2x at D 64-256; TMA multicast of K/V, half the rows per CTA).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
+             (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
              (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
@@ -252,7 +262,10 @@ _BACKWARD_CANDIDATES = {
     # Beside the defaults on sm_90: SM90_BACKWARD at D=128 (above); 64x64 (43-66% slower at
     # D=128 on the H200, session 5) as a control. Not registered: dK/dV stepping 128 query
     # rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12 LDL/STL); 32x64
-    # (spills 410 in dQ at D=128).
+    # (spills 410 in dQ at D=128). Timed in session 9 and not registered [H200, bf16, L 1k/4k/16k]:
+    # dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time of the default) and clusters of
+    # two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a misaligned-address
+    # fault, which ends the process's CUDA context).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, SM90_BACKWARD),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),

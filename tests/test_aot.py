@@ -180,10 +180,14 @@ def test_backward_kernels_use_tensor_cores(arch):
 
 # Every registered variant (variants.registered: the defaults and the autotuning candidates),
 # compiled for each architecture of its family at the largest head dim it is registered for: a
-# new entry in the registry is picked up here with no edit. No forward may spill, and no
-# backward except as listed (tileiras 13.4); a listed one must still spill, so that a stale
-# entry cannot hide a regression.
-# Keyed by ``autotune.describe``, which names the dQ kernel's own tiles too.
+# new entry in the registry is picked up here with no edit. No variant may spill except as
+# listed (tileiras 13.4); a listed one must still spill, so that a stale entry cannot hide a
+# regression. Keyed by ``autotune.describe``, which names the dQ kernel's own tiles too.
+FORWARD_SPILLS = {
+    # Registered for the H200's timings, not its SASS (variants.py, session 9): 0.84-0.96x the
+    # time of the D<=64 default on non-causal rows, spills and all.
+    ("sm_90", 64, "128x128 occupancy=2"): "243 LDL/STL causal (84 non-causal)",
+}
 BACKWARD_SPILLS = {
     ("sm_80", 256, "32x32 num_worker_warps=8 group_inner"): "dK/dV 592, dQ 198 LDL/STL",
     ("sm_86", 256, "32x32 num_worker_warps=8 group_inner"): "dK/dV 230",
@@ -215,7 +219,8 @@ def test_every_registered_forward_variant_compiles(arch, head_dim, config):
     assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
     if arch in aot.TMA_ARCHS:
         assert summary["tma_load"] > 0, summary
-    assert summary["local_memory"] == 0, summary
+    listed = (arch, head_dim, autotune.describe(config)) in FORWARD_SPILLS
+    assert (summary["local_memory"] > 0) == listed, (summary, listed)
 
 
 @pytest.mark.parametrize("arch,head_dim,config", FORWARD_REGISTERED,
@@ -225,10 +230,10 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     """The tuner may launch any candidate for a class with features, so each must build with
     all of them at once (a two-sided window, softcap, ALiBi, a boolean mask), as
     tests/test_gpu_variants.py runs them on a GPU. Spills are allowed here: under all of
-    them several tiles spill (6 of the 18 registered today: three sm_90 candidates, sm_100's
-    128x128 and both sm_120 tiles at D<=128, its default among them, as KNOWN_SPILLS has for
-    the mask alone),
-    and the tuner times them like any other. 64x128 at D=256 failed to compile this
+    them several tiles spill (in session 6, 6 of the 18 then registered: three sm_90
+    candidates, sm_100's 128x128 and both sm_120 tiles at D<=128, its default among them, as
+    KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered later, spills 2455
+    LDL/STL), and the tuner times them like any other. 64x128 at D=256 failed to compile this
     way (tileiras 13.4, return code 5) and was dropped."""
     cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=False, window=(200, 150),
                                 softcap=True, alibi=True, attn_mask="bool", config=config)
