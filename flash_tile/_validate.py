@@ -1,4 +1,6 @@
-"""Every input check of the public functions, with its message.
+"""The input checks of the public functions, with their messages. ``api.py`` checks what
+only it sees, where it takes it: ranks and batch sizes, the packed functions' shapes,
+``return_attn_probs``, a mask together with causal, and dropout under graph capture.
 
 All checks run before anything launches. Shape and dtype errors are ``ValueError``; arguments
 or cases that are valid in flash-attn or torch but not supported here yet are

@@ -143,9 +143,9 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
                               return_lse=False):
-    """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D], read in place.
-
-    Arguments and results as ``flash_attn_func``.
+    """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D] (fp16 or bf16), read in
+    place; the output is [B, L, H, D]. Arguments and results as ``flash_attn_func``: with
+    Lq = Lk the causal mask is the usual lower triangle.
     """
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be [batch, seqlen, 3, heads, head_dim], got shape "
@@ -160,8 +160,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
                              return_lse=False):
-    """``flash_attn_func`` on q [B, Lq, H, D] and a packed kv of shape [B, Lk, 2, H_kv, D],
-    read in place. Arguments and results as ``flash_attn_func``.
+    """``flash_attn_func`` on q [B, Lq, H, D] and a packed kv of shape [B, Lk, 2, H_kv, D]
+    (fp16 or bf16), read in place; the output is [B, Lq, H, D]. Arguments and results as
+    ``flash_attn_func``: causal aligns the mask to the bottom-right corner (query i sees keys
+    up to i + Lk - Lq), as flash-attn.
     """
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be [batch, seqlen, 2, heads, head_dim], got shape "

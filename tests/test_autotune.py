@@ -228,6 +228,10 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
     pick = variants.default_backward_config if backward else variants.default_config
     assert configs[0] == pick(capability, head_dim)
     assert len(set(configs)) == len(configs)
+    # Beside the default, exactly the entries registered for this head dim or wider ones.
+    fitting = {c for max_dim, c in variants.registered(capability, backward)
+               if head_dim <= max_dim}
+    assert set(configs[1:]) <= fitting <= set(configs)
 
 
 @pytest.mark.parametrize("head_dim,backward,expected", [

@@ -108,6 +108,11 @@ def test_dropout_under_an_attention_mask(kind, monkeypatch):
                                dropout_seed=SEED)
 
     _check_grads(ours, dense, (q, k, v), dout)
+    if kind == "bool":  # row 5 sees no key: exactly zero, not merely small
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = ours(*leaves)
+        out.backward(dout)
+        assert (out[:, :, 5] == 0).all() and (leaves[0].grad[:, :, 5] == 0).all()
 
 
 def test_sdpa_function_dropout_matches_the_dense_reference(monkeypatch):

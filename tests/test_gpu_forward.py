@@ -120,6 +120,11 @@ def test_flash_attn_features(case, dtype):
     ref, pt = _references(*bhld, 1.0 / math.sqrt(head_dim), k_len - q_len, eff_window, softcap,
                           slopes)
     _check(out.transpose(1, 2), ref, pt, f"flash_attn_func {case}")
+    # The LSE in fp32 against the fp32 reference's (+inf on both sides where no key is seen);
+    # softcap's tanh and ALiBi's bias take part in it too.
+    _, lse_ref = attention_dense(*(t.float() for t in bhld), 1.0 / math.sqrt(head_dim),
+                                 k_len - q_len, eff_window, softcap, slopes, return_lse=True)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("head_dim", [8, 40, 62, 80, 96, 112, 160, 192, 256])
