@@ -27,6 +27,7 @@ INSTALL_HINT = 'pip install "cuda-tile[tileiras]"'
 
 
 def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype of q, k and v: float16 or bfloat16."""
     dtype = tensors[0].dtype
     if any(t.dtype != dtype for t in tensors):
         raise ValueError("q, k and v must have the same dtype, got "
@@ -38,6 +39,7 @@ def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def check_head_dims(q_dim: int, k_dim: int, v_dim: int) -> None:
+    """q and k share a head dim; every head dim is 1 to MAX_HEAD_DIM (v may differ)."""
     if q_dim != k_dim:
         raise ValueError(f"q and k must have the same head dim, got {q_dim} and {k_dim}")
     for name, dim in (("query/key", q_dim), ("value", v_dim)):
@@ -47,6 +49,8 @@ def check_head_dims(q_dim: int, k_dim: int, v_dim: int) -> None:
 
 
 def check_heads(q_heads: int, kv_heads: int, v_heads: int, gqa_allowed: bool = True) -> None:
+    """k and v share their heads, a whole number of query heads per key/value head (GQA);
+    torch's SDPA wants ``enable_gqa`` for that, so its entry passes ``gqa_allowed``."""
     if kv_heads != v_heads:
         raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and "
                          f"{v_heads}")
@@ -71,6 +75,7 @@ def check_window(window_size) -> tuple[int, int]:
 
 
 def check_softcap(softcap: float) -> float:
+    """A finite softcap >= 0 (0: off), as a float."""
     softcap = float(softcap)
     if not (math.isfinite(softcap) and softcap >= 0.0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
@@ -78,6 +83,7 @@ def check_softcap(softcap: float) -> float:
 
 
 def check_dropout(dropout_p: float) -> float:
+    """A dropout probability in [0, 1), as a float."""
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
@@ -96,6 +102,7 @@ def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads: int) -> torch.Te
 
 
 def check_lengths(k_len: int, v_len: int) -> None:
+    """k and v have the same, nonzero, number of keys."""
     if k_len != v_len:
         raise ValueError(f"k and v must have the same sequence length, got {k_len} and {v_len}")
     if k_len == 0:
@@ -116,6 +123,7 @@ def check_attn_mask(attn_mask: torch.Tensor, dtype: torch.dtype,
 
 
 def check_scale(scale: float) -> float:
+    """A positive finite softmax scale, as a float."""
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0.0):
         raise ValueError(f"the softmax scale must be a positive finite number, got {scale}")
@@ -139,6 +147,7 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
 
 @functools.cache
 def _device_properties(index: int) -> tuple[tuple[int, int], str]:
+    """(compute capability, name) of device ``index``, from the driver."""
     props = torch.cuda.get_device_properties(index)
     return (props.major, props.minor), props.name
 
@@ -151,6 +160,7 @@ def device_properties(device: torch.device) -> tuple[tuple[int, int], str]:
 
 
 def check_capability(capability: tuple[int, int], name: str = "this GPU") -> None:
+    """Compute capability 8.0 or newer, or a RuntimeError naming the GPU."""
     if tuple(capability) < MIN_CAPABILITY:
         major, minor = capability
         raise RuntimeError(f"{name} has compute capability {major}.{minor}; flash_tile needs "
