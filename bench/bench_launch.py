@@ -65,11 +65,15 @@ ROUNDS = 7
 SLEEP_CYCLES = 50_000_000
 
 
+def _op_arguments(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[float, int, int]:
+    """(scale, diag_offset, window_right) of the op for flash-attn's [B, L, H, D] q and k."""
+    return q.shape[-1] ** -0.5, k.shape[1] - q.shape[1], 0 if causal else -1
+
+
 def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> dict:
     """Zero-argument callables, one per layer, for q, k, v in flash-attn's [B, L, H, D]."""
     qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
-    scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
-    right = 0 if causal else -1
+    scale, offset, right = _op_arguments(q, k, causal)
     config = variants.default_config(torch.cuda.get_device_capability(q.device), q.shape[-1])
     # The layers below autograd see plain tensors, as the op's body does.
     qd, kd, vd = (t.detach() for t in (qb, kb, vb))
@@ -97,8 +101,7 @@ def backward_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     [B, L, H, D] (they must need their gradients). Each runs the same backward again: the
     forward's graph is kept."""
     qb, kb, vb = (t.detach().transpose(1, 2) for t in (q, k, v))
-    scale, offset = q.shape[-1] ** -0.5, k.shape[1] - q.shape[1]
-    right = 0 if causal else -1
+    scale, offset, right = _op_arguments(q, k, causal)
     out = flash_tile.flash_attn_func(q, k, v, causal=causal)
     dout = torch.randn_like(out)
     sdpa_out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),

@@ -212,6 +212,19 @@ class _OpCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def op_launches(monkeypatch):
+    """The arguments of every ``launch_forward`` / ``launch_backward`` call the ops' bodies
+    make, recorded instead of run, with sm_90's D=64 default as the chosen variant."""
+    from flash_tile import _ops, variants
+
+    calls = []
+    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: calls.append(a))
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a: calls.append(a))
+    return calls
+
+
 def _refuse_the_ops(monkeypatch):
     """Make any call of the two custom ops (as the eager path must not) fail the test."""
     from flash_tile import _ops
@@ -221,7 +234,7 @@ def _refuse_the_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("loss", ["out", "out+lse"])
-def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
+def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches, loss):
     """In eager mode the public functions' ``attention_forward`` runs the ops' bodies through
     an autograd.Function, dispatching neither op: one forward launch, then one backward launch
     that gets the forward's output and LSE, the output's gradient, the LSE's gradient when the
@@ -229,17 +242,13 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
     recorded instead of run."""
     from flash_tile import _launch, _ops, variants
 
-    launches = []
-    config = variants.default_config((9, 0), 64)
-    monkeypatch.setattr(_ops, "_choose", lambda *args: config)
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
-    monkeypatch.setattr(_ops, "launch_backward", lambda *a: launches.append(a))
+    config = variants.default_config((9, 0), 64)  # what op_launches chooses
     _refuse_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 7)
     (out.sum() + (lse.sum() if loss == "out+lse" else 0)).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
-    (fq, fk, fv, f_out, f_lse, *f_rest), (dout, bq, bk, bv, b_out, b_lse, *b_rest) = launches
+    (fq, fk, fv, f_out, f_lse, *f_rest), (dout, bq, bk, bv, b_out, b_lse, *b_rest) = op_launches
     assert all(x is y for x, y in zip((fq, fk, fv, f_out, f_lse, bq, bk, bv),
                                       (q, k, v, out, lse, q, k, v)))
     # The saved output and LSE come back as new tensor objects over the same storage.
@@ -253,20 +262,17 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, loss):
 
 
 @pytest.mark.parametrize("case", ["no input needs a gradient", "torch.no_grad"])
-def test_inference_builds_no_autograd_node(monkeypatch, case):
+def test_inference_builds_no_autograd_node(monkeypatch, op_launches, case):
     """Where nothing will be differentiated, ``attention_forward`` runs the op's body alone
     (no autograd.Function, no op): one forward launch, an output with no grad_fn."""
-    from flash_tile import _ops, variants
+    from flash_tile import _ops
 
-    launches = []
-    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: launches.append(a))
     monkeypatch.setattr(_ops._EagerAttention, "apply", lambda *a: pytest.fail("Function used"))
     _refuse_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=case == "torch.no_grad", device="meta")
     with torch.set_grad_enabled(case != "torch.no_grad"):
         out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
-    assert len(launches) == 1 and out.grad_fn is None
+    assert len(op_launches) == 1 and out.grad_fn is None
 
 
 @pytest.mark.parametrize("tracer", ["dispatch mode", "make_fx"])
