@@ -16,10 +16,11 @@ have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is 
 [B, Lq, H, Dv] (flash-attn's layout, and what torch's own flash backend returns), plus the LSE
 [B, H, Lq] fp32 when ``return_lse`` (else an empty tensor; the public functions ask for it
 whenever a gradient will be needed, since the backward recomputes P from it).
-``attention_backward`` returns dQ, dK, dV laid out the same way; it takes the LSE's gradient too
-(None when nothing differentiates through the LSE). The variants are the
-autotuner's choice among the registered variants of the device's architecture and head dim, or
-their default with ``FLASH_TILE_AUTOTUNE=0`` (``flash_tile.autotune``).
+``attention_backward`` returns dQ, dK, dV laid out as their inputs where those are contiguous,
+else as [B, L, H, D]; it takes the LSE's gradient too (None when nothing differentiates through
+the LSE). The variants are the autotuner's choice among the registered variants of the
+device's architecture and head dim, or their default with ``FLASH_TILE_AUTOTUNE=0``
+(``flash_tile.autotune``).
 """
 
 import torch
@@ -43,8 +44,16 @@ def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
+def _gradient_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient for ``t``: laid out as ``t`` where that is contiguous (autograd
+    copies a leaf's gradient whose strides differ from the leaf's, three copies a backward for
+    [B, H, L, D] inputs), else as [B, L, H, D] (flash-attn's layout, and that of a transposed
+    [B, L, H, D] input)."""
+    return torch.empty_like(t) if t.is_contiguous() else _empty_blhd(t.shape, t)
+
+
 def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    return _empty_blhd(q.shape, q), _empty_blhd(k.shape, k), _empty_blhd(v.shape, v)
+    return _gradient_like(q), _gradient_like(k), _gradient_like(v)
 
 
 def forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,

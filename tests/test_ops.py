@@ -261,6 +261,32 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches,
     assert scalars == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
 
 
+@pytest.mark.parametrize("layout", ["[B, H, L, D]", "[B, L, H, D]"])
+def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
+    """The backward writes each gradient in its leaf's layout, so autograd hands the launched
+    dq, dk, dv to the leaves as they are: a gradient whose strides differ from a contiguous
+    leaf's is copied into the leaf's layout, once per tensor and backward. [B, H, L, D] is the
+    SDPA function's usual input; [B, L, H, D] is flash-attn's, seen by the op transposed. The
+    launches are recorded by their gradients' storages alone: autograd also copies a gradient
+    that something else still references."""
+    from flash_tile import _ops, variants
+
+    storages = []
+    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: None)
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a: storages.extend(
+        t.untyped_storage()._cdata for t in a[6:9]))  # dq, dk, dv
+    leaves = _qkv(requires_grad=True, device="meta")
+    if layout == "[B, L, H, D]":
+        leaves = tuple(t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves)
+        q, k, v = (t.transpose(1, 2) for t in leaves)
+    else:
+        q, k, v = leaves
+    out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    out.sum().backward()
+    assert [leaf.grad.untyped_storage()._cdata for leaf in leaves] == storages, layout
+
+
 @pytest.mark.parametrize("case", ["no input needs a gradient", "torch.no_grad"])
 def test_inference_builds_no_autograd_node(monkeypatch, op_launches, case):
     """Where nothing will be differentiated, ``attention_forward`` runs the op's body alone
