@@ -22,8 +22,8 @@ and the backward's:
                     engine, the eager path's backward (dout's layout, ``_choose``, the gradient
                     allocations) and everything below
   backward op       ``torch.ops.flash_tile.attention_backward`` behind torch's dispatcher
-  launch_backward   the gradient allocations and ``_launch.launch_backward`` (three launches:
-                    preprocess, dK/dV, dQ): the autotuner's path
+  launch_backward   the gradient allocations and ``_launch.launch_backward`` (two launches:
+                    dQ with Delta, then dK/dV): the autotuner's path
   sdpa              ``torch.autograd.grad`` through SDPA's output
 
 For each layer, ``host us`` is the wall time per call of ITERS calls issued back to back on

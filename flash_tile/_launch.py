@@ -2,8 +2,8 @@
 
 This is the one place that knows the kernels' parameter order: the JIT launches here and the
 ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
-``ForwardSpec`` (``constants`` for the forward, ``preprocess_constants``, ``dkdv_constants``
-and ``backward_constants`` (dQ) for the backward). Callers pass checked tensors; the one
+``ForwardSpec`` (``constants`` for the forward, ``dq_constants`` and ``dkdv_constants`` for
+the backward). Callers pass checked tensors; the one
 check here is the backward's 32-bit indexing on the arrays it really gets.
 """
 
@@ -14,8 +14,7 @@ import cuda.tile as ct
 import torch
 
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
-from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
-                                             attention_bwd_preprocess)
+from flash_tile.kernels.attention_bwd import attention_bwd_dkdv, attention_bwd_dq
 from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
 from flash_tile.variants import TileConfig, tile_width
 
@@ -46,17 +45,18 @@ class ForwardSpec:
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v)
 
-    def backward_constants(self) -> tuple:
-        """The dQ kernel's: the forward's switches but STORE_LSE and the schedule fields."""
+    def _backward_shared(self) -> tuple:
+        """The forward's switches but STORE_LSE and the schedule fields."""
         return (*self._shared(), self.dropout)
 
-    def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
-        """The dK/dV kernel's: the dQ kernel's, then the GQA group size and loop order."""
-        return (*self.backward_constants(), group, group_inner)
+    def dq_constants(self, lse_grad: bool) -> tuple:
+        """The dQ kernel's: the backward's switches, then whether it reads dLSE for Delta."""
+        return (*self._backward_shared(), lse_grad)
 
-    def preprocess_constants(self, lse_grad: bool) -> tuple:
-        """The preprocess kernel's: its row tile, value width and whether dLSE is read."""
-        return (self.tile_m, self.tile_dv, lse_grad)
+    def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
+        """The dK/dV kernel's: the backward's switches, then the GQA group size and loop
+        order."""
+        return (*self._backward_shared(), group, group_inner)
 
 
 @dataclass(frozen=True)
@@ -141,10 +141,9 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
 
 @functools.cache
 def hinted_backward_kernels(config: TileConfig) -> tuple:
-    """(preprocess, dK/dV, dQ) with ``config``'s hints."""
+    """(dQ, dK/dV), in launch order, with ``config``'s hints."""
     hints = tuple(config.hints().items())
-    return tuple(_with_hints(kernel, hints) for kernel in
-                 (attention_bwd_preprocess, attention_bwd_dkdv, attention_bwd_dq))
+    return tuple(_with_hints(kernel, hints) for kernel in (attention_bwd_dq, attention_bwd_dkdv))
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
@@ -226,14 +225,15 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                     scale: float, softcap: float, diag_offset: int, window: tuple[int, int],
                     config: TileConfig, dropout: Dropout = NO_DROPOUT) -> None:
-    """Launch the backward (preprocess, dK/dV, dQ) on the current stream of ``q``'s device.
+    """Launch the backward (dQ, then dK/dV) on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
     LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
     writes dq (q's shape), dk and dv (k's and v's
     shapes) in the inputs' dtype; deterministic (no atomics). 32-bit indexing only. The dK/dV
-    kernel runs on ``config``'s tiles, the dQ kernel on ``config.dq_kernel()``'s.
+    kernel runs on ``config``'s tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel
+also stores Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
     """
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):
@@ -250,14 +250,12 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
-    preprocess, dkdv, dq_kernel = hinted_backward_kernels(config)
+    dq_kernel, dkdv = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
-    grid_q = forward_grid(q_len, heads, batch, dq_config)
     with torch.cuda.device(q.device):
-        ct.launch(stream, grid_q, preprocess, (out, dout, dlse_arg, delta,
-                                               *dq_spec.preprocess_constants(dlse is not None)))
+        ct.launch(stream, forward_grid(q_len, heads, batch, dq_config), dq_kernel,
+                  (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, *scalars,
+                   *dq_spec.dq_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
-        ct.launch(stream, grid_q, dq_kernel, (q, k, v, dout, lse, delta, dq, slopes, attn_mask,
-                                              *scalars, *dq_spec.backward_constants()))

@@ -115,20 +115,18 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         config: variants.TileConfig, group: int = 1,
                         lse_grad: bool = False, dropout: bool = False,
                         aligned: bool = False) -> tuple[KernelSignature, ...]:
-    """Signatures of (preprocess, dK/dV, dQ) for one variant, in ``launch_backward``'s order
-    (dK/dV on ``config``'s tiles, the preprocess and dQ on ``config.dq_kernel()``'s);
+    """Signatures of (dQ, dK/dV) for one variant, in ``launch_backward``'s order (dK/dV on
+    ``config``'s tiles, dQ on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
     (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
         _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
                          even_n, True, c, ct.int32, dropout, aligned)
         for c in (config, config.dq_kernel()))
     cc = CallingConvention.cutile_python_v1()
-    return (KernelSignature([dq_vo, dq_vo, rows, rows,
-                             *dq_spec.preprocess_constants(lse_grad)], cc),
+    return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
+                             mask, *scalars, *dq_spec.dq_constants(lse_grad)], cc),
             KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
-                             *spec.dkdv_constants(group, config.group_inner)], cc),
-            KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, rows, rows, dq_qk, slopes, mask,
-                             *scalars, *dq_spec.backward_constants()], cc))
+                             *spec.dkdv_constants(group, config.group_inner)], cc))
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False):
@@ -170,7 +168,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      config: variants.TileConfig | None = None, group: int = 1,
                      lse_grad: bool = False, dropout: bool = False,
                      aligned: bool = False) -> dict[str, bytes]:
-    """Cubins of the backward kernels ("preprocess", "dkdv", "dq") for ``arch``, arguments as
+    """Cubins of the backward kernels ("dq", "dkdv") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default."""
     config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
@@ -178,7 +176,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
-            zip(("preprocess", "dkdv", "dq"), hinted_backward_kernels(config), sigs)}
+            zip(("dq", "dkdv"), hinted_backward_kernels(config), sigs)}
 
 
 def _cuda_tool(name: str) -> str:

@@ -224,7 +224,7 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse, dout = (t.detach().to("cpu", torch.float64) for t in (out, lse, dout))
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
-    delta = (dout * out).sum(dim=-1)  # [B, H, Lq], the preprocess
+    delta = (dout * out).sum(dim=-1)  # [B, H, Lq], as the dQ kernel forms it
     if dlse is not None:
         delta = delta - dlse.detach().to("cpu", torch.float64)
     lse_log2 = lse * LOG2_E

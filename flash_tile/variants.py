@@ -19,7 +19,7 @@ class TileConfig:
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
     ``dq_tile_m`` and ``dq_tile_n`` (backward) are the dQ kernel's own query rows per program
-    and key rows per step (the preprocess takes ``dq_tile_m`` rows per program too); None
+    and key rows per step (it also forms Delta for those rows); None
     takes ``tile_m`` / ``tile_n``, which the dK/dV kernel reads (key rows per program
     ``tile_n``, query rows per step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints

@@ -4,7 +4,7 @@ Maths (FlashAttention-2, Dao 2023, Alg. 2). With the forward's final scores s_ij
 ``attention_fwd``), p_ij = exp(s_ij - lse_i) and o_i = sum_j p_ij v_j, the gradients of a loss
 with output gradient dO are
 
-    Delta_i = sum_d dO_id O_id - dLSE_i                (preprocess, fp32 [B, H, Lq])
+    Delta_i = sum_d dO_id O_id - dLSE_i                (fp32 [B, H, Lq], by the dQ pass)
     dV_j    = sum_i p_ij dO_i
     dS_ij   = p_ij (dO_i . v_j - Delta_i)              (gradient of the final scores)
     dX_ij   = dS_ij * ds_ij/dx_ij                      (x_ij = q_i . k_j, the raw product)
@@ -22,11 +22,14 @@ dropped output as always.
 
 Two passes, each summing in registers and storing once, so the result does not depend on the
 order programs run in (deterministic, no atomics):
+  - dQ, launched first: one program per (query tile, head, batch) forms its rows' Delta from
+    the O and dO tiles (dO it holds for dP anyway), stores it for the other pass, and walks
+    the key tiles as the forward does;
   - dK/dV: one program per (key tile, key/value head, batch) walks the query tiles of every
-    query head of its GQA group, working on S^T = K Q^T so that P^T and dX^T, as computed,
-    are the left operands of dV += P^T dO and dK += dX^T Q (Q and dO are transposed as
-    tiles for S^T and dP^T);
-  - dQ: one program per (query tile, head, batch) walks the key tiles, as the forward does.
+    query head of its GQA group, reading Delta, working on S^T = K Q^T so that P^T and dX^T,
+    as computed, are the left operands of dV += P^T dO and dK += dX^T Q (Q and dO are
+    transposed as tiles for S^T and dP^T).
+A separate Delta kernel would read O and dO once more, and cost a third launch.
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
 whole (``_tiles.tile_runs``). The dQ pass recomputes S and dP: seven tile matmuls per pair of
 tiles in all, where a single pass that sums dQ with atomic adds needs five; on the H200 that
@@ -37,7 +40,7 @@ tile order, the dQ pass by taking its query tiles last to first), so the light o
 tail of the launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
-[B, H, Lq, Dv]; Lse (natural log) and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
+[B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
 [B, H, Lq, Lk]. Any strides, as in the forward.
 """
 
@@ -58,19 +61,17 @@ def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstI
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
-def _preprocess_impl(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt,
-                     LSE_GRAD: ConstBool):
-    tile_m = ct.bid(0)
-    head = ct.bid(1)
-    batch = ct.bid(2)
+def _delta(Out, do, dLse, Delta, batch, head, tile_m, TILE_M: ConstInt, TILE_DV: ConstInt,
+           LSE_GRAD: ConstBool):
+    """Delta of query tile tile_m, stored for the dK/dV pass and returned as [TILE_M, 1]."""
     o = load_rows(Out, batch, head, tile_m, TILE_M, TILE_DV)
-    do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
     if LSE_GRAD:
         dlse = ct.load(dLse, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
                        padding_mode=ZERO)
         delta = delta - dlse.reshape((TILE_M,))
     ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
+    return delta.reshape((TILE_M, 1))
 
 
 def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, offs_k, band,
@@ -199,12 +200,13 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, b
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
-def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
-             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale,
-             TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-             MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool):
-    """dQ of query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
+def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, softcap,
+             diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
+             dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
+             TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
+             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
+             LSE_GRAD: ConstBool):
+    """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
     tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
     batch = ct.bid(2)
@@ -219,8 +221,7 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
     do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
     lse = ct.load(Lse, index=(batch, head, tile_m), shape=(1, 1, TILE_M), padding_mode=POS_INF)
     lse_log2 = lse.reshape((TILE_M, 1)) * LOG2_E
-    delta = ct.load(Delta, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
-                    padding_mode=ZERO).reshape((TILE_M, 1))
+    delta = _delta(Out, do, dLse, Delta, batch, head, tile_m, TILE_M, TILE_DV, LSE_GRAD)
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
@@ -242,13 +243,6 @@ def _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, dia
 
 
 @ct.kernel
-def attention_bwd_preprocess(Out, dOut, dLse, Delta, TILE_M: ConstInt, TILE_DV: ConstInt,
-                             LSE_GRAD: ConstBool):
-    """Delta = rowsum(dO * O) (- dLse under LSE_GRAD). Grid (cdiv(Lq, TILE_M), H, B)."""
-    _preprocess_impl(Out, dOut, dLse, Delta, TILE_M, TILE_DV, LSE_GRAD)
-
-
-@ct.kernel
 def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale: float,
                        softcap: float, diag_offset: int, window_left: int, window_right: int,
                        dropout_seed: int, dropout_threshold: int, dropout_scale: float,
@@ -256,7 +250,8 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale
                        MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                        SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                        DROPOUT: ConstBool, GROUP: ConstInt, GROUP_INNER: ConstBool):
-    """dK and dV. Grid (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv."""
+    """dK and dV, reading the Delta the dQ kernel stored. Grid (cdiv(Lk, TILE_N), H_kv, B);
+    GROUP = H / H_kv."""
     _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
                diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
                dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
@@ -264,15 +259,16 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale
 
 
 @ct.kernel
-def attention_bwd_dq(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale: float,
+def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale: float,
                      softcap: float, diag_offset: int, window_left: int, window_right: int,
                      dropout_seed: int, dropout_threshold: int, dropout_scale: float,
                      TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                      SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                     DROPOUT: ConstBool):
-    """dQ. Grid (cdiv(Lq, TILE_M), H, B)."""
-    _dq_impl(Q, K, V, dOut, Lse, Delta, dQ, Slopes, Mask, qk_scale, softcap, diag_offset,
-             window_left, window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
-             TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-             DROPOUT)
+                     DROPOUT: ConstBool, LSE_GRAD: ConstBool):
+    """dQ, and Delta = rowsum(dO * O) (- dLse under LSE_GRAD) for the dK/dV kernel, which
+    must run after it. Grid (cdiv(Lq, TILE_M), H, B)."""
+    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, softcap,
+             diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
+             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
+             SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD)

@@ -144,27 +144,30 @@ def launched(monkeypatch):
 
 
 def test_backward_launch_gives_each_kernel_its_tiles(launched):
-    """``launch_backward`` with the H200's default: dK/dV on 64x128 (a program per 128 keys),
-    the preprocess and dQ on 128x64 (a program per 128 queries), each with its own EVEN_N."""
+    """``launch_backward`` with the H200's default: dQ first on 128x64 (a program per 128
+    queries), storing the Delta that dK/dV on 64x128 (a program per 128 keys) then reads, each
+    kernel with its own EVEN_N."""
     from flash_tile import _launch, variants
 
     q, k, v = (torch.randn(2, 8, 300, 64), torch.randn(2, 2, 320, 64),
                torch.randn(2, 2, 320, 64))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-    lse = torch.randn(2, 8, 300)
+    out, dout, lse, dlse = torch.randn_like(q), torch.randn_like(q), *torch.randn(2, 2, 8, 300)
     config = variants.default_backward_config((9, 0), 64)
-    _launch.launch_backward(torch.randn_like(q), q, k, v, torch.randn_like(q), lse, dq, dk, dv,
-                            None, None, None, 0.125, 0.0, 20, (-1, 0), config)
-    (pre_grid, pre, pre_args), (kv_grid, dkdv, kv_args), (q_grid, dq_kernel, q_args) = launched
-    assert (pre, dkdv, dq_kernel) == _launch.hinted_backward_kernels(config)
-    assert pre_grid == q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
-    assert pre_args[-3] == 128  # the preprocess's TILE_M
-    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 10 arrays and 8
-    # scalars for dK/dV (9 arrays for dQ): 320 keys are a whole number of dQ's 64-key steps
-    # and not of dK/dV's 128-key tiles.
+    _launch.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, None, None, 0.125, 0.0,
+                            20, (-1, 0), config)
+    (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
+    assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
+    assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 11 arrays and 8
+    # scalars for dQ (10 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
+    # and not of dK/dV's 128-key tiles. dQ's last constant is LSE_GRAD.
+    assert q_args[19:26] == (128, 64, 64, 64, False, True, True) and q_args[-1] is True
     assert kv_args[18:25] == (64, 128, 64, 64, False, True, False)
-    assert q_args[17:24] == (128, 64, 64, 64, False, True, True)
-    assert kv_args[1] is k and q_args[6] is dq and kv_args[6:8] == (dk, dv)
+    assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
+    delta = q_args[7]  # written by dQ, read by dK/dV
+    assert delta.shape == (2, 8, 300) and delta.dtype == torch.float32 and kv_args[5] is delta
+    assert kv_args[1] is k and kv_args[6:8] == (dk, dv)
 
 
 def _bool_mask(layout):
@@ -191,9 +194,9 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
                             torch.randn(2, 4, 40), *(torch.empty_like(t) for t in (q, k, v)),
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
-    fwd, _, dkdv, dq = (args for _, _, args in launched)
+    fwd, dq, dkdv = (args for _, _, args in launched)
     as_uint8 = layout in ("aligned", "broadcast")
-    for got in (fwd[6], dkdv[9], dq[8]):
+    for got in (fwd[6], dq[10], dkdv[9]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
         assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
     assert fwd[-5] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
