@@ -41,12 +41,31 @@ BACKENDS = ["flash_tile", *SDPA_BACKENDS, "tilegym", "naive"]
 # Timing of a row: ROUNDS rounds that time each backend once (cuda_time_ms of ITERS calls after
 # WARMUP), so that a drift of the GPU's clocks weighs on every backend alike.
 ROUNDS, WARMUP, ITERS = 4, 2, 5
+# GPU clock cycles of the sleep that the calls of ``device_ms`` queue behind (about 25 ms on
+# an H200), more than the host needs to issue them.
+SLEEP_CYCLES = 50_000_000
 
 
 def time_all(fns: dict) -> dict:
     """Median ms of each zero-argument fn, interleaved (``_timing.interleaved_ms``); a fn
     that raised maps to its exception."""
     return interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
+
+
+def device_ms(fn, iters: int = 20) -> float:
+    """GPU milliseconds per call of ``iters`` calls issued while the GPU sleeps, so that they
+    run back to back with no launch gap (CUDA events around single calls, as ``time_all``
+    takes them, count the gap where the host is slower than the GPU)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def _tilegym(name):

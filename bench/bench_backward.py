@@ -6,6 +6,11 @@ Every backend's gradients are first checked against an fp32 reference with flash
 rule (SDPA cuDNN as PyTorch's own low-precision error). Backward FLOPs are 2.5x the forward's
 (``flash_tile._timing.flops``); backward-only time is forward+backward minus forward, both
 measured in the same rounds as every other backend of the row (``bench_attention.time_all``).
+Those times are CUDA events around single calls, so they count the host's launch gaps where it
+is slower than the GPU (the short rows: autograd and the launches take hundreds of
+microseconds). The ``device`` columns time the backward alone on the GPU: the backward of one
+stored forward, calls queued behind a sleep (``bench_attention.device_ms``), for flash_tile
+and SDPA's cuDNN and FLASH backends, in interleaved rounds.
 
     python bench/bench_backward.py --out bench/out/backward
 
@@ -21,9 +26,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import (_peak_bytes, _sdpa, backends, failure, machine_info, md_table,
-                             plot, save_json, time_all, write_report)
-from flash_tile._timing import DTYPES, flops, grid_shape
+from bench_attention import (_peak_bytes, _sdpa, backends, device_ms, failure, machine_info,
+                             md_table, plot, save_json, time_all, write_report)
+from flash_tile._timing import DTYPES, flops, grid_shape, interleaved_ms
 from flash_tile.reference import check_error
 
 
@@ -53,6 +58,18 @@ def _training_step(run, q, k, v, dout):
     return (lambda: run(*leaves)), fwd_bwd
 
 
+def _backward_only(run, q, k, v, dout):
+    """The backward of one forward of ``run``, as a zero-argument call (the graph is kept)."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = run(*leaves)
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
+# The backends whose backward is timed on the device alone, and its rounds and calls a round.
+DEVICE_BACKENDS = ("flash_tile", "sdpa_cudnn", "sdpa_flash")
+DEVICE_ROUNDS, DEVICE_ITERS = 3, 10
+
+
 def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
@@ -65,7 +82,7 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
                  v, dout)  # PyTorch's own rounding
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "dtype": str(dtype).removeprefix("torch."), "fwd_bwd_tflops": {},
-           "bwd_tflops": {}, "peak_mib": {}, "skipped": dict(missing)}
+           "bwd_tflops": {}, "bwd_device_ms": {}, "peak_mib": {}, "skipped": dict(missing)}
     f_fwd_bwd, f_bwd = (flops(batch, heads, length, length, head_dim, causal, mode)
                         for mode in ("fwd_bwd", "bwd"))
     steps = {}
@@ -96,6 +113,18 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
         # Backward-only is the difference of two medians of the same rounds.
         row["fwd_bwd_tflops"][name] = round(f_fwd_bwd / total / 1e9, 1)
         row["bwd_tflops"][name] = round(f_bwd / max(total - forward, 1e-6) / 1e9, 1)
+    del steps
+    backward = {name: _backward_only(runners[name], q, k, v, dout) for name in DEVICE_BACKENDS
+                if name in row["bwd_tflops"]}
+    for name, ms in interleaved_ms(backward, DEVICE_ROUNDS,
+                                   lambda fn: device_ms(fn, DEVICE_ITERS)).items():
+        if isinstance(ms, Exception):
+            raise ms  # it ran in the timed rounds above
+        row["bwd_device_ms"][name] = round(ms, 4)
+    del backward
+    torch.cuda.empty_cache()
+    ours, cudnn = (row["bwd_device_ms"].get(n) for n in ("flash_tile", "sdpa_cudnn"))
+    row["bwd_device_ratio_vs_cudnn"] = round(cudnn / ours, 3) if ours and cudnn else None
     for key in ("fwd_bwd", "bwd"):
         ours, cudnn = row[f"{key}_tflops"].get("flash_tile"), row[f"{key}_tflops"].get(
             "sdpa_cudnn")
@@ -185,6 +214,13 @@ def table(rows, memory):
              *(r["bwd_tflops"].get(n, "-") for n in names),
              f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-"]
             for r in rows)),
+            "", "The backward alone on the device, calls queued (ms; vs cuDNN is cuDNN's time "
+            "over flash_tile's):", "",
+            md_table(["L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN"], (
+                [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+                 *(r["bwd_device_ms"].get(n, "-") for n in DEVICE_BACKENDS),
+                 f"{r['bwd_device_ratio_vs_cudnn']:.2f}x" if r["bwd_device_ratio_vs_cudnn"]
+                 else "-"] for r in rows)),
             "", "Peak memory of one forward+backward at each row's shape (MiB):", "",
             md_table(["L", "D", "causal", *mem_names], (
                 [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
@@ -231,7 +267,8 @@ def main():
                                       dtype, runners, missing))
                 r = rows[-1]
                 print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
-                      f"bwd {r['bwd_tflops']} {r['skipped'] or ''}", flush=True)
+                      f"bwd {r['bwd_tflops']} device ms {r['bwd_device_ms']} {r['skipped'] or ''}",
+                      flush=True)
                 save()
     for length in args.memory_lengths:
         memory.append(memory_row(length, dtype, runners, missing))

@@ -56,13 +56,10 @@ import torch.nn.functional as F
 import flash_tile
 from flash_tile import _launch, _ops, variants
 from flash_tile._timing import grid_shape
-from bench_attention import machine_info, md_table, save_json, write_report
+from bench_attention import device_ms, machine_info, md_table, save_json, write_report
 
 ITERS = 100
 ROUNDS = 7
-# GPU clock cycles of the sleep that the calls of ``device_ms`` queue behind (about 25 ms on
-# an H200), more than the host needs to issue them.
-SLEEP_CYCLES = 50_000_000
 
 
 def _op_arguments(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[float, int, int]:
@@ -133,21 +130,6 @@ def wall_us(fn, iters: int = ITERS) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters * 1e6
-
-
-def device_ms(fn, iters: int = 20) -> float:
-    """GPU milliseconds per call of ``iters`` calls issued while the GPU sleeps, so that they
-    run back to back with no launch gap."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,

@@ -190,9 +190,18 @@ SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=
 # none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and dropout; 128x64 spills 2380.
 SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_tile_m=128,
                                 dq_tile_n=32)
+# Two CTAs per SM instead of two consumer warp groups in one, both kernels on 64x64 [H200,
+# session 10, 2026-12-01, bf16, bench_variants.py, interleaved rounds, L 1k/4k/16k, causal and
+# not]: 0.907-0.99x the time of SM90_BACKWARD at D=64 and 0.812-0.914x that of 128x64 nww8 at
+# D=128, every row. The D<=64 default: no spills with GQA 4, dropout and the LSE's gradient,
+# nor with a window, softcap, ALiBi and a mask (sm_90 SASS, 128 registers). At D=128 its dK/dV
+# spills 108 LDL/STL under dropout, so there it is a candidate (the tuner's pick per class) and
+# 128x64 nww8 stays the untuned default.
+SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
-    (9, 0): ((64, SM90_BACKWARD), (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
+    (9, 0): ((64, SM90_BACKWARD_O2),
+             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (256, SM90_BACKWARD_WIDE)),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
@@ -245,8 +254,13 @@ _FORWARD_CANDIDATES = {
     # dtypes (bench/results/forward-h200-session9.md). Timed then and not
     # registered: 256x64 with 8 worker warps (1.01-1.23x, no spills at D=64), clusters of two
     # (num_ctas=2: 1.9-3.2x at D 64-256; TMA multicast of K/V, half the rows per CTA).
+    # Added in session 10 [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k]: 64x128
+    # with occupancy 2 at D=128, two one-group CTAs per SM with 64 rows each (no spills, 128
+    # registers): 0.898-0.974x the time of 128x128 nww8 on five rows, 1.045x at 16k causal.
+    # Timed then and not registered: 128x32 o2 (1.17-1.65x).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
+             (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
              (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
              (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
@@ -267,6 +281,7 @@ _BACKWARD_CANDIDATES = {
     # two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a misaligned-address
     # fault, which ends the process's CUDA context).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
+             (128, SM90_BACKWARD_O2),
              (128, SM90_BACKWARD),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=64, tile_n=64))),

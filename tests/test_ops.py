@@ -144,16 +144,16 @@ def launched(monkeypatch):
 
 
 def test_backward_launch_gives_each_kernel_its_tiles(launched):
-    """``launch_backward`` with the H200's default: dQ first on 128x64 (a program per 128
-    queries), storing the Delta that dK/dV on 64x128 (a program per 128 keys) then reads, each
-    kernel with its own EVEN_N."""
+    """``launch_backward`` with a variant whose kernels take different tiles (SM90_BACKWARD):
+    dQ first on 128x64 (a program per 128 queries), storing the Delta that dK/dV on 64x128 (a
+    program per 128 keys) then reads, each kernel with its own EVEN_N."""
     from flash_tile import _launch, variants
 
     q, k, v = (torch.randn(2, 8, 300, 64), torch.randn(2, 2, 320, 64),
                torch.randn(2, 2, 320, 64))
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     out, dout, lse, dlse = torch.randn_like(q), torch.randn_like(q), *torch.randn(2, 2, 8, 300)
-    config = variants.default_backward_config((9, 0), 64)
+    config = variants.SM90_BACKWARD
     _launch.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, None, None, 0.125, 0.0,
                             20, (-1, 0), config)
     (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
