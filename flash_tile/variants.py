@@ -172,7 +172,7 @@ def _lookup(table, capability, head_dim):
 # at D=128 0.79-0.86x as long with 64x128 as with 128x64 (4.04 against 5.13 ms at 16k causal);
 # the other two kernels were already on their best shape (dK/dV 128x128 at D=64 within 1.5% of
 # 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on 128x64, both with 8 worker warps: the
-# D<=64 default (no spills with GQA, dropout, softcap, ALiBi and a mask). At D=128 its dK/dV
+# D<=64 default until session 10 (no spills with GQA, dropout, softcap, ALiBi and a mask). At D=128 its dK/dV
 # spills under the score features: 16 LDL/STL with dropout, 38 with GQA 4 and dropout, 191 with
 # a window, softcap, ALiBi and a mask, where 128x64 spills 0, 145 and 0. The mask case decides:
 # it is a candidate there and 128x64 stays the untuned default; the autotuner picks per feature
@@ -273,7 +273,8 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # Beside the defaults on sm_90: SM90_BACKWARD at D=128 (above); 64x64 (43-66% slower at
+    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128 and SM90_BACKWARD at D<=128
+    # (above); 64x64 (43-66% slower at
     # D=128 on the H200, session 5) as a control. Not registered: dK/dV stepping 128 query
     # rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12 LDL/STL); 32x64
     # (spills 410 in dQ at D=128). Timed in session 9 and not registered [H200, bf16, L 1k/4k/16k]:

@@ -133,8 +133,10 @@ def test_bool_masks_load_through_tma_only_as_uint8():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_bool_mask_at_an_aligned_ragged_length(arch):
     """Keys a multiple of 16 but not of the tiles (EVEN_N off, the bool mask as its uint8
-    view): forward and both backward kernels load the mask through TMA (more UTMALDG than
-    without a mask) and spill nothing, at D 64 and 128 (bf16, causal)."""
+    view): forward and both backward kernels load the mask through TMA, no global load added
+    to the unmasked kernel's (a mask read without TMA adds 96-194 LDG on sm_90), and spill
+    nothing, at D 64 and 128 (bf16, causal). The UTMALDG count is no measure: tileiras
+    pipelines the masked dK/dV kernel of the D=64 default less deep (17 against 28)."""
     for head_dim in (64, 128):
         kw = dict(dtype="bfloat16", head_dim=head_dim, aligned=True)
         cubins = {None: {"forward": aot.compile_forward(arch, **kw),
@@ -144,8 +146,10 @@ def test_bool_mask_at_an_aligned_ragged_length(arch):
         for kernel in ("forward", "dkdv", "dq"):
             plain, masked = (aot.summarize(aot.disassemble(cubins[m][kernel]))
                              for m in (None, "bool"))
-            assert masked["tma_load"] > plain["tma_load"], (arch, head_dim, kernel, masked)
-            assert masked["local_memory"] == 0, (arch, head_dim, kernel, masked)
+            assert masked["global_load"] == plain["global_load"], (arch, head_dim, kernel,
+                                                                   masked, plain)
+            assert masked["tma_load"] > 0 and masked["local_memory"] == 0, (arch, head_dim,
+                                                                             kernel, masked)
 
 
 BACKWARD_VARIANTS = {
