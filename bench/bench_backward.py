@@ -8,7 +8,7 @@ rule (SDPA cuDNN as PyTorch's own low-precision error). Backward FLOPs are 2.5x 
 measured in the same rounds as every other backend of the row (``bench_attention.time_all``).
 Those times are CUDA events around single calls, so they count the host's launch gaps where it
 is slower than the GPU (the short rows: autograd and the launches take hundreds of
-microseconds). The ``device`` columns time the backward alone on the GPU: the backward of one
+microseconds). A second table times the backward alone on the GPU: the backward of one
 stored forward, calls queued behind a sleep (``bench_attention.device_ms``), for flash_tile
 and SDPA's cuDNN and FLASH backends, in interleaved rounds.
 

@@ -3,8 +3,8 @@
 This is the one place that knows the kernels' parameter order: the JIT launches here and the
 ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
 ``ForwardSpec`` (``constants`` for the forward, ``dq_constants`` and ``dkdv_constants`` for
-the backward). Callers pass checked tensors; the one
-check here is the backward's 32-bit indexing on the arrays it really gets.
+the backward). Callers pass checked tensors; the one check here is the backward's 32-bit
+indexing on the arrays it really gets.
 """
 
 import functools
@@ -172,8 +172,8 @@ def _placeholder(device: torch.device, rank: int) -> torch.Tensor:
 
 def _fill_unused(device, *arrays):
     """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
-    rank for each None: the kernels never touch Lse without STORE_LSE, Slopes without ALIBI,
-    Mask without ATTN_MASK, but each parameter needs an array."""
+    rank for each None: the kernels never touch Lse without STORE_LSE, dLse without LSE_GRAD,
+    Slopes without ALIBI, Mask without ATTN_MASK, but each parameter needs an array."""
     return tuple(_placeholder(device, rank) if array is None else array
                  for array, rank in arrays)
 
@@ -230,10 +230,10 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
     LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
-    writes dq (q's shape), dk and dv (k's and v's
-    shapes) in the inputs' dtype; deterministic (no atomics). 32-bit indexing only. The dK/dV
-    kernel runs on ``config``'s tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel
-also stores Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
+    writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype;
+    deterministic (no atomics). 32-bit indexing only. The dK/dV kernel runs on ``config``'s
+    tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel also stores
+    Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
     """
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):

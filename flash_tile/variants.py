@@ -19,9 +19,9 @@ class TileConfig:
     tileiras. ``group_inner`` orders the backward's dK/dV loops (only the backward has them):
     all query heads of a GQA group per query tile (True) or one head at a time (False).
     ``dq_tile_m`` and ``dq_tile_n`` (backward) are the dQ kernel's own query rows per program
-    and key rows per step (it also forms Delta for those rows); None
-    takes ``tile_m`` / ``tile_n``, which the dK/dV kernel reads (key rows per program
-    ``tile_n``, query rows per step ``tile_m``).
+    and key rows per step (it also forms Delta for those rows); None takes ``tile_m`` /
+    ``tile_n``, which the dK/dV kernel reads (key rows per program ``tile_n``, query rows per
+    step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads.
     """
@@ -152,34 +152,34 @@ def _lookup(table, capability, head_dim):
     raise ValueError(f"no tile config for head dim {head_dim}: the largest is {max_dim}")
 
 
-# The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
-# forward. First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed;
-# each compiles the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1 and
-# 4 (without dropout: with GQA 4 and dropout sm_90's D=128 default spills 145 LDL/STL in dK/dV,
-# session 7). On the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps
-# remove them, and add 323 at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape
-# tried) came from walking the GQA group's heads in an outer loop: with the heads inside each
-# query tile (group_inner) and 8 worker warps they are gone. The same order spills ~3000 on
-# sm_90. On sm_90 the autotuner's winners on the H200 are the defaults [2026-11-30, bf16 and
-# fp16, L 1k-16k, bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps
-# (4.89 ms against 6.79 for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won
-# 10 of 12 classes, 64x64 the other two by 1%); it also compiles without spills for GQA 4 with
-# dropout, where 64x64 nww8 spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps (3.66
-# against 4.05 for 64x64 at 4k, every class). Those were one shape for both kernels. Timed
-# kernel by kernel [H200, session 7, 2026-11-30, bf16, same stack, L 1k/4k/16k, five interleaved
-# rounds; NOTES.md], each wants its own rows tall and its steps narrow: dQ at D=64 ran
-# 0.47-0.73x as long with 128x64 as with 64x128 (3.18 against 5.15 ms at 16k causal), and dK/dV
-# at D=128 0.79-0.86x as long with 64x128 as with 128x64 (4.04 against 5.13 ms at 16k causal);
-# the other two kernels were already on their best shape (dK/dV 128x128 at D=64 within 1.5% of
-# 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on 128x64, both with 8 worker warps: the
-# D<=64 default until session 10 (no spills with GQA, dropout, softcap, ALiBi and a mask). At D=128 its dK/dV
-# spills under the score features: 16 LDL/STL with dropout, 38 with GQA 4 and dropout, 191 with
-# a window, softcap, ALiBi and a mask, where 128x64 spills 0, 145 and 0. The mask case decides:
-# it is a candidate there and 128x64 stays the untuned default; the autotuner picks per feature
-# class (session 7: the new shape in every plain class, 128x64 with dropout). At D=256 on sm_90
-# 64x64 spills 1172 in dK/dV; with 8 worker warps none (32x64, 64x32 and 32x32 all spill 380-740
-# in one kernel or the other while both kernels share a shape). On sm_80/sm_120 32x32 still
-# spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8 worker warps spills 1080 there.
+# The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the forward.
+# First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed; each compiles
+# the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1 and 4 (without
+# dropout: with GQA 4 and dropout sm_90's D=128 default spills 145 LDL/STL in dK/dV, session 7). On
+# the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps remove them, and add 323
+# at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried) came from walking the
+# GQA group's heads in an outer loop: with the heads inside each query tile (group_inner) and 8
+# worker warps they are gone. The same order spills ~3000 on sm_90. On sm_90 the autotuner's winners
+# on the H200 are the defaults [2026-11-30, bf16 and fp16, L 1k-16k,
+# bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps (4.89 ms against 6.79
+# for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won 10 of 12 classes, 64x64
+# the other two by 1%); it also compiles without spills for GQA 4 with dropout, where 64x64 nww8
+# spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps (3.66 against 4.05 for 64x64 at 4k,
+# every class). Those were one shape for both kernels. Timed kernel by kernel [H200, session 7,
+# 2026-11-30, bf16, same stack, L 1k/4k/16k, five interleaved rounds; NOTES.md], each wants its own
+# rows tall and its steps narrow: dQ at D=64 ran 0.47-0.73x as long with 128x64 as with 64x128 (3.18
+# against 5.15 ms at 16k causal), and dK/dV at D=128 0.79-0.86x as long with 64x128 as with 128x64
+# (4.04 against 5.13 ms at 16k causal); the other two kernels were already on their best shape
+# (dK/dV 128x128 at D=64 within 1.5% of 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on
+# 128x64, both with 8 worker warps: the D<=64 default until session 10 (no spills with GQA, dropout,
+# softcap, ALiBi and a mask). At D=128 its dK/dV spills under the score features: 16 LDL/STL with
+# dropout, 38 with GQA 4 and dropout, 191 with a window, softcap, ALiBi and a mask, where 128x64
+# spills 0, 145 and 0. The mask case decides: it is a candidate there and 128x64 stays the untuned
+# default; the autotuner picks per feature class (session 7: the new shape in every plain class,
+# 128x64 with dropout). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none
+# (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or the other while both kernels share a
+# shape). On sm_80/sm_120 32x32 still spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8
+# worker warps spills 1080 there.
 SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
                            dq_tile_n=64)
 # At D=256 on sm_90 the dQ kernel owns 128 query rows and steps 32 keys (dK/dV as before, 64x64
@@ -255,9 +255,11 @@ _FORWARD_CANDIDATES = {
     # registered: 256x64 with 8 worker warps (1.01-1.23x, no spills at D=64), clusters of two
     # (num_ctas=2: 1.9-3.2x at D 64-256; TMA multicast of K/V, half the rows per CTA).
     # Added in session 10 [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k]: 64x128
-    # with occupancy 2 at D=128, two one-group CTAs per SM with 64 rows each (no spills, 128
-    # registers): 0.898-0.974x the time of 128x128 nww8 on five rows, 1.045x at 16k causal.
-    # Timed then and not registered: 128x32 o2 (1.17-1.65x).
+    # with occupancy 2, two one-group CTAs per SM with 64 rows each (no spills at D=128, 128
+    # registers): 0.898-0.974x the time of 128x128 nww8 on five D=128 rows, 1.045x at 16k
+    # causal. Registered for D<=128, it is a candidate at D=64 too, where it is not timed yet
+    # (the tuner keeps it only where it wins). Timed then and not registered: 128x32 o2
+    # (1.17-1.65x at D=128).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
              (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
@@ -273,14 +275,13 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128 and SM90_BACKWARD at D<=128
-    # (above); 64x64 (43-66% slower at
-    # D=128 on the H200, session 5) as a control. Not registered: dK/dV stepping 128 query
-    # rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12 LDL/STL); 32x64
-    # (spills 410 in dQ at D=128). Timed in session 9 and not registered [H200, bf16, L 1k/4k/16k]:
-    # dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time of the default) and clusters of
-    # two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a misaligned-address
-    # fault, which ends the process's CUDA context).
+    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128 and SM90_BACKWARD at D<=128 (above);
+    # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control. Not registered: dK/dV
+    # stepping 128 query rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12
+    # LDL/STL); 32x64 (spills 410 in dQ at D=128). Timed in session 9 and not registered [H200,
+    # bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time of the default) and
+    # clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a
+    # misaligned-address fault, which ends the process's CUDA context).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, SM90_BACKWARD_O2),
              (128, SM90_BACKWARD),

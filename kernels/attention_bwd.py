@@ -33,11 +33,11 @@ A separate Delta kernel would read O and dO once more, and cost a third launch.
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
 whole (``_tiles.tile_runs``). The dQ pass recomputes S and dP: seven tile matmuls per pair of
 tiles in all, where a single pass that sums dQ with atomic adds needs five; on the H200 that
-form measured 1.02-3.05x slower than the two passes (docs/kernel-internals.md). The passes take
-their own tile shapes: each owns a tall tile of its rows and walks the other side in narrower
-steps. Under a causal band both start their heaviest programs first (the dK/dV pass by key
-tile order, the dQ pass by taking its query tiles last to first), so the light ones fill the
-tail of the launch.
+form measured 1.02-3.05x slower than the two passes (docs/kernel-internals.md). The passes may
+take their own tile shapes (a variant's choice): a program can own a tall tile of its rows and
+walk the other side in narrower steps. Under a causal band both start their heaviest programs
+first (the dK/dV pass by key tile order, the dQ pass by taking its query tiles last to first),
+so the light ones fill the tail of the launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask

@@ -195,6 +195,7 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
     fwd, dq, dkdv = (args for _, _, args in launched)
+    assert dq[-1] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
     as_uint8 = layout in ("aligned", "broadcast")
     for got in (fwd[6], dq[10], dkdv[9]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
