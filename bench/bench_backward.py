@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_tile
-from bench_attention import (_peak_bytes, _sdpa, backends, device_ms, failure, machine_info,
-                             md_table, plot, save_json, time_all, write_report)
+from bench_attention import (_peak_bytes, _sdpa, backends, chosen_variant, device_ms, failure,
+                             machine_info, md_table, plot, save_json, time_all, write_report)
 from flash_tile._timing import DTYPES, flops, grid_shape, interleaved_ms
 from flash_tile.reference import check_error
 
@@ -125,6 +125,7 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
     torch.cuda.empty_cache()
     ours, cudnn = (row["bwd_device_ms"].get(n) for n in ("flash_tile", "sdpa_cudnn"))
     row["bwd_device_ratio_vs_cudnn"] = round(cudnn / ours, 3) if ours and cudnn else None
+    row["variant"], row["variant_ms"] = chosen_variant(q, causal, backward=True)
     for key in ("fwd_bwd", "bwd"):
         ours, cudnn = row[f"{key}_tflops"].get("flash_tile"), row[f"{key}_tflops"].get(
             "sdpa_cudnn")
@@ -216,11 +217,11 @@ def table(rows, memory):
             for r in rows)),
             "", "The backward alone on the device, calls queued (ms; vs cuDNN is cuDNN's time "
             "over flash_tile's):", "",
-            md_table(["L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN"], (
+            md_table(["L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN", "flash_tile variant"], (
                 [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
                  *(r["bwd_device_ms"].get(n, "-") for n in DEVICE_BACKENDS),
                  f"{r['bwd_device_ratio_vs_cudnn']:.2f}x" if r["bwd_device_ratio_vs_cudnn"]
-                 else "-"] for r in rows)),
+                 else "-", r.get("variant", "-")] for r in rows)),
             "", "Peak memory of one forward+backward at each row's shape (MiB):", "",
             md_table(["L", "D", "causal", *mem_names], (
                 [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
