@@ -37,8 +37,13 @@ def _causal(backends, causal):
     return {name: functools.partial(run, causal=causal) for name, run in backends.items()}
 
 
+def _leaves(*tensors):
+    """Fresh leaves with the tensors' values, needing their gradients."""
+    return [t.detach().requires_grad_() for t in tensors]
+
+
 def _grads(run, q, k, v, dout):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    q, k, v = _leaves(q, k, v)
     run(q, k, v).backward(dout)
     return q.grad, k.grad, v.grad
 
@@ -48,7 +53,7 @@ def _training_step(run, q, k, v, dout):
 
     The forward runs on inputs that require grad, as in training (flash_tile then also stores
     the LSE); each step clears the gradients first, so no accumulation add is timed."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    leaves = _leaves(q, k, v)
 
     def fwd_bwd():
         for t in leaves:
@@ -60,7 +65,7 @@ def _training_step(run, q, k, v, dout):
 
 def _backward_only(run, q, k, v, dout):
     """The backward of one forward of ``run``, as a zero-argument call (the graph is kept)."""
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    leaves = _leaves(q, k, v)
     out = run(*leaves)
     return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
 

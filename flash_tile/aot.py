@@ -15,12 +15,13 @@ import tempfile
 from collections import Counter
 
 import cuda.tile as ct
+import torch
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
 from flash_tile._launch import (MASK_KINDS, forward_spec, hinted_backward_kernels,
-                                hinted_kernel)
+                                hinted_kernel, kernel_mask)
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
@@ -76,10 +77,13 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     rows = _array(ct.float32, 3, index_dtype=index)
     # A mask broadcast over batch, heads or query rows has zero strides (which every divisor
     # divides); its rows are as long as the keys, so aligned lengths get the JIT's 16-byte
-    # alignment, with which it may load through TMA. There a bool mask reaches the kernels as
-    # its uint8 view, elsewhere as bool (_launch.kernel_mask).
-    mask_dtype = (ct.uint8 if rows_aligned else ct.bool_) if attn_mask == "bool" \
-        else DTYPES[dtype]
+    # alignment, with which it may load through TMA. A bool mask is typed as the launcher
+    # passes it (_launch.kernel_mask: its uint8 view where TMA can read its rows), asked of a
+    # meta mask with these rows.
+    mask_dtype = DTYPES[dtype]
+    if attn_mask == "bool":
+        rows_of_keys = torch.empty((1, 1, 1, k_len), dtype=torch.bool, device="meta")
+        mask_dtype = ct.uint8 if kernel_mask(rows_of_keys).dtype == torch.uint8 else ct.bool_
     mask_div = (16 if attn_mask == "bool" else 8) if rows_aligned else 1  # 16 B, in elements
     mask = ArrayConstraint(mask_dtype, 4, index_dtype=index, stride_lower_bound_incl=0,
                            alias_groups=(), may_alias_internally=True,

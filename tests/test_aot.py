@@ -43,6 +43,11 @@ KNOWN_SPILLS = {
 }
 
 
+def _summary(cubin: bytes) -> dict:
+    """``aot.summarize`` of a cubin's disassembly: instruction counts, spills."""
+    return aot.summarize(aot.disassemble(cubin))
+
+
 @pytest.fixture(scope="module", params=variants.ARCHS)
 def compiled(request):
     arch = request.param
@@ -100,7 +105,7 @@ def test_int64_index_entry_point(arch):
     still tensor cores, no spills but the listed (and no TMA: cuTile keeps 64-bit-indexed
     arrays off it)."""
     cubin = aot.compile_forward(arch, attn_mask="additive", causal=False, int64_index=True)
-    summary = aot.summarize(aot.disassemble(cubin))
+    summary = _summary(cubin)
     assert summary["tensor_core"] > 0 and summary["tma_load"] == 0, summary
     assert (summary["local_memory"] > 0) == (arch in INT64_SPILLS), summary
 
@@ -111,20 +116,17 @@ def test_bool_masks_load_through_tma_only_as_uint8():
     UTMALDG than without a mask, no plain global load), while the same mask typed bool never
     is (TMA misread bool tiles on the H200): no more UTMALDG than without a mask, plain loads
     instead. With TMA allowed for bool tiles, the bool-typed forward had no plain load."""
-    def summary(cubin):
-        return aot.summarize(aot.disassemble(cubin))
-
     config = variants.default_config((9, 0), 64)
-    plain = summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64, even_n=True))
-    as_uint8 = summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64,
-                                           attn_mask="bool", even_n=True))
+    plain = _summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64, even_n=True))
+    as_uint8 = _summary(aot.compile_forward("sm_90", dtype="bfloat16", head_dim=64,
+                                            attn_mask="bool", even_n=True))
     sig = aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False, "bool", True, True,
                                 config)
     params = list(sig.parameters)
     assert params[6].dtype == ct.uint8  # the mask, as _launch.kernel_mask passes it
     params[6] = dataclasses.replace(params[6], dtype=ct.bool_)
-    as_bool = summary(aot._export(_launch.hinted_kernel(config),
-                                  dataclasses.replace(sig, parameters=params), "sm_90"))
+    as_bool = _summary(aot._export(_launch.hinted_kernel(config),
+                                   dataclasses.replace(sig, parameters=params), "sm_90"))
     assert as_uint8["tma_load"] > plain["tma_load"] and as_uint8["global_load"] == 0, as_uint8
     assert as_bool["tma_load"] == plain["tma_load"] and as_bool["global_load"] > 0, as_bool
     assert as_uint8["local_memory"] == as_bool["local_memory"] == 0
@@ -138,14 +140,14 @@ def test_bool_mask_at_an_aligned_ragged_length(arch):
     nothing, at D 64 and 128 (bf16, causal). The UTMALDG count is no measure: tileiras
     pipelines the masked dK/dV kernel of the D=64 default less deep (17 against 28). The
     control: at D=64 the same mask at a length TMA cannot read adds global loads to each."""
-    def compiled(head_dim, attn_mask, aligned=True):
+    def kernels(head_dim, attn_mask, aligned=True):
         kw = dict(dtype="bfloat16", head_dim=head_dim, attn_mask=attn_mask, aligned=aligned)
         cubins = {"forward": aot.compile_forward(arch, **kw), **aot.compile_backward(arch, **kw)}
-        return {kernel: aot.summarize(aot.disassemble(cubin)) for kernel, cubin in cubins.items()}
+        return {kernel: _summary(cubin) for kernel, cubin in cubins.items()}
 
     for head_dim in (64, 128):
-        plain, masked = compiled(head_dim, None), compiled(head_dim, "bool")
-        unaligned = compiled(head_dim, "bool", aligned=False) if head_dim == 64 else None
+        plain, masked = kernels(head_dim, None), kernels(head_dim, "bool")
+        unaligned = kernels(head_dim, "bool", aligned=False) if head_dim == 64 else None
         for kernel in ("forward", "dkdv", "dq"):
             where = (arch, head_dim, kernel, masked[kernel], plain[kernel])
             assert masked[kernel]["global_load"] == plain[kernel]["global_load"], where
@@ -171,7 +173,7 @@ BACKWARD_VARIANTS = {
 def test_backward_kernels_use_tensor_cores(arch):
     for name, kw in BACKWARD_VARIANTS.items():
         for kernel, cubin in aot.compile_backward(arch, **kw).items():
-            summary = aot.summarize(aot.disassemble(cubin))
+            summary = _summary(cubin)
             assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (arch, name, kernel,
                                                                         summary)
             assert summary["local_memory"] == 0, (arch, name, kernel, summary)
@@ -218,7 +220,7 @@ FORWARD_REGISTERED, BACKWARD_REGISTERED = _registered(False), _registered(True)
                          ids=[_name(*c) for c in FORWARD_REGISTERED])
 def test_every_registered_forward_variant_compiles(arch, head_dim, config):
     cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=True, config=config)
-    summary = aot.summarize(aot.disassemble(cubin))
+    summary = _summary(cubin)
     assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
     if arch in aot.TMA_ARCHS:
         assert summary["tma_load"] > 0, summary
@@ -240,7 +242,7 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     way (tileiras 13.4, return code 5) and was dropped."""
     cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=False, window=(200, 150),
                                 softcap=True, alibi=True, attn_mask="bool", config=config)
-    summary = aot.summarize(aot.disassemble(cubin))
+    summary = _summary(cubin)
     assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
 
 
@@ -250,7 +252,7 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     cubins = aot.compile_backward(arch, "bfloat16", head_dim, causal=True, config=config)
     spills = 0
     for kernel in ("dkdv", "dq"):
-        summary = aot.summarize(aot.disassemble(cubins[kernel]))
+        summary = _summary(cubins[kernel])
         assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (kernel, summary)
         spills += summary["local_memory"]
     listed = (arch, head_dim, autotune.describe(config)) in BACKWARD_SPILLS
@@ -259,9 +261,9 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
-    """SM90_BACKWARD (a candidate at D<=128) runs dQ on 128x64 and dK/dV on
-    64x128: only the dQ kernel's machine code changes when the dQ tiles are dropped, and the
-    dQ kernel keeps free of spills with GQA 4 and dropout."""
+    """SM90_BACKWARD (a candidate at D<=128) runs dQ on 128x64 and dK/dV on 64x128: only the
+    dQ kernel's machine code changes when the dQ tiles are dropped, and the dQ kernel keeps
+    free of spills with GQA 4 and dropout."""
     config = variants.SM90_BACKWARD
     assert (config.dq_kernel().tile_m, config.dq_kernel().tile_n) == (128, 64)
     own = aot.compile_backward("sm_90", "bfloat16", head_dim, config=config, group=4,
@@ -271,7 +273,7 @@ def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
                                                              dq_tile_n=None))
     assert own["dkdv"] == shared["dkdv"]
     assert own["dq"] != shared["dq"]
-    summary = aot.summarize(aot.disassemble(own["dq"]))
+    summary = _summary(own["dq"])
     assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, summary
 
 

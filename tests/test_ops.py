@@ -216,16 +216,23 @@ class _OpCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _stub_the_launches(monkeypatch, on_forward, on_backward):
+    """The ops' bodies with sm_90's D=64 default as the chosen variant, and their
+    ``launch_forward`` / ``launch_backward`` calls given to ``on_forward`` / ``on_backward``
+    (the call's arguments) instead of run."""
+    from flash_tile import _ops, variants
+
+    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: on_forward(a))
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a: on_backward(a))
+
+
 @pytest.fixture
 def op_launches(monkeypatch):
     """The arguments of every ``launch_forward`` / ``launch_backward`` call the ops' bodies
-    make, recorded instead of run, with sm_90's D=64 default as the chosen variant."""
-    from flash_tile import _ops, variants
-
+    make, recorded instead of run (``_stub_the_launches``)."""
     calls = []
-    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: calls.append(a))
-    monkeypatch.setattr(_ops, "launch_backward", lambda *a: calls.append(a))
+    _stub_the_launches(monkeypatch, calls.append, calls.append)
     return calls
 
 
@@ -273,13 +280,11 @@ def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
     SDPA function's usual input; [B, L, H, D] is flash-attn's, seen by the op transposed. The
     launches are recorded by their gradients' storages alone: autograd also copies a gradient
     that something else still references."""
-    from flash_tile import _ops, variants
+    from flash_tile import _ops
 
     storages = []
-    monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: None)
-    monkeypatch.setattr(_ops, "launch_backward", lambda *a: storages.extend(
-        t.untyped_storage()._cdata for t in a[6:9]))  # dq, dk, dv
+    _stub_the_launches(monkeypatch, lambda args: None, lambda args: storages.extend(
+        t.untyped_storage()._cdata for t in args[6:9]))  # dq, dk, dv
     leaves = _qkv(requires_grad=True, device="meta")
     if layout == "[B, L, H, D]":
         leaves = tuple(t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves)
