@@ -174,8 +174,8 @@ def _lookup(table, capability, head_dim):
 # 128x64, both with 8 worker warps: the D<=64 default until session 10 (no spills with GQA, dropout,
 # softcap, ALiBi and a mask). At D=128 its dK/dV spills under the score features: 16 LDL/STL with
 # dropout, 38 with GQA 4 and dropout, 191 with a window, softcap, ALiBi and a mask, where 128x64
-# spills 0, 145 and 0. The mask case decides: it is a candidate there and 128x64 stays the untuned
-# default; the autotuner picks per feature class (session 7: the new shape in every plain class,
+# spills 0, 145 and 0. The mask case decides: it is a candidate there and 128x64 was the untuned
+# default until session 11; the autotuner picks per feature class (session 7: the new shape in every plain class,
 # 128x64 with dropout). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none
 # (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or the other while both kernels share a
 # shape). On sm_80/sm_120 32x32 still spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8
@@ -195,13 +195,21 @@ SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_til
 # not]: 0.907-0.99x the time of SM90_BACKWARD at D=64 and 0.812-0.914x that of 128x64 nww8 at
 # D=128, every row. The D<=64 default: no spills with GQA 4, dropout and the LSE's gradient,
 # nor with a window, softcap, ALiBi and a mask (sm_90 SASS, 128 registers). At D=128 its dK/dV
-# spills 108 LDL/STL under dropout, so there it is a candidate (the tuner's pick per class) and
-# 128x64 nww8 stays the untuned default.
+# spills 108 LDL/STL under dropout, so there it is a candidate (the tuner's pick per class) beside
+# the default below.
 SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
+# The D=128 default: two CTAs per SM with dK/dV stepping 32 queries, dQ on 64x64 [H200, session
+# 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal and not]: 0.891-0.983x the time of
+# 128x64 nww8 (the default until then) on every row; SM90_BACKWARD_O2 took 0.812-0.919x in the
+# same run and stays a candidate. Unlike it, this tile compiles without spills at D=128 under
+# dropout, GQA 4 with dropout and the LSE's gradient, and a window with softcap, ALiBi and a
+# mask (sm_90 SASS, tileiras 13.4), so no feature class falls into local memory untuned.
+SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
+                                     dq_tile_n=64)
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, SM90_BACKWARD_O2),
-             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
+             (128, SM90_BACKWARD_O2_NARROW),
              (256, SM90_BACKWARD_WIDE)),
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
@@ -257,8 +265,10 @@ _FORWARD_CANDIDATES = {
     # Added in session 10 [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k]: 64x128
     # with occupancy 2, two one-group CTAs per SM with 64 rows each (no spills at D=128, 128
     # registers): 0.898-0.974x the time of 128x128 nww8 on five D=128 rows, 1.045x at 16k
-    # causal. Registered for D<=128, it is a candidate at D=64 too, where it is not timed yet
-    # (the tuner keeps it only where it wins). Timed then and not registered: 128x32 o2
+    # causal. Registered for D<=128; at D=64 [session 11, same method] it took 0.872-0.967x
+    # the time of 128x128 nww8 on five rows and 1.05x at 16k causal. It stays a candidate, not
+    # the default: under a window, softcap, ALiBi and a boolean mask it spills 82 LDL/STL at
+    # D=64 and 146 at D=128, where 128x128 nww8 spills none (sm_90 SASS, tileiras 13.4). Timed then and not registered: 128x32 o2
     # (1.17-1.65x at D=128).
     (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
              (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
@@ -275,15 +285,17 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128 and SM90_BACKWARD at D<=128 (above);
+    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128, SM90_BACKWARD at D<=128 and 128x64
+    # nww8, the D=128 default of sessions 3-10, which won the dropout classes in session 7 (above);
     # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control. Not registered: dK/dV
     # stepping 128 query rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12
-    # LDL/STL); 32x64 (spills 410 in dQ at D=128). Timed in session 9 and not registered [H200,
-    # bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time of the default) and
-    # clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a
+    # LDL/STL); 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
+    # registered [H200, bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time
+    # of the default) and clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a
     # misaligned-address fault, which ends the process's CUDA context).
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, SM90_BACKWARD_O2),
+             (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, SM90_BACKWARD),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
              (128, TileConfig(tile_m=64, tile_n=64))),
