@@ -4,7 +4,7 @@ The autotuner only times registered candidates. To decide whether a new variant 
 entry, this script runs the tuner's own check-then-time (``autotune.tune``: each variant's
 result checked against the default's, then all timed in interleaved rounds) on the variants
 given as TileConfig fields, for the forward or the backward, at each row of the benchmark
-grid (bf16):
+grid (bf16 unless ``--dtype`` says otherwise):
 
     python bench/bench_variants.py --backward --configs '{"dq_tile_m": 64}' \\
         --head-dims 64 128 --lengths 1024 4096 16384 --out /tmp/variants
@@ -48,6 +48,7 @@ def main():
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--lengths", nargs="+", type=int, default=list(GRID_LENGTHS))
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
     args = parser.parse_args()
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
@@ -63,11 +64,12 @@ def main():
         for length in args.lengths:
             for causal in causals:
                 batch, heads = grid_shape(length, head_dim)
-                run = runner(batch, heads, length, head_dim, causal, DTYPES["bf16"],
+                run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
                              args.backward)
                 _, results = autotune.tune(configs, run)
                 base = results[autotune.describe(default)]
-                rows.append({"head_dim": head_dim, "length": length, "causal": causal,
+                rows.append({"dtype": args.dtype, "head_dim": head_dim, "length": length,
+                             "causal": causal,
                              "variants": [autotune.describe(c) for c in configs],
                              "ms": results,
                              "ratio": {name: round(ms / base, 3) for name, ms in results.items()
@@ -88,7 +90,7 @@ def main():
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     save_json(args.out, info, backward=args.backward, rows=rows)
     print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
-                       "against the default, bf16,", info, body))
+                       f"against the default, {args.dtype},", info, body))
 
 
 if __name__ == "__main__":

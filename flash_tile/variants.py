@@ -81,7 +81,7 @@ def tile_width(dim: int, least: int = 16) -> int:
 # 64x64 o2 from 2k on (1.83 against 2.08 ms at 16k causal, bf16); at 1k the runs disagree
 # (64x64 o2 or 128x64 o2 ahead by 0.4-7%). At D=64 it won 15 of the 16 classes at L 4k-16k,
 # by 0.1-7.8% over 128x64 o2, and lost 1k/2k by 2-12% (1k: 0.377 against 0.343 ms), where the
-# tuner picks 128x64 o2.
+# tuner picks 128x64 o2. It was the D<=64 default too until session 11 (SM90_THREE_CTAS below).
 # Earlier sessions (bench/results/tuning-h200*.json, before the 8-warp candidates existed)
 # had 128x64 o2 ahead at D=64 and 64x64 o2 / 128x64 o2 trading places at D=128; the
 # occupancy hint moved a plain 64x64 forward from about 400 to about 510 TFLOP/s, and 128x128
@@ -92,6 +92,16 @@ def tile_width(dim: int, least: int = 16) -> int:
 #   (3.30 against 3.72 ms at 16k, non-causal), and 27-44% ahead of 64x64 o2. 128x64 spills
 #   without the 8-warp hint.
 SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
+# D<=64: three CTAs per SM, each one consumer warp group on 64x64 at 80 registers (no spills
+# with dropout, a boolean mask, or a window with softcap, ALiBi and a mask; 26-55 KB of shared
+# memory a CTA) [H200, session 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal
+# and not]: 0.813-0.967x the time of SM90_TWO_GROUPS, the default until then, on every row.
+# More CTAs in flight overlap one CTA's softmax with another's wgmmas, the overlap tileiras
+# does not build inside a CTA (docs/kernel-internals.md). Four CTAs (64 registers) took
+# 0.772-0.953x but spill under a mask (32 LDL/STL; 141 with the score features), so that one
+# is a candidate. At D=128 the accumulator alone is 64 registers a thread and tileiras keeps
+# 128 whatever the hint: no third CTA fits there.
+SM90_THREE_CTAS = TileConfig(tile_m=64, tile_n=64, occupancy=3)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 SM90_WIDE = TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)
 
@@ -118,7 +128,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # the larger of the query/key and value head dims.
 _DEFAULTS = {
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE)),
+    (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE)),
     (10, 0): ((256, SM100_DEFAULT),),
     (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE)),
 }
@@ -175,11 +185,11 @@ def _lookup(table, capability, head_dim):
 # softcap, ALiBi and a mask). At D=128 its dK/dV spills under the score features: 16 LDL/STL with
 # dropout, 38 with GQA 4 and dropout, 191 with a window, softcap, ALiBi and a mask, where 128x64
 # spills 0, 145 and 0. The mask case decides: it is a candidate there and 128x64 was the untuned
-# default until session 11; the autotuner picks per feature class (session 7: the new shape in every plain class,
-# 128x64 with dropout). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8 worker warps none
-# (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or the other while both kernels share a
-# shape). On sm_80/sm_120 32x32 still spills at D=256 (592/198 and 479), and on sm_100 64x64 with 8
-# worker warps spills 1080 there.
+# default until session 11; the autotuner picks per feature class (session 7: the new shape in
+# every plain class, 128x64 with dropout). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8
+# worker warps none (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or the other while
+# both kernels share a shape). On sm_80/sm_120 32x32 still spills at D=256 (592/198 and 479), and
+# on sm_100 64x64 with 8 worker warps spills 1080 there.
 SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
                            dq_tile_n=64)
 # At D=256 on sm_90 the dQ kernel owns 128 query rows and steps 32 keys (dK/dV as before, 64x64
@@ -268,9 +278,15 @@ _FORWARD_CANDIDATES = {
     # causal. Registered for D<=128; at D=64 [session 11, same method] it took 0.872-0.967x
     # the time of 128x128 nww8 on five rows and 1.05x at 16k causal. It stays a candidate, not
     # the default: under a window, softcap, ALiBi and a boolean mask it spills 82 LDL/STL at
-    # D=64 and 146 at D=128, where 128x128 nww8 spills none (sm_90 SASS, tileiras 13.4). Timed then and not registered: 128x32 o2
-    # (1.17-1.65x at D=128).
-    (9, 0): ((128, SM90_TWO_GROUPS), (256, SM90_WIDE), (128, SM90_NARROW),
+    # D=64 and 146 at D=128, where 128x128 nww8 spills none (sm_90 SASS, tileiras 13.4).
+    # Timed in session 10 and not registered: 128x32 o2 (1.17-1.65x at D=128).
+    # Added in session 11 [H200, bf16, bench_variants.py, L 1k/4k/16k]: 64x64 with occupancy 4
+    # at D<=64, four one-group CTAs per SM at 64 registers: 0.772-0.953x the time of 128x128
+    # nww8 on every row, ahead of SM90_THREE_CTAS on every row, of 128x128 o2 on five. It
+    # spills under a boolean mask (32 LDL/STL) and the score features (141), as above.
+    (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
+             (128, SM90_NARROW),
+             (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
              (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
              (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
@@ -290,9 +306,12 @@ _BACKWARD_CANDIDATES = {
     # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control. Not registered: dK/dV
     # stepping 128 query rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12
     # LDL/STL); 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
-    # registered [H200, bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the time
-    # of the default) and clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch fails with a
-    # misaligned-address fault, which ends the process's CUDA context).
+    # registered [H200, bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the
+    # time of the default) and clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch
+    # fails with a misaligned-address fault, which ends the process's CUDA context). Timed in
+    # session 11: three CTAs per SM at D=64, dK/dV stepping 32 queries and dQ on 64x64 at 80
+    # registers (no spills; 64x64 for both spills 116 in dK/dV), 0.999-1.08x the time of the
+    # default.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (128, SM90_BACKWARD_O2),
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),

@@ -132,6 +132,23 @@ def test_bool_masks_load_through_tma_only_as_uint8():
     assert as_uint8["local_memory"] == as_bool["local_memory"] == 0
 
 
+def test_disassemble_reads_past_a_nop_nvdisasm_cannot_decode():
+    """tileiras 13.4 once wrote a NOP whose extended-opcode field nvdisasm's tables lack (the
+    sm_90 D=128 dK/dV kernel with a TMA-read bool mask, checked below). The same field set in
+    a plain NOP of another kernel stops cuobjdump; ``disassemble`` still lists the kernel, with
+    the counts of the original."""
+    cubin = aot.compile_forward("sm_90", "bfloat16", 64, causal=False, even_n=True)
+    text, = aot._text_sections(cubin)
+    plain = (0x7918).to_bytes(8, "little") + (0x000FC00000000000).to_bytes(8, "little")
+    at = cubin.index(plain, text)
+    odd = cubin[:at + 8] + (0x000FE00000000000).to_bytes(8, "little") + cubin[at + 16:]
+    with pytest.raises(RuntimeError, match="Opclass 'nop_', undefined value"):
+        aot._run_on_cubin("cuobjdump", ["-sass"], odd)
+    assert _summary(odd) == _summary(cubin)
+    with pytest.raises(RuntimeError, match="cuobjdump failed"):  # anything else is raised
+        aot.disassemble(b"not a cubin")
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_bool_mask_at_an_aligned_ragged_length(arch):
     """Keys a multiple of 16 but not of the tiles (EVEN_N off, the bool mask as its uint8

@@ -235,9 +235,10 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
 
 
 @pytest.mark.parametrize("head_dim,backward,expected", [
-    (64, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
-                 "128x64 occupancy=2", "128x128 occupancy=2", "64x128 occupancy=2",
-                 "64x64 occupancy=2", "128x64 occupancy=1", "64x32 occupancy=2"]),
+    (64, False, ["64x64 occupancy=3", "128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
+                 "128x64 occupancy=2", "64x64 occupancy=4", "128x128 occupancy=2",
+                 "64x128 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
+                 "64x32 occupancy=2"]),
     (128, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
                   "128x64 occupancy=2", "64x128 occupancy=2", "64x64 occupancy=2",
                   "128x64 occupancy=1", "64x32 occupancy=2"]),
