@@ -239,10 +239,9 @@ _FORWARD_CANDIDATES = {
     # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
     # Beside the defaults [H200, sessions 5 and 6, as above]: 128x64 o2 wins D=64 at L 1k/2k;
-    # 64x64 o2 was the D=128 default until session 5. 128x64 o1 and 64x32 o2 never won
-    # (15-77% slower at D<=128; 64x32 o2 65-118% at D=256, session 6) and stay as controls
-    # for other Hopper parts. SM90_WIDE (no spills at D=64/128/256, 168 registers) is timed
-    # at D<=128 too: 0.4-56% behind 128x128 there, 3-25% from 2k on (session 5).
+    # 64x64 o2 was the D=128 default until session 5. SM90_WIDE (no spills at D=64/128/256,
+    # 168 registers) is timed at D<=128 too: 0.4-56% behind 128x128 there, 3-25% from 2k on
+    # (session 5).
     # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
     # instead of 36 HGMMA: tileiras pipelines the K-loop less deep). Against its base tile it
     # moved -8% to +8%, never the fastest by more than 1.4%. A longest-first order of the
@@ -284,14 +283,17 @@ _FORWARD_CANDIDATES = {
     # at D<=64, four one-group CTAs per SM at 64 registers: 0.772-0.953x the time of 128x128
     # nww8 on every row, ahead of SM90_THREE_CTAS on every row, of 128x128 o2 on five. It
     # spills under a boolean mask (32 LDL/STL) and the score features (141), as above.
+    # Dropped in session 11, by the tuner's timings of every candidate in the grid's 40 plain
+    # classes (bf16 and fp16, D 64/128, L 1k-16k, causal and not; the "variant_ms" of
+    # bench/results/forward-h200-session11.json): 128x128 o2 (D<=64), never within 6.5% of the
+    # best there, behind 64x64 o4 in all 20 D=64 classes; 128x64 o1 and 64x32 o2, which never
+    # won in any session (here 39-83% and 27-92% behind the best). Each candidate costs a
+    # compile and a timing on a class's first call.
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
-             (64, TileConfig(tile_m=128, tile_n=128, occupancy=2)),
              (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
-             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2)),
-             (128, TileConfig(tile_m=128, tile_n=64, occupancy=1)),
-             (256, TileConfig(tile_m=64, tile_n=32, occupancy=2))),
+             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2))),
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
               (128, TileConfig(tile_m=128, tile_n=128))),

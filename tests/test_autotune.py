@@ -236,13 +236,11 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
 
 @pytest.mark.parametrize("head_dim,backward,expected", [
     (64, False, ["64x64 occupancy=3", "128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
-                 "128x64 occupancy=2", "64x64 occupancy=4", "128x128 occupancy=2",
-                 "64x128 occupancy=2", "64x64 occupancy=2", "128x64 occupancy=1",
-                 "64x32 occupancy=2"]),
+                 "128x64 occupancy=2", "64x64 occupancy=4", "64x128 occupancy=2",
+                 "64x64 occupancy=2"]),
     (128, False, ["128x128 num_worker_warps=8", "128x64 num_worker_warps=8",
-                  "128x64 occupancy=2", "64x128 occupancy=2", "64x64 occupancy=2",
-                  "128x64 occupancy=1", "64x32 occupancy=2"]),
-    (256, False, ["128x64 num_worker_warps=8", "64x64 occupancy=2", "64x32 occupancy=2"]),
+                  "128x64 occupancy=2", "64x128 occupancy=2", "64x64 occupancy=2"]),
+    (256, False, ["128x64 num_worker_warps=8", "64x64 occupancy=2"]),
     (64, True, ["64x64 occupancy=2", "32x64 occupancy=2 dq=64x64",
                 "64x64 num_worker_warps=8 dq=128x32", "128x64 num_worker_warps=8",
                 "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8", "64x64"]),
