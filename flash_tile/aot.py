@@ -206,55 +206,71 @@ def _run_on_cubin(tool: str, args: list[str], cubin: bytes) -> str:
 # nvdisasm (13.4 and 13.5) stops at a NOP that tileiras 13.4 encodes with an extended-opcode
 # value its tables lack ("Opclass 'nop_', undefined value 0x10 for table 'TABLES_opex_1'"); seen
 # once, in the sm_90 dK/dV kernel at D=128 with a bool mask TMA reads. A NOP has no operands,
-# so the listing is taken with each such NOP written as the plain NOP: no count that
-# ``summarize`` takes changes. Anything else nvdisasm cannot read is raised as it is.
+# so the listing is taken with each such NOP written as the plain NOP (its scheduling bits
+# too), and says so in a first comment line: no count that ``summarize`` takes changes.
+# Anything else nvdisasm cannot read is raised as it is.
 _UNDECODABLE_NOP = re.compile(r"Opclass 'nop_', undefined value 0x[0-9a-f]+ for table "
-                              r"'\w+' at address (0x[0-9a-f]+)")
+                              r"'\w+' at address (0x[0-9a-f]+)", re.I)
 _NOP_OPCODE, _NOP_MASK = 0x918, 0xFFF
-_PLAIN_NOP = (0x7918).to_bytes(8, "little") + (0x000FC00000000000).to_bytes(8, "little")
+PLAIN_NOP = (0x7918).to_bytes(8, "little") + (0x000FC00000000000).to_bytes(8, "little")
 
 
 def disassemble(cubin: bytes) -> str:
     """The SASS listing of a cubin (cuobjdump -sass); see ``_UNDECODABLE_NOP``."""
+    rewritten = []
     while True:
         try:
-            return _run_on_cubin("cuobjdump", ["-sass"], cubin)
+            sass = _run_on_cubin("cuobjdump", ["-sass"], cubin)
         except RuntimeError as error:
-            cubin = _with_plain_nop(cubin, error)
+            cubin, address = _with_plain_nop(cubin, error)
+            rewritten.append(f"{address:#x}")
+            continue
+        if rewritten:
+            sass = (f"// flash_tile.aot: NOPs nvdisasm could not decode, listed as plain NOPs, "
+                    f"at {', '.join(rewritten)}\n{sass}")
+        return sass
 
 
-def _with_plain_nop(cubin: bytes, error: RuntimeError) -> bytes:
-    """``cubin`` with the NOP nvdisasm could not decode written plainly; ``error`` is raised
-    again unless it names such a NOP in a cubin of one kernel."""
+def _with_plain_nop(cubin: bytes, error: RuntimeError) -> tuple[bytes, int]:
+    """``cubin`` with the NOP nvdisasm could not decode written plainly, and its address;
+    ``error`` is raised again unless it names such a NOP, 16-byte aligned, in the code of a
+    cubin of one kernel."""
     found = _UNDECODABLE_NOP.search(str(error))
-    texts = _text_sections(cubin) if found else []
-    if len(texts) != 1:
+    texts = _text_sections(cubin) if found else None
+    if not texts or len(texts) != 1:
         raise error
-    at = texts[0] + int(found.group(1), 16)
-    if int.from_bytes(cubin[at:at + 8], "little") & _NOP_MASK != _NOP_OPCODE:
+    (text, size), address = texts[0], int(found.group(1), 16)
+    at = text + address
+    if (address % 16 or address + 16 > size
+            or int.from_bytes(cubin[at:at + 8], "little") & _NOP_MASK != _NOP_OPCODE
+            or cubin[at:at + 16] == PLAIN_NOP):  # nvdisasm rejects the plain NOP too
         raise error
-    if cubin[at:at + 16] == _PLAIN_NOP:  # nvdisasm rejects the plain NOP too: give up
-        raise error
-    return cubin[:at] + _PLAIN_NOP + cubin[at + 16:]
+    return cubin[:at] + PLAIN_NOP + cubin[at + 16:], address
 
 
-def _text_sections(cubin: bytes) -> list[int]:
-    """File offsets of an ELF64 cubin's ``.text.*`` sections, one per kernel."""
-    section_table, = struct.unpack_from("<Q", cubin, 0x28)
-    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+def _text_sections(cubin: bytes) -> list[tuple[int, int]] | None:
+    """(file offset, size) of each ``.text.*`` section (one per kernel) of a little-endian
+    ELF64 cubin; None for anything else, or a header that does not parse."""
+    if cubin[:6] != b"\x7fELF\x02\x01":
+        return None
+    try:
+        section_table, = struct.unpack_from("<Q", cubin, 0x28)
+        entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
 
-    def section(index):  # (name offset, file offset) of a section header
-        fields = struct.unpack_from("<IIQQQ", cubin, section_table + index * entry_size)
-        return fields[0], fields[4]
+        def section(index):  # (name offset, file offset, size) of a section header
+            fields = struct.unpack_from("<IIQQQQ", cubin, section_table + index * entry_size)
+            return fields[0], fields[4], fields[5]
 
-    names = section(names_index)[1]
-    offsets = []
-    for index in range(count):
-        name, offset = section(index)
-        start = names + name
-        if cubin[start:cubin.index(b"\0", start)].startswith(b".text."):
-            offsets.append(offset)
-    return offsets
+        names = section(names_index)[1]
+        found = []
+        for index in range(count):
+            name, offset, size = section(index)
+            start = names + name
+            if cubin[start:cubin.index(b"\0", start)].startswith(b".text."):
+                found.append((offset, size))
+        return found
+    except (struct.error, ValueError):
+        return None
 
 
 def disassemble_tile_ir(bytecode: bytes) -> str:

@@ -73,7 +73,7 @@ def tile_width(dim: int, least: int = 16) -> int:
     return max(least, 1 << max(dim - 1, 0).bit_length())
 
 
-# Hopper. D<=128: 128x128 with 8 worker warps, two consumer warp groups of 64 rows each (FA3's
+# Hopper, 64<D<=128: 128x128 with 8 worker warps, two consumer warp groups of 64 rows each (FA3's
 # split of a 128-row tile; 168 registers, no spills, 133 KB of shared memory at D=128). The
 # autotuner on the H200 [session 5, 2026-11-30, bf16 and fp16, cuda-tile 1.7.0 / tileiras
 # 13.4, B*L = 16k, H*D = 2048, three runs; every candidate's time in
@@ -98,9 +98,9 @@ SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 # and not]: 0.813-0.967x the time of SM90_TWO_GROUPS, the default until then, on every row.
 # More CTAs in flight overlap one CTA's softmax with another's wgmmas, the overlap tileiras
 # does not build inside a CTA (docs/kernel-internals.md). Four CTAs (64 registers) took
-# 0.772-0.953x but spill under a mask (32 LDL/STL; 141 with the score features), so that one
-# is a candidate. At D=128 the accumulator alone is 64 registers a thread and tileiras keeps
-# 128 whatever the hint: no third CTA fits there.
+# 0.772-0.953x but spill under a mask (32 LDL/STL; 141 with the score features; 2 under
+# dropout), so that one is a candidate. At D=128 the accumulator alone is 64 registers a
+# thread and tileiras keeps 128 whatever the hint: no third CTA fits there.
 SM90_THREE_CTAS = TileConfig(tile_m=64, tile_n=64, occupancy=3)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 SM90_WIDE = TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)
@@ -214,6 +214,7 @@ SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 # same run and stays a candidate. Unlike it, this tile compiles without spills at D=128 under
 # dropout, GQA 4 with dropout and the LSE's gradient, and a window with softcap, ALiBi and a
 # mask (sm_90 SASS, tileiras 13.4), so no feature class falls into local memory untuned.
+# Registered up to D=128, it is a D=64 candidate too, not timed there.
 SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
                                      dq_tile_n=64)
 _BACKWARD_DEFAULTS = {

@@ -132,21 +132,33 @@ def test_bool_masks_load_through_tma_only_as_uint8():
     assert as_uint8["local_memory"] == as_bool["local_memory"] == 0
 
 
-def test_disassemble_reads_past_a_nop_nvdisasm_cannot_decode():
+def test_disassemble_reads_past_a_nop_nvdisasm_cannot_decode(monkeypatch):
     """tileiras 13.4 once wrote a NOP whose extended-opcode field nvdisasm's tables lack (the
     sm_90 D=128 dK/dV kernel with a TMA-read bool mask, checked below). The same field set in
     a plain NOP of another kernel stops cuobjdump; ``disassemble`` still lists the kernel, with
-    the counts of the original."""
+    the counts of the original, and says which NOP it rewrote. Any other failure is raised,
+    and so is the same complaint about a NOP already plain (no endless retry)."""
     cubin = aot.compile_forward("sm_90", "bfloat16", 64, causal=False, even_n=True)
-    text, = aot._text_sections(cubin)
-    plain = (0x7918).to_bytes(8, "little") + (0x000FC00000000000).to_bytes(8, "little")
-    at = cubin.index(plain, text)
+    (text, size), = aot._text_sections(cubin)
+    at = cubin.index(aot.PLAIN_NOP, text)
+    assert (at - text) % 16 == 0 and at + 16 <= text + size
     odd = cubin[:at + 8] + (0x000FE00000000000).to_bytes(8, "little") + cubin[at + 16:]
     with pytest.raises(RuntimeError, match="Opclass 'nop_', undefined value"):
         aot._run_on_cubin("cuobjdump", ["-sass"], odd)
-    assert _summary(odd) == _summary(cubin)
-    with pytest.raises(RuntimeError, match="cuobjdump failed"):  # anything else is raised
+    listing = aot.disassemble(odd)
+    assert listing.startswith("// flash_tile.aot: NOPs nvdisasm could not decode")
+    assert f"{at - text:#x}" in listing.splitlines()[0]
+    assert aot.summarize(listing) == _summary(cubin)
+    with pytest.raises(RuntimeError, match="cuobjdump failed"):
         aot.disassemble(b"not a cubin")
+
+    def always(tool, args, data):
+        raise RuntimeError(f"cuobjdump failed: nvdisasm error   : Opclass 'nop_', undefined "
+                           f"value 0x10 for table 'TABLES_opex_1' at address {at - text:#x}")
+
+    monkeypatch.setattr(aot, "_run_on_cubin", always)
+    with pytest.raises(RuntimeError, match="undefined value"):
+        aot.disassemble(cubin)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
@@ -297,9 +309,9 @@ def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
 @pytest.mark.parametrize("name", ["bf16-d64-gqa4-dropout-lse-grad",
                                   "bf16-d64-window-softcap-alibi-mask"])
 def test_sm90_d128_backward_default_keeps_registers_under_features(name):
-    """The D=128 backward default was chosen over a faster tile (64x64 o2) because it does not
-    spill under the score features (variants.py): the matrix above compiles D=128 with dropout,
-    this compiles its two D=64 feature instances at D=128 on the D=128 default."""
+    """The D=128 backward default was chosen over a faster tile (64x64 o2, which spills 108
+    LDL/STL under dropout there) because it spills under no feature (variants.py): the matrix
+    above compiles D=128 with dropout, this its two D=64 feature instances at D=128."""
     config = variants.default_backward_config((9, 0), 128)
     assert config == variants.SM90_BACKWARD_O2_NARROW
     kw = dict(BACKWARD_VARIANTS[name], head_dim=128)
