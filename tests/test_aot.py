@@ -320,6 +320,23 @@ def test_sm90_d128_backward_default_keeps_registers_under_features(name):
         assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, (kernel, summary)
 
 
+@pytest.mark.parametrize("features", [
+    dict(causal=True, dropout=True),
+    dict(causal=True, attn_mask="bool"),
+    dict(causal=False, window=(200, 150), softcap=True, alibi=True, attn_mask="bool"),
+], ids=["dropout", "bool-mask", "window-softcap-alibi-mask"])
+def test_sm90_d64_forward_default_fits_three_ctas_under_features(features):
+    """The D<=64 forward default is 64x64 with three CTAs per SM, chosen over four (faster on
+    plain rows) because it spills under no feature (variants.py). Its registers must stay
+    below the two-CTA tiles' 128, or the hint took no effect."""
+    config = variants.default_config((9, 0), 64)
+    assert config == variants.SM90_THREE_CTAS
+    cubin = aot.compile_forward("sm_90", "bfloat16", 64, config=config, **features)
+    summary = _summary(cubin)
+    assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, summary
+    assert aot.resource_usage(cubin)["registers"] < 128
+
+
 def test_forward_schedule_fields_reach_the_machine_code():
     """The load latency hints are compile-time constants that change the sm_90 forward's SASS:
     latency 1/1 pipelines the K-loop deeper than 2/4, and 2/4 deeper than 8/8 (more HGMMA
