@@ -237,7 +237,9 @@ def default_backward_config(capability: tuple[int, int], head_dim: int = 128) ->
 # one entry here: tests/test_aot.py compiles every entry for the family's architectures.
 _FORWARD_CANDIDATES = {
     # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
-    # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet.
+    # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet. More CTAs
+    # per SM, the H200's D=64 lever, spill here: 64x64 with occupancy 2, 3 and 4 spills 24,
+    # 493 and 234 LDL/STL at D=64, causal (session 11).
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
     # Beside the defaults [H200, sessions 5 and 6, as above]: 128x64 o2 wins D=64 at L 1k/2k;
     # 64x64 o2 was the D=128 default until session 5. SM90_WIDE (no spills at D=64/128/256,
@@ -295,11 +297,23 @@ _FORWARD_CANDIDATES = {
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
              (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
              (256, TileConfig(tile_m=64, tile_n=64, occupancy=2))),
+    # Three and four CTAs per SM at D<=64, as won on the H200 (session 11, above): on sm_100
+    # 64x64 o3 and o4 compile to 80 and 64 registers with no spills (the default: 255
+    # registers, 141 KB of shared memory); under a window, softcap, ALiBi and a mask tileiras
+    # keeps 128 and two CTAs' worth, still without spills [tileiras 13.4 SASS, 2026-12-01;
+    # not yet timed on such a GPU].
     (10, 0): ((256, SM100_DEFAULT),
               (256, TileConfig(tile_m=128, tile_n=64)),
-              (128, TileConfig(tile_m=128, tile_n=128))),
+              (128, TileConfig(tile_m=128, tile_n=128)),
+              (64, TileConfig(tile_m=64, tile_n=64, occupancy=3)),
+              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4))),
+    # sm_120 at D<=64: 64x64 with two CTAs per SM (128 registers) spills nowhere, under the
+    # score features either, where the default (255 registers) spills 127 LDL/STL under them;
+    # three or four CTAs spill 12-157 [tileiras 13.4 SASS, 2026-12-01; not yet timed on such a
+    # GPU].
     (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE),
-              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8))),
+              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)),
+              (64, TileConfig(tile_m=64, tile_n=64, occupancy=2))),
 }
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
