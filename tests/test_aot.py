@@ -243,6 +243,9 @@ def _name(arch, head_dim, config):
 
 
 FORWARD_REGISTERED, BACKWARD_REGISTERED = _registered(False), _registered(True)
+# Every score feature of the forward at once: a two-sided window, softcap, ALiBi, a bool mask.
+EVERY_SCORE_FEATURE = dict(causal=False, window=(200, 150), softcap=True, alibi=True,
+                           attn_mask="bool")
 
 
 @pytest.mark.parametrize("arch,head_dim,config", FORWARD_REGISTERED,
@@ -266,11 +269,11 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     tests/test_gpu_variants.py runs them on a GPU. Spills are allowed here: under all of
     them several tiles spill (in session 6, 6 of the 18 then registered: three sm_90
     candidates, sm_100's 128x128 and both sm_120 tiles at D<=128, its default among them, as
-    KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered later, spills 2455
-    LDL/STL), and the tuner times them like any other. 64x128 at D=256 failed to compile this
+    KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered in session 9 and
+    dropped in session 11, spilled 2455 LDL/STL), and the tuner times them like any other. 64x128 at D=256 failed to compile this
     way (tileiras 13.4, return code 5) and was dropped."""
-    cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=False, window=(200, 150),
-                                softcap=True, alibi=True, attn_mask="bool", config=config)
+    cubin = aot.compile_forward(arch, "bfloat16", head_dim, config=config,
+                                **EVERY_SCORE_FEATURE)
     summary = _summary(cubin)
     assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
 
@@ -323,7 +326,7 @@ def test_sm90_d128_backward_default_keeps_registers_under_features(name):
 @pytest.mark.parametrize("features", [
     dict(causal=True, dropout=True),
     dict(causal=True, attn_mask="bool"),
-    dict(causal=False, window=(200, 150), softcap=True, alibi=True, attn_mask="bool"),
+    EVERY_SCORE_FEATURE,
 ], ids=["dropout", "bool-mask", "window-softcap-alibi-mask"])
 def test_sm90_d64_forward_default_fits_three_ctas_under_features(features):
     """The D<=64 forward default is 64x64 with three CTAs per SM, chosen over four (faster on
