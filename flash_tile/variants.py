@@ -217,6 +217,16 @@ SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 # Registered up to D=128, it is a D=64 candidate too, not timed there.
 SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
                                      dq_tile_n=64)
+# dK/dV stepping 128 queries over its 64 keys, dQ on 64x64, two CTAs per SM: the shape TileGym
+# 1.5.1's tuner took for its dK/dV at D=64 (its backward ran 1.0-1.28x flash_tile's fp16 rate
+# there, session 12). [H200, session 12, 2026-12-01, bf16, bench_variants.py --backward, L
+# 1k/4k/16k, causal and not]: 0.906-0.988x the time of SM90_BACKWARD_O2 on every row. Its dK/dV
+# spills 26-52 LDL/STL plain (576 under dropout, 998 with a window, softcap, ALiBi and a mask;
+# sm_90 SASS, tileiras 13.4), so it is a D<=64 candidate, which the tuner times per feature
+# class, and not the default. In the same run dQ on 64x128 (TileGym's dQ shape) took
+# 1.005-1.039x, and at D=128 dQ on 64x32 1.013-1.156x: neither registered.
+SM90_BACKWARD_O2_Q128 = TileConfig(tile_m=128, tile_n=64, occupancy=2, dq_tile_m=64,
+                                   dq_tile_n=64)
 _BACKWARD_DEFAULTS = {
     (8, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
     (9, 0): ((64, SM90_BACKWARD_O2),
@@ -320,9 +330,10 @@ _BACKWARD_CANDIDATES = {
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
     # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128, SM90_BACKWARD at D<=128 and 128x64
     # nww8, the D=128 default of sessions 3-10, which won the dropout classes in session 7 (above);
-    # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control. Not registered: dK/dV
-    # stepping 128 query rows at D=64 (within 1.5% of 64 kernel-alone, session 7; spills 12
-    # LDL/STL); 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
+    # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control; SM90_BACKWARD_O2_Q128
+    # at D<=64 (dK/dV stepping 128 query rows: within 1.5% of 64 kernel-alone with 8 worker
+    # warps in session 7, 1-9% ahead with two CTAs per SM in session 12). Not registered:
+    # 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
     # registered [H200, bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the
     # time of the default) and clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch
     # fails with a misaligned-address fault, which ends the process's CUDA context). Timed in
@@ -330,6 +341,7 @@ _BACKWARD_CANDIDATES = {
     # registers (no spills; 64x64 for both spills 116 in dK/dV), 0.999-1.08x the time of the
     # default.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
+             (64, SM90_BACKWARD_O2_Q128),
              (128, SM90_BACKWARD_O2),
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, SM90_BACKWARD),
