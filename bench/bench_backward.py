@@ -19,6 +19,7 @@ Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s).
 
 import argparse
 import functools
+import json
 import os
 
 import torch
@@ -241,6 +242,21 @@ def table(rows, memory):
     return "\n".join(parts)
 
 
+def write_results(out, info, rows, memory, dropout, label):
+    """<out>.md (the tables, under a title naming ``label``, the dtype) and <out>.png
+    (backward-only TFLOP/s, when the grid has rows) from what a run measured; returns the
+    report."""
+    report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
+    left_out = sorted({name for r in rows + memory for name, why in r["skipped"].items()
+                       if "--skip" in why})
+    if left_out:
+        report += f"\n\nLeft out (--skip): {', '.join(left_out)}."
+    if rows:
+        plot(rows, out + ".png", "bwd_tflops", "backward-only TFLOP/s")
+    return write_report(out, f"Forward+backward and backward-only TFLOP/s ({label})", info,
+                        report)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -256,7 +272,21 @@ def main():
                         choices=["tilegym", "naive", "sdpa_flash", "sdpa_efficient"],
                         help="baselines to leave out (TileGym autotunes on every call)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="redraw <out>.md and <out>.png (results copied to <out>.json) from "
+                             "a results file, such as one a run cut short left; no GPU needed")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        sections = {name: saved.get(name, []) for name in ("rows", "memory", "dropout")}
+        save_json(args.out, saved["machine"], **sections)
+        names = {str(torch_dtype).removeprefix("torch."): name
+                 for name, torch_dtype in DTYPES.items()}
+        label = ", ".join(sorted({names[r["dtype"]] for r in saved["rows"]})) or args.dtype
+        print(write_results(args.out, saved["machine"], **sections, label=label))
+        return
     dtype = DTYPES[args.dtype]
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -285,14 +315,7 @@ def main():
             dropout.append(dropout_row(4096, head_dim, dropout_p, dtype))
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
             save()
-    report = table(rows, memory) + (dropout_table(dropout) if dropout else "")
-    if args.skip:
-        report += f"\n\nLeft out (--skip): {', '.join(args.skip)}."
-    if rows:
-        plot(rows, args.out + ".png", "bwd_tflops", "backward-only TFLOP/s")
-    print(write_report(args.out, f"Forward+backward and backward-only TFLOP/s ({args.dtype})",
-                       info, report))
-
+    print(write_results(args.out, info, rows, memory, dropout, args.dtype))
 
 if __name__ == "__main__":
     main()

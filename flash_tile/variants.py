@@ -302,6 +302,15 @@ _FORWARD_CANDIDATES = {
     # best there, behind 64x64 o4 in all 20 D=64 classes; 128x64 o1 and 64x32 o2, which never
     # won in any session (here 39-83% and 27-92% behind the best). Each candidate costs a
     # compile and a timing on a class's first call.
+    # Tried and dropped in session 12 [H200, bf16, bench_variants.py, L 1k/4k/16k, causal and
+    # not; bench/results/variants-h200-session12-fwd-persistent-*]: a persistent grid (as many
+    # programs as CTAs fit, each walking (query tile, head, batch) in the launch order,
+    # striding by the grid; no spills, and six more CTA-wide barriers in the sm_90 SASS).
+    # Against the same tile launched per query tile it took 1.01-1.58x at D=64 (64x64 o3 and
+    # o4), 1.02-1.44x on 64x128 o2 at D=128 and 1.01-1.87x at D=256; only 128x128 nww8 at
+    # D=128 gained, 0.97-0.98x non-causal (1.05-1.60x causal), and that tile stays behind
+    # 64x128 o2. The hardware starts the next program as soon as an SM has room, which a
+    # static stride cannot match under causal's uneven tiles.
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),

@@ -271,8 +271,9 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     them several tiles spill (in session 6, 6 of the 18 then registered: three sm_90
     candidates, sm_100's 128x128 and both sm_120 tiles at D<=128, its default among them, as
     KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered in session 9 and
-    dropped in session 11, spilled 2455 LDL/STL), and the tuner times them like any other. 64x128 at D=256 failed to compile this
-    way (tileiras 13.4, return code 5) and was dropped."""
+    dropped in session 11, spilled 2455 LDL/STL), and the tuner times them like any other.
+    64x128 at D=256 failed to compile this way (tileiras 13.4, return code 5) and was
+    dropped."""
     cubin = aot.compile_forward(arch, "bfloat16", head_dim, config=config,
                                 **EVERY_SCORE_FEATURE)
     summary = _summary(cubin)
