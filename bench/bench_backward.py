@@ -270,7 +270,8 @@ def main():
                              "--head-dims)")
     parser.add_argument("--skip", nargs="*", default=[],
                         choices=["tilegym", "naive", "sdpa_flash", "sdpa_efficient"],
-                        help="baselines to leave out (TileGym autotunes on every call)")
+                        help="baselines to leave out (TileGym tunes its backward kernels on "
+                             "each new shape: minutes per row)")
     parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
     parser.add_argument("--replot", metavar="JSON",
                         help="redraw <out>.md and <out>.png (results copied to <out>.json) from "
