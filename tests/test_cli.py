@@ -48,6 +48,27 @@ def test_bench_runs_the_source_tree_scripts(tmp_path):
     assert (tmp_path / "replot.png").stat().st_size > 10_000
 
 
+def test_bench_backward_replots_a_run_cut_short(tmp_path):
+    """`flash-tile bench backward --replot` writes the tables and plot of a results file (a run
+    stopped by its time limit leaves only the JSON), with the dtype and the left-out baselines
+    read from its rows."""
+    import json
+    import pathlib
+
+    results = (pathlib.Path(__file__).parent.parent / "bench" / "results" /
+               "backward-h200-fp16-session12-tilegym.json")
+    out = tmp_path / "replot"
+    assert main(["bench", "backward", "--replot", str(results), "--out", str(out)]) == 0
+    table = (tmp_path / "replot.md").read_text()
+    assert table.startswith("Forward+backward and backward-only TFLOP/s (fp16) on NVIDIA H200")
+    assert "| 1 | 32 | 16384 | 64 | yes | 339.2 | 425.9 | 277.6 | - | 125.0 |" in table
+    assert "| 16384 | 64 | no | 16.3461 | 12.1602 | 19.3128 | 0.74x | 64x64 occupancy=2 |" in table
+    assert table.rstrip().endswith("Left out (--skip): naive, sdpa_efficient.")
+    assert json.loads((tmp_path / "replot.json").read_text())["rows"] == \
+        json.loads(results.read_text())["rows"]
+    assert (tmp_path / "replot.png").stat().st_size > 10_000
+
+
 def test_every_bench_suite_names_a_script_of_the_source_tree():
     import pathlib
 
