@@ -14,7 +14,9 @@ and SDPA's cuDNN and FLASH backends, in interleaved rounds.
 
     python bench/bench_backward.py --out bench/out/backward
 
-Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s).
+Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s); the JSON after
+every row, so that a run cut short keeps what it measured, and ``--replot JSON`` writes the
+tables and plot of such a file without a GPU.
 """
 
 import argparse
@@ -317,6 +319,7 @@ def main():
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
             save()
     print(write_results(args.out, info, rows, memory, dropout, args.dtype))
+
 
 if __name__ == "__main__":
     main()
