@@ -214,7 +214,9 @@ SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
 # same run and stays a candidate. Unlike it, this tile compiles without spills at D=128 under
 # dropout, GQA 4 with dropout and the LSE's gradient, and a window with softcap, ALiBi and a
 # mask (sm_90 SASS, tileiras 13.4), so no feature class falls into local memory untuned.
-# Registered up to D=128, it is a D=64 candidate too, not timed there.
+# Registered up to D=128, it is a D=64 candidate too; the tuner's own timings there (session
+# 12's fp16 backward grid, bench/results/backward-h200-fp16-session12*.json) put it at
+# 1.19-1.39x the time of the D<=64 default on every row.
 SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
                                      dq_tile_n=64)
 # dK/dV stepping 128 queries over its 64 keys, dQ on 64x64, two CTAs per SM: the shape TileGym

@@ -315,8 +315,9 @@ def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
                                   "bf16-d64-window-softcap-alibi-mask"])
 def test_sm90_d128_backward_default_keeps_registers_under_features(name):
     """The D=128 backward default was chosen over a faster tile (64x64 o2, which spills 108
-    LDL/STL under dropout there) because it spills under no feature (variants.py): the matrix
-    above compiles D=128 with dropout, this its two D=64 feature instances at D=128."""
+    LDL/STL under dropout there) because it spills under no feature (variants.py). The matrix
+    above compiles it at D=128 with dropout; this test compiles BACKWARD_VARIANTS' two D=64
+    feature instances at D=128."""
     config = variants.default_backward_config((9, 0), 128)
     assert config == variants.SM90_BACKWARD_O2_NARROW
     kw = dict(BACKWARD_VARIANTS[name], head_dim=128)
