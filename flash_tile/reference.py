@@ -246,9 +246,12 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return torch.exp2(s - lse_log2[:, :, rows, None]), dscore
 
     def dx(p, dscore, rows, cols):
-        """dS * ds/dx: the gradient of the raw products q.k of one tile pair."""
+        """dS * ds/dx, the gradient of the raw products q.k of one tile pair, under softcap;
+        else dS, ds/dx being the scale, which dQ and dK take once at the end, as the
+        kernels do."""
         dp = dropped(dout[:, :, rows] @ v[:, :, cols].transpose(-1, -2), rows, cols)
-        return p * (dp - delta[:, :, rows, None]) * dscore
+        ds = p * (dp - delta[:, :, rows, None])
+        return ds * dscore if softcap > 0.0 else ds
 
     for n_start in range(0, k_len, tile_n):  # dK/dV: one key tile, its query tiles
         i_start, i_inner, i_outer, i_end = q_tile_runs(n_start, tile_n, tile_m, q_len,
@@ -268,6 +271,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cols = slice(j * dq_n, (j + 1) * dq_n)
             p, dscore = probs(rows, cols, not n_inner <= j < n_outer)
             dq[:, :, rows] += dx(p, dscore, rows, cols) @ k[:, :, cols]
+    if softcap == 0.0:
+        dq, dk = dq * scale, dk * scale
     # Each key/value head's gradient is the sum over the query heads of its group.
     kv_shape = (batch, heads // group, group, k_len)
     return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)

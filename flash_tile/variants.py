@@ -221,11 +221,13 @@ SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_
                                      dq_tile_n=64)
 # dK/dV stepping 128 queries over its 64 keys, dQ on 64x64, two CTAs per SM: the shape TileGym
 # 1.5.1's tuner took for its dK/dV at D=64 (its backward ran 1.05-1.29x flash_tile's fp16 rate
-# there on every row but 1k causal, session 12). [H200, session 12, 2026-12-01, bf16, bench_variants.py --backward, L
-# 1k/4k/16k, causal and not]: 0.906-0.988x the time of SM90_BACKWARD_O2 on every row. Its dK/dV
-# spills 26-52 LDL/STL plain (576 under dropout, 998 with a window, softcap, ALiBi and a mask;
-# sm_90 SASS, tileiras 13.4), so it is a D<=64 candidate, which the tuner times per feature
-# class, and not the default. In the same run dQ on 64x128 (TileGym's dQ shape) took
+# there on every row but 1k causal, session 12). [H200, session 12, 2026-12-01, bf16,
+# bench_variants.py --backward, L 1k/4k/16k, causal and not]: 0.906-0.988x the time of
+# SM90_BACKWARD_O2 on every row; with the scale applied once (session 13, both kernels so
+# changed, same rows) 0.906-0.980x. Its dK/dV spills 23-35 LDL/STL plain (584 under dropout,
+# 998 with a window, softcap, ALiBi and a mask; sm_90 SASS, tileiras 13.4; 26-52 plain before
+# session 13), so it is a D<=64 candidate, which the tuner times per feature class, and not
+# the default. In the same run dQ on 64x128 (TileGym's dQ shape) took
 # 1.005-1.039x, and at D=128 dQ on 64x32 1.013-1.156x: neither registered.
 SM90_BACKWARD_O2_Q128 = TileConfig(tile_m=128, tile_n=64, occupancy=2, dq_tile_m=64,
                                    dq_tile_n=64)
@@ -311,8 +313,9 @@ _FORWARD_CANDIDATES = {
     # Against the same tile launched per query tile it took 1.01-1.58x at D=64 (64x64 o3 and
     # o4), 1.02-1.44x on 64x128 o2 at D=128 and 1.01-1.87x at D=256; only the 8-worker-warp
     # tiles at D=128 gained anywhere (128x128 nww8 0.97-0.98x non-causal, 1.05-1.60x causal;
-    # 64x128 o2 nww8 0.99x at 1k non-causal), and both stay behind 64x128 o2. The hardware starts the next program as soon as an SM has room, which a
-    # static stride cannot match under causal's uneven tiles.
+    # 64x128 o2 nww8 0.99x at 1k non-causal), and both stay behind 64x128 o2. The hardware
+    # starts the next program as soon as an SM has room, which a static stride cannot match
+    # under causal's uneven tiles.
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),

@@ -196,10 +196,10 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
 
     Returns (s, factor, dscore), the scores being s * factor. Under DEFER_SCALE plain scores
     (no softcap, ALiBi or additive mask) come back unscaled with factor = scale * log2(e): the
-    forward applies it after its row max, one multiply a row (the scale is positive);
-    otherwise factor is 1. ``dscore`` is ds/dx, the derivative of a score with respect to its
-    raw product q.k, which the backward needs: scale * (1 - tanh^2) under SOFTCAP, else the
-    scale.
+    forward applies it after its row max, one multiply a row (the scale is positive), and
+    the backward in the same expression as the LSE; otherwise factor is 1. ``dscore`` is
+    ds/dx, the derivative of a score with respect to its raw product q.k, which the backward
+    needs: scale * (1 - tanh^2) under SOFTCAP, else the scale.
     """
     batch, head, offs_q, slope, _ = rows
     _, qk_scale, softcap, diag_offset, _, _ = band

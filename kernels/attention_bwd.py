@@ -14,9 +14,11 @@ and dLSE is the gradient reaching the returned LSE (zero unless the caller diffe
 through it): d lse_i / d s_ij = p_ij, so it enters dS only as a shift of Delta. Here
 ds/dx = scale for plain scores and scale * (1 - t_ij^2) with t_ij = tanh(scale x_ij /
 softcap) under SOFTCAP; ALiBi and an additive mask do not depend on q or k, so they only shift
-s. P is recomputed per tile in log2 units as exp2(s' - lse * log2(e)); the forward's +inf LSE
-of rows that see no key makes their P exactly 0. Under DROPOUT (FA2's form) the forward's keep
-bits z_ij are recomputed from the same hash (``_tiles.dropout_keep``), r = 1 / (1 - p_drop):
+s. Where ds/dx is the scale for every score (no SOFTCAP) the steps sum dS, and dQ and dK are
+scaled once before their stores: a multiply per output, not per score. P is recomputed per
+tile in log2 units as exp2(s' - lse * log2(e)); the forward's +inf LSE of rows that see no key
+makes their P exactly 0. Under DROPOUT (FA2's form) the forward's keep bits z_ij are
+recomputed from the same hash (``_tiles.dropout_keep``), r = 1 / (1 - p_drop):
 dV_j = sum_i r z_ij p_ij dO_i and dS_ij = p_ij (r z_ij dO_i . v_j - Delta_i), Delta from the
 dropped output as always.
 
@@ -46,8 +48,8 @@ Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Ou
 
 import cuda.tile as ct
 
-from ._tiles import (LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
-                     load_rows, log2_scores, query_rows, tile_runs)
+from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep,
+                     heaviest_first, load_rows, log2_scores, query_rows, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -55,9 +57,17 @@ POS_INF = ct.PaddingMode.POS_INF
 
 def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
            TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool):
-    """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed."""
-    s, _, dscore = log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q, TILE_K,
-                               MASKED, FEATURES, TRANSPOSED, False)
+    """P (or P^T) from the raw products ``s`` and ds/dx; the forward's scores, recomputed.
+
+    Plain scores (no softcap, ALiBi or additive mask) come back from ``log2_scores`` unscaled
+    so that the scale and the LSE meet in one expression, which tileiras turns into one FFMA
+    a score; in two statements it kept an FMUL and an FADD [sm_90 SASS, tileiras 13.4]."""
+    _, _, _, SOFTCAP, ALIBI, ATTN_MASK, _ = FEATURES
+    PLAIN = not SOFTCAP and not ALIBI and ATTN_MASK != ADDITIVE_MASK
+    s, factor, dscore = log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q,
+                                    TILE_K, MASKED, FEATURES, TRANSPOSED, PLAIN)
+    if PLAIN:
+        return ct.exp2(s * factor - lse_log2, flush_to_zero=True), dscore
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
@@ -98,7 +108,9 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, 
         pz_t = ct.where(keep_t, p_t * drop[2], 0.0)
         dp_t = ct.where(keep_t, dp_t * drop[2], 0.0)
     dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
-    dx_t = p_t * (dp_t - delta.reshape((1, TILE_M))) * dscore  # [TILE_N, TILE_M]
+    dx_t = p_t * (dp_t - delta.reshape((1, TILE_M)))  # [TILE_N, TILE_M]
+    if FEATURES[3]:  # SOFTCAP: ds/dx varies per score; else it is the scale, applied to dK
+        dx_t = dx_t * dscore
     dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
     return dk, dv
 
@@ -175,6 +187,8 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
         for g in range(GROUP):
             dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g,
                                 runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, 1)
+    if not SOFTCAP:  # ds/dx is the scale for every score: once here, not per score
+        dk = dk * qk_scale
     ct.store(dK, index=(batch, kv_head, tile_n, 0),
              tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
     ct.store(dV, index=(batch, kv_head, tile_n, 0),
@@ -196,7 +210,9 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, b
     if FEATURES[6]:  # DROPOUT: dP of the dropped P; dS keeps the undropped P
         keep = dropout_keep(rows[4], offs_k, drop[1])  # [TILE_M, TILE_N]
         dp = ct.where(keep, dp * drop[2], 0.0)
-    dx = p * (dp - delta) * dscore  # [TILE_M, TILE_N]
+    dx = p * (dp - delta)  # [TILE_M, TILE_N]
+    if FEATURES[3]:  # SOFTCAP: ds/dx varies per score; else it is the scale, applied to dQ
+        dx = dx * dscore
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
@@ -238,6 +254,8 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, s
     for j in range(n_outer, n_end):
         dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
                       drop, TILES, True, FEATURES)
+    if not SOFTCAP:  # ds/dx is the scale for every score: once here, not per score
+        dq = dq * qk_scale
     ct.store(dQ, index=(batch, head, tile_m, 0),
              tile=dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)))
 
