@@ -344,7 +344,7 @@ _BACKWARD_CANDIDATES = {
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
     # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128, SM90_BACKWARD at D<=128 and 128x64
     # nww8, the D=128 default of sessions 3-10, which won the dropout classes in session 7 (above);
-    # 64x64 (43-66% slower at D=128 on the H200, session 5) as a control; SM90_BACKWARD_O2_Q128
+    # SM90_BACKWARD_O2_Q128
     # at D<=64 (dK/dV stepping 128 query rows: within 1.5% of 64 kernel-alone with 8 worker
     # warps in session 7, 1-9% ahead with two CTAs per SM in session 12). Not registered:
     # 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
@@ -353,14 +353,17 @@ _BACKWARD_CANDIDATES = {
     # fails with a misaligned-address fault, which ends the process's CUDA context). Timed in
     # session 11: three CTAs per SM at D=64, dK/dV stepping 32 queries and dQ on 64x64 at 80
     # registers (no spills; 64x64 for both spills 116 in dK/dV), 0.999-1.08x the time of the
-    # default.
+    # default. Dropped in session 13: 64x64 with no hint, a control since session 5. In the
+    # tuner's 38 timings of it in sessions 12 and 13 (24 plain classes: bf16 and fp16, D 64/128,
+    # L 1k-16k, causal and not; the "variant_ms" of bench/results/backward-h200-*-session1[23]
+    # *.json) it was never the fastest, at 1.19-1.70x the best; each candidate costs two
+    # compiles and a timing on a class's first call.
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (64, SM90_BACKWARD_O2_Q128),
              (128, SM90_BACKWARD_O2),
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, SM90_BACKWARD),
-             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
-             (128, TileConfig(tile_m=64, tile_n=64))),
+             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],

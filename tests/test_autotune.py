@@ -244,10 +244,10 @@ def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head
     (64, True, ["64x64 occupancy=2", "32x64 occupancy=2 dq=64x64",
                 "64x64 num_worker_warps=8 dq=128x32", "128x64 occupancy=2 dq=64x64",
                 "128x64 num_worker_warps=8",
-                "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8", "64x64"]),
+                "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8"]),
     (128, True, ["32x64 occupancy=2 dq=64x64", "64x64 num_worker_warps=8 dq=128x32",
                  "64x64 occupancy=2", "128x64 num_worker_warps=8",
-                 "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8", "64x64"]),
+                 "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8"]),
     (256, True, ["64x64 num_worker_warps=8 dq=128x32", "64x64 num_worker_warps=8"]),
 ])
 def test_sm90_candidates_are_those_registered_for_the_head_dim(head_dim, backward, expected):
