@@ -12,18 +12,88 @@ grid (bf16 unless ``--dtype`` says otherwise):
 A config's fields are laid over the default variant of the row's head dim, so
 ``{"dq_tile_m": 64}`` is the default with 64-row dQ programs. Writes <out>.json and <out>.md:
 per row, each variant's median ms (or why it was rejected) and its time over the default's.
+
+A change to the kernels' source is timed against the source before it with ``--baseline
+DIR``, DIR holding that other ``kernels/`` (``git archive REV kernels | tar -x -C /tmp/base``
+gives /tmp/base/kernels). Each variant (``{}`` is the default itself) then runs with this
+tree's kernels and with DIR's, loaded side by side in one process and timed in the same
+interleaved rounds; the table gives both times, their ratio and the largest difference of
+their outputs:
+
+    python bench/bench_variants.py --backward --configs '{}' --baseline /tmp/base/kernels
 """
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
+import sys
 
 import torch
 
-from flash_tile import _ops, autotune, variants
-from flash_tile._timing import DTYPES, GRID_LENGTHS, grid_shape
+from flash_tile import _launch, _ops, autotune, variants
+from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, interleaved_ms
 from bench_attention import machine_info, md_table, save_json, write_report
+
+# The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
+KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attention_bwd_dkdv")
+# --baseline's timing: interleaved rounds, each the median of ITERS launches after WARMUP.
+ROUNDS, WARMUP, ITERS = 5, 3, 10
+
+
+def load_kernels(directory: str) -> dict:
+    """The entry points of another ``kernels/`` directory, loaded as a package of its own (its
+    own ``_tiles`` included) beside ``flash_tile.kernels``."""
+    name = "flash_tile_baseline_kernels"
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]  # a directory loaded before: its modules must not be reused
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(directory, "__init__.py"), submodule_search_locations=[directory])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    modules = [importlib.import_module(f"{name}.{m}") for m in ("attention_fwd", "attention_bwd")]
+    return {k: getattr(m, k) for m in modules for k in KERNELS if hasattr(m, k)}
+
+
+@contextlib.contextmanager
+def launching(kernels: dict):
+    """``_launch`` launches ``kernels`` (entry point name -> kernel) inside the block."""
+    saved = {name: getattr(_launch, name) for name in kernels}
+
+    def swap(chosen):
+        for name, kernel in chosen.items():
+            setattr(_launch, name, kernel)
+        _launch.hinted_kernel.cache_clear()  # its caches hold the kernels it last built from
+        _launch.hinted_backward_kernels.cache_clear()
+    swap(kernels)
+    try:
+        yield
+    finally:
+        swap(saved)
+
+
+def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
+    """({name: ms} with this tree's kernels and DIR's (" (baseline)" names), {name: the largest
+    |difference| of the two's outputs}) for each config, timed in interleaved rounds."""
+    def with_baseline(config):
+        with launching(baseline):
+            return run(config)
+    fns, diffs = {}, {}
+    for config in configs:
+        name = autotune.describe(config)
+        ours, theirs = run(config), with_baseline(config)
+        diffs[name] = max((a.float() - b.float()).abs().max().item()
+                          for a, b in zip(ours, theirs))
+        fns[name] = lambda config=config: run(config)
+        fns[f"{name} (baseline)"] = lambda config=config: with_baseline(config)
+    timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
+    for ms in timed.values():
+        if isinstance(ms, Exception):  # both ran once above: a failure here is news
+            raise ms
+    return {name: round(ms, 4) for name, ms in timed.items()}, diffs
 
 
 def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
@@ -50,6 +120,8 @@ def main():
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="another kernels/ directory to time each variant against")
     args = parser.parse_args()
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
     overlays = [json.loads(c) for c in args.configs]
@@ -57,40 +129,60 @@ def main():
     pick = variants.default_backward_config if args.backward else variants.default_config
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
+    baseline = load_kernels(args.baseline) if args.baseline else None
     rows = []
     for head_dim in args.head_dims:
         default = pick(capability, head_dim)
-        configs = [default, *(dataclasses.replace(default, **o) for o in overlays)]
+        laid = [dataclasses.replace(default, **o) for o in overlays]
+        configs = laid if baseline else [default, *laid]
         for length in args.lengths:
             for causal in causals:
                 batch, heads = grid_shape(length, head_dim)
                 run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
                              args.backward)
-                _, results = autotune.tune(configs, run)
-                base = results[autotune.describe(default)]
-                rows.append({"dtype": args.dtype, "head_dim": head_dim, "length": length,
-                             "causal": causal,
-                             "variants": [autotune.describe(c) for c in configs],
-                             "ms": results,
-                             "ratio": {name: round(ms / base, 3) for name, ms in results.items()
-                                       if isinstance(ms, float)}})
-                print(rows[-1], flush=True)
+                row = {"dtype": args.dtype, "head_dim": head_dim, "length": length,
+                       "causal": causal, "variants": [autotune.describe(c) for c in configs]}
+                if baseline:
+                    row["ms"], row["max_diff"] = against_baseline(configs, run, baseline)
+                    row["ratio"] = {n: round(row["ms"][n] / row["ms"][f"{n} (baseline)"], 3)
+                                    for n in row["variants"]}
+                else:
+                    _, row["ms"] = autotune.tune(configs, run)
+                    base = row["ms"][autotune.describe(default)]
+                    row["ratio"] = {n: round(ms / base, 3) for n, ms in row["ms"].items()
+                                    if isinstance(ms, float)}
+                rows.append(row)
+                print(row, flush=True)
                 del run
                 torch.cuda.empty_cache()
 
-    # The default, and so each overlay's name, differs by head dim: a column per overlay.
-    body = md_table(["D", "L", "causal", "default ms", *(f"{c} ms (over the default)"
-                                                         for c in args.configs)],
-                    [[r["head_dim"], r["length"], "yes" if r["causal"] else "no",
-                      *(f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"]
-                                                else "")
-                        for i, n in enumerate(r["variants"]))] for r in rows])
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
+    if baseline:
+        info["note"] = (f"Each variant with this tree's kernels and with those of {args.baseline}"
+                        f" (baseline), in {ROUNDS} interleaved rounds of {ITERS} launches; "
+                        "max diff: the largest |difference| of their outputs.")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    save_json(args.out, info, backward=args.backward, rows=rows)
+    save_json(args.out, info, backward=args.backward, baseline=args.baseline, rows=rows)
     print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
-                       f"against the default, {args.dtype},", info, body))
+                       f"against {'the baseline kernels' if baseline else 'the default'}, "
+                       f"{args.dtype},", info, table(rows, args.configs, bool(baseline))))
+
+
+def table(rows, overlays, baseline: bool) -> str:
+    """The Markdown table: per row, each variant's ms (or why it failed) and its ratio, over
+    the default's or, with --baseline, over its own time with the baseline kernels. The
+    default, and so each overlay's name, differs by head dim: a column per overlay."""
+    def cell(r, i, n):
+        if baseline:
+            return (f"{n}: {r['ms'][n]} / {r['ms'][n + ' (baseline)']} ({r['ratio'][n]}x; "
+                    f"max diff {r['max_diff'][n]:.3g})")
+        return f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"] else "")
+    head = ([f"{c} ms, ours / baseline (ratio)" for c in overlays] if baseline else
+            ["default ms", *(f"{c} ms (over the default)" for c in overlays)])
+    return md_table(["D", "L", "causal", *head],
+                    [[r["head_dim"], r["length"], "yes" if r["causal"] else "no",
+                      *(cell(r, i, n) for i, n in enumerate(r["variants"]))] for r in rows])
 
 
 if __name__ == "__main__":
