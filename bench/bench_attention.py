@@ -183,8 +183,9 @@ def chosen_variant(q, causal, backward=False):
     """(the tile variant flash_tile launched for the forward, or with ``backward`` the
     backward, of ``q`` [B, H, L, D] against itself, the tuner's timings of every candidate),
     or the default variant and None when untuned."""
-    pick = variants.default_backward_config if backward else variants.default_config
-    default = pick(torch.cuda.get_device_capability(q.device), q.shape[-1])
+    capability = torch.cuda.get_device_capability(q.device)
+    default = (variants.default_backward_config(capability, q.shape[-1], plain=True) if backward
+               else variants.default_config(capability, q.shape[-1]))
     key = _ops.problem_key(backward, q, q, q, (-1, 0) if causal else (-1, -1), 0.0, None, None,
                            0.0)
     entry = autotune.cached_entry(key, q.device) if autotune.enabled() else None

@@ -106,7 +106,7 @@ def backward_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     out_b, lse = _ops._forward_impl(qb, kb, vb, None, None, scale, 0.0, offset, -1, right, True)
     dout_b = dout.transpose(1, 2)
     config = variants.default_backward_config(torch.cuda.get_device_capability(q.device),
-                                              q.shape[-1])
+                                              q.shape[-1], plain=True)
     tuner_path = functools.partial(
         _ops.backward_runner(dout_b, qb, kb, vb, out_b, lse, None, None, None, scale, 0.0,
                              offset, (-1, right)), config)

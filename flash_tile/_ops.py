@@ -106,7 +106,10 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
-        configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward)
+        plain = (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+                 and attn_mask is None)
+        configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
+                                      plain)
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
             key = autotune.problem_key(backward, capability, *fields)

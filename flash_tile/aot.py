@@ -134,9 +134,12 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                              *spec.dkdv_constants(group, config.group_inner)], cc))
 
 
-def _default_config(arch, head_dim, v_head_dim, backward=False):
-    pick = variants.default_backward_config if backward else variants.default_config
-    return pick(variants.capability_of(arch), max(head_dim, v_head_dim or 0))
+def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False):
+    """The variant a launch of this class gets with tuning off (``_ops._choose``)."""
+    capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
+    if backward:
+        return variants.default_backward_config(capability, width, plain)
+    return variants.default_config(capability, width)
 
 
 def _export(kernel, signature, arch, output_format="cubin") -> bytes:
@@ -175,8 +178,11 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      aligned: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("dq", "dkdv") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
-    gradient reaches the LSE); the config defaults to the architecture's backward default."""
-    config = config or _default_config(arch, head_dim, v_head_dim, backward=True)
+    gradient reaches the LSE); the config defaults to the architecture's backward default for
+    the class (``variants.default_backward_config``: plain without dropout and score features).
+    """
+    plain = not (softcap or alibi or attn_mask or dropout)
+    config = config or _default_config(arch, head_dim, v_head_dim, True, plain)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned)

@@ -227,9 +227,14 @@ def doctor(args):
             if capability < _validate.MIN_CAPABILITY:
                 problems.append(f"cuda:{index} ({name}) is older than sm_80: not supported")
                 continue
+            backward = [variants.default_backward_config(capability, plain=p)
+                        for p in (True, False)]
             print(f"  default variants at D=128: forward "
                   f"{autotune.describe(variants.default_config(capability))}, backward "
-                  f"{autotune.describe(variants.default_backward_config(capability))}")
+                  f"{autotune.describe(backward[0])}"
+                  + ("" if backward[0] == backward[1] else
+                     f" ({autotune.describe(backward[1])} under dropout, softcap, ALiBi or a "
+                     "mask)"))
             if autotune.enabled():
                 path = autotune.cache_path(torch.device("cuda", index))
                 tuned = len(autotune.Cache(path).entries)

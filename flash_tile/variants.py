@@ -205,18 +205,20 @@ SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_til
 # not]: 0.907-0.99x the time of SM90_BACKWARD at D=64 and 0.812-0.914x that of 128x64 nww8 at
 # D=128, every row. The D<=64 default: no spills with GQA 4, dropout and the LSE's gradient,
 # nor with a window, softcap, ALiBi and a mask (sm_90 SASS, 128 registers). At D=128 its dK/dV
-# spills 108 LDL/STL under dropout, so there it is a candidate (the tuner's pick per class) beside
-# the default below.
+# spills 108 LDL/STL under dropout (120 since session 13), so there it is the default of plain
+# classes only (_PLAIN_BACKWARD) and a candidate for the others.
 SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
-# The D=128 default: two CTAs per SM with dK/dV stepping 32 queries, dQ on 64x64 [H200, session
-# 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal and not]: 0.891-0.983x the time of
-# 128x64 nww8 (the default until then) on every row; SM90_BACKWARD_O2 took 0.812-0.919x in the
-# same run and stays a candidate. Unlike it, this tile compiles without spills at D=128 under
-# dropout, GQA 4 with dropout and the LSE's gradient, and a window with softcap, ALiBi and a
-# mask (sm_90 SASS, tileiras 13.4), so no feature class falls into local memory untuned.
-# Registered up to D=128, it is a D=64 candidate too; the tuner's own timings there (session
-# 12's fp16 backward grid, bench/results/backward-h200-fp16-session12*.json) put it at
-# 1.19-1.39x the time of the D<=64 default on every row.
+# The D=128 default under dropout and the score features (plain classes take SM90_BACKWARD_O2
+# since session 13: _PLAIN_BACKWARD): two CTAs per SM with dK/dV stepping 32 queries, dQ on
+# 64x64 [H200, session 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal and not]:
+# 0.891-0.983x the time of 128x64 nww8 (the default until then) on every row;
+# SM90_BACKWARD_O2 took 0.812-0.919x in the same run. Unlike it, this tile compiles without
+# spills at D=128 under dropout, GQA 4 with dropout and the LSE's gradient, and a window with
+# softcap, ALiBi and a mask (sm_90 SASS, tileiras 13.4). Under GQA without dropout its dK/dV
+# spills 268-283 (found in session 13; 22 with GQA 4 and a bool mask, where SM90_BACKWARD_O2
+# spills 44). Registered up to D=128, it is a D=64 candidate too; the tuner's own timings
+# there (session 12's fp16 backward grid, bench/results/backward-h200-fp16-session12*.json)
+# put it at 1.19-1.39x the time of the D<=64 default on every row.
 SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
                                      dq_tile_n=64)
 # dK/dV stepping 128 queries over its 64 keys, dQ on 64x64, two CTAs per SM: the shape TileGym
@@ -239,11 +241,25 @@ _BACKWARD_DEFAULTS = {
     (10, 0): ((256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),),
     (12, 0): ((256, TileConfig(tile_m=32, tile_n=32, num_worker_warps=8, group_inner=True)),),
 }
+# A default above chosen for keeping its registers under dropout and the score features, and
+# the faster tile it gives way to in classes with plain scores (no dropout, softcap, ALiBi or
+# mask; a window, ragged lengths, GQA and the LSE's gradient allowed). At D=128 on sm_90,
+# session 13 [sm_90 SASS, tileiras 13.4, bf16]: SM90_BACKWARD_O2 spills nowhere there, GQA
+# groups 2-8 included, where SM90_BACKWARD_O2_NARROW's dK/dV spills 268-283 LDL/STL under
+# any GQA group without dropout; under the features it is the other way round (SM90_BACKWARD_O2
+# spills 6-201: 174 under softcap, 120 under dropout). On the H200 SM90_BACKWARD_O2 took
+# 0.895-0.982x the backward time of SM90_BACKWARD_O2_NARROW in the tuner's 16 timings of the
+# 12 plain D=128 classes (bf16 and fp16, L 1k-16k, causal and not; the "variant_ms" of
+# bench/results/backward-h200-*-session1[23]*.json).
+_PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 
 
-def default_backward_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
-    """The default variant of the backward kernels, looked up as ``default_config``."""
-    return _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
+def default_backward_config(capability: tuple[int, int], head_dim: int = 128,
+                            plain: bool = False) -> TileConfig:
+    """The default variant of the backward kernels, looked up as ``default_config``; with
+    ``plain``, for a class with no dropout, softcap, ALiBi or attention mask."""
+    config = _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
+    return _PLAIN_BACKWARD.get(config, config) if plain else config
 
 
 # Candidates the autotuner times (``flash_tile.autotune``), per architecture family, as
@@ -371,11 +387,13 @@ _BACKWARD_CANDIDATES = {
 }
 
 
-def candidates(capability: tuple[int, int], head_dim: int = 128,
-               backward: bool = False) -> tuple[TileConfig, ...]:
+def candidates(capability: tuple[int, int], head_dim: int = 128, backward: bool = False,
+               plain: bool = False) -> tuple[TileConfig, ...]:
     """The variants the autotuner times for a compute capability and head dim, the default
-    first; families are looked up as in ``default_config``."""
-    default = (default_backward_config if backward else default_config)(capability, head_dim)
+    first (the backward's for a ``plain`` class where it differs: ``default_backward_config``);
+    families are looked up as in ``default_config``."""
+    default = (default_backward_config(capability, head_dim, plain) if backward
+               else default_config(capability, head_dim))
     fitting = [config for max_dim, config in registered(capability, backward)
                if head_dim <= max_dim]
     return (default, *(c for c in fitting if c != default))

@@ -315,16 +315,41 @@ def test_sm90_dq_kernel_takes_its_own_tiles(head_dim):
 @pytest.mark.parametrize("name", ["bf16-d64-gqa4-dropout-lse-grad",
                                   "bf16-d64-window-softcap-alibi-mask"])
 def test_sm90_d128_backward_default_keeps_registers_under_features(name):
-    """The D=128 backward default was chosen over a faster tile (64x64 o2, which spills 108
-    LDL/STL under dropout there) because it spills under no feature (variants.py). The matrix
-    above compiles it at D=128 with dropout; this test compiles BACKWARD_VARIANTS' two D=64
-    feature instances at D=128."""
+    """The D=128 backward default of classes with dropout or score features was chosen over a
+    faster tile (64x64 o2, which spills 120 LDL/STL under dropout there) because it spills
+    under them (variants.py). The matrix above compiles it at D=128 with dropout; this test
+    compiles BACKWARD_VARIANTS' two D=64 feature instances at D=128."""
     config = variants.default_backward_config((9, 0), 128)
     assert config == variants.SM90_BACKWARD_O2_NARROW
     kw = dict(BACKWARD_VARIANTS[name], head_dim=128)
     for kernel, cubin in aot.compile_backward("sm_90", config=config, **kw).items():
         summary = _summary(cubin)
         assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, (kernel, summary)
+
+
+PLAIN_CLASSES = {
+    "gqa4-lse-grad-ragged": dict(causal=True, group=4, lse_grad=True, even_n=False),
+    "gqa8-window": dict(causal=False, window=(200, 150), group=8),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", sorted(PLAIN_CLASSES))
+def test_sm90_plain_backward_default_keeps_registers_under_gqa(head_dim, name):
+    """Plain scores (no dropout, softcap, ALiBi or mask) get 64x64 o2 up to D=128: with GQA,
+    the LSE's gradient, a window and ragged keys it spills nowhere, where the features'
+    D=128 default spills 268-283 LDL/STL in dK/dV under any GQA group (variants.py)."""
+    kw = PLAIN_CLASSES[name]
+    cubins = aot.compile_backward("sm_90", "bfloat16", head_dim, **kw)  # the class's default
+    assert variants.default_backward_config((9, 0), head_dim, plain=True) == \
+        variants.SM90_BACKWARD_O2
+    for kernel, cubin in cubins.items():
+        summary = _summary(cubin)
+        assert summary["local_memory"] == 0 and summary["tensor_core"] > 0, (kernel, summary)
+    if head_dim == 128 and kw["group"] == 4:  # the control: the features' default spills here
+        narrow = aot.compile_backward("sm_90", "bfloat16", head_dim,
+                                      config=variants.SM90_BACKWARD_O2_NARROW, **kw)
+        assert _summary(narrow["dkdv"])["local_memory"] > 0
 
 
 @pytest.mark.parametrize("features", [

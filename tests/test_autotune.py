@@ -223,15 +223,34 @@ def test_switched_off_or_capturing_gives_the_default_untimed(cache_dir, monkeypa
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("backward", [False, True])
-def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head_dim, backward):
-    configs = variants.candidates(capability, head_dim, backward)
-    pick = variants.default_backward_config if backward else variants.default_config
-    assert configs[0] == pick(capability, head_dim)
+@pytest.mark.parametrize("plain", [False, True])
+def test_candidates_start_with_the_default_and_fit_the_head_dim(capability, head_dim, backward,
+                                                                plain):
+    configs = variants.candidates(capability, head_dim, backward, plain)
+    default = (variants.default_backward_config(capability, head_dim, plain) if backward
+               else variants.default_config(capability, head_dim))
+    assert configs[0] == default
     assert len(set(configs)) == len(configs)
-    # Beside the default, exactly the entries registered for this head dim or wider ones.
+    # Exactly the entries registered for this head dim or wider ones, the default among them
+    # (so the AOT tests compile it).
     fitting = {c for max_dim, c in variants.registered(capability, backward)
                if head_dim <= max_dim}
-    assert set(configs[1:]) <= fitting <= set(configs)
+    assert set(configs) == fitting
+
+
+def test_plain_classes_get_their_own_backward_default_only_where_one_is_registered():
+    """sm_90 at D=128: 64x64 o2 for plain scores, the tile that holds its registers under
+    dropout and the score features otherwise (variants._PLAIN_BACKWARD); elsewhere one
+    default for both."""
+    def pick(capability, head_dim, plain):
+        return autotune.describe(variants.default_backward_config(capability, head_dim, plain))
+
+    assert pick((9, 0), 128, True) == "64x64 occupancy=2"
+    assert pick((9, 0), 128, False) == "32x64 occupancy=2 dq=64x64"
+    assert pick((9, 0), 96, True) == "64x64 occupancy=2"
+    for capability, head_dim in [((9, 0), 64), ((9, 0), 256), ((8, 0), 128), ((10, 0), 128),
+                                 ((12, 0), 64)]:
+        assert pick(capability, head_dim, True) == pick(capability, head_dim, False)
 
 
 @pytest.mark.parametrize("head_dim,backward,expected", [

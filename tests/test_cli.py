@@ -109,7 +109,8 @@ def test_doctor_reports_variants_and_autotuning(switch, tmp_path, capsys, monkey
     assert main(["doctor"]) == 0  # the dev install has tileiras (test_validation checks it)
     out = capsys.readouterr().out
     assert "cuda:0: NVIDIA H200, sm_90" in out
-    assert "forward 128x128 num_worker_warps=8, backward 32x64 occupancy=2 dq=64x64" in out
+    assert ("forward 128x128 num_worker_warps=8, backward 64x64 occupancy=2 (32x64 occupancy=2 "
+            "dq=64x64 under dropout, softcap, ALiBi or a mask)") in out
     if switch == "1":
         assert f"0 problem classes tuned in {tmp_path}" in out
     else:
