@@ -97,8 +97,9 @@ def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mas
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
             run):
-    """The tile variant for this call: the architecture's default, or the autotuner's pick
-    among the registered candidates (``flash_tile.autotune``). After the first call of a
+    """The tile variant for this call: the architecture's default for its class (plain scores
+    or not: ``variants.default_backward_config``), or the autotuner's pick among the
+    registered candidates (``flash_tile.autotune``). After the first call of a
     problem class the answer comes from ``autotune.decided``, a dict hit of a few
     microseconds: this runs on every call."""
     fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p)
