@@ -78,18 +78,21 @@ def launching(kernels: dict):
 
 def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
     """({name: ms} with this tree's kernels and DIR's (" (baseline)" names), {name: the largest
-    |difference| of the two's outputs}) for each config, timed in interleaved rounds."""
-    def with_baseline(config):
-        with launching(baseline):
+    |difference| of the two's outputs}) for each config, timed in interleaved rounds. Both
+    sides swap the launcher's kernels around each call, so both pay the same host cost."""
+    own = {name: getattr(_launch, name) for name in baseline}
+
+    def with_kernels(kernels, config):
+        with launching(kernels):
             return run(config)
     fns, diffs = {}, {}
     for config in configs:
         name = autotune.describe(config)
-        ours, theirs = run(config), with_baseline(config)
+        ours, theirs = with_kernels(own, config), with_kernels(baseline, config)
         diffs[name] = max((a.float() - b.float()).abs().max().item()
                           for a, b in zip(ours, theirs))
-        fns[name] = lambda config=config: run(config)
-        fns[f"{name} (baseline)"] = lambda config=config: with_baseline(config)
+        fns[name] = functools.partial(with_kernels, own, config)
+        fns[f"{name} (baseline)"] = functools.partial(with_kernels, baseline, config)
     timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
     for ms in timed.values():
         if isinstance(ms, Exception):  # both ran once above: a failure here is news

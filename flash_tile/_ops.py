@@ -107,8 +107,7 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
-        plain = (dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
-                 and attn_mask is None)
+        plain = variants.is_plain(*fields[-4:])  # softcap, ALiBi, mask name, dropout
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
                                       plain)
         config = configs[0]

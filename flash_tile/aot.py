@@ -181,7 +181,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     gradient reaches the LSE); the config defaults to the architecture's backward default for
     the class (``variants.default_backward_config``: plain without dropout and score features).
     """
-    plain = not (softcap or alibi or attn_mask or dropout)
+    plain = variants.is_plain(softcap, alibi, attn_mask, dropout)
     config = config or _default_config(arch, head_dim, v_head_dim, True, plain)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,

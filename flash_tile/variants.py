@@ -254,10 +254,16 @@ _BACKWARD_DEFAULTS = {
 _PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 
 
+def is_plain(softcap: bool, alibi: bool, attn_mask, dropout: bool) -> bool:
+    """Whether a problem class is plain (``autotune.problem_key``'s word): no softcap, ALiBi,
+    attention mask (any kind; None or a falsy name when there is none) or dropout."""
+    return not (softcap or alibi or attn_mask or dropout)
+
+
 def default_backward_config(capability: tuple[int, int], head_dim: int = 128,
                             plain: bool = False) -> TileConfig:
     """The default variant of the backward kernels, looked up as ``default_config``; with
-    ``plain``, for a class with no dropout, softcap, ALiBi or attention mask."""
+    ``plain``, for a class with no dropout, softcap, ALiBi or attention mask (``is_plain``)."""
     config = _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
     return _PLAIN_BACKWARD.get(config, config) if plain else config
 

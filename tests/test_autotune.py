@@ -251,6 +251,12 @@ def test_plain_classes_get_their_own_backward_default_only_where_one_is_register
     for capability, head_dim in [((9, 0), 64), ((9, 0), 256), ((8, 0), 128), ((10, 0), 128),
                                  ((12, 0), 64)]:
         assert pick(capability, head_dim, True) == pick(capability, head_dim, False)
+    # Which classes are plain: autotune.problem_key's "plain", the same four features.
+    assert variants.is_plain(False, False, None, False)
+    for features in [(True, False, None, False), (False, True, None, False),
+                     (False, False, "bool", False), (False, False, "additive", False),
+                     (False, False, None, True)]:
+        assert not variants.is_plain(*features), features
 
 
 @pytest.mark.parametrize("head_dim,backward,expected", [

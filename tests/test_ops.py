@@ -352,3 +352,23 @@ def test_public_functions_take_the_op_under_torch_compile():
     torch._dynamo.reset()
     torch.compile(fn, fullgraph=True, backend=backend)(*_qkv(device="meta"))
     assert "flash_tile.attention_forward.default" in seen, seen
+
+
+def test_the_untuned_backward_default_follows_the_class(monkeypatch):
+    """With tuning off, a plain D=128 class (GQA 4 here) gets sm_90's plain-class backward
+    default and a class with dropout the default that holds its registers under it
+    (variants._PLAIN_BACKWARD); the forward has one default for both."""
+    from flash_tile import _ops, autotune, variants
+
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(autotune, "decided", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
+    q = torch.empty(1, 4, 64, 128, device="meta")
+    k = v = torch.empty(1, 1, 64, 128, device="meta")
+
+    def choose(backward, dropout_p):
+        return _ops._choose(backward, q, k, v, (-1, 0), 0.0, None, None, dropout_p, None)
+
+    assert choose(True, 0.0) == variants.SM90_BACKWARD_O2
+    assert choose(True, 0.1) == variants.SM90_BACKWARD_O2_NARROW
+    assert choose(False, 0.0) == choose(False, 0.1) == variants.default_config((9, 0), 128)
