@@ -165,8 +165,6 @@ def describe(config: variants.TileConfig) -> str:
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
-    if config.exp2_fma:
-        hints.append(f"exp2_fma={config.exp2_fma}")
     if config.group_inner:
         hints.append("group_inner")
     # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.

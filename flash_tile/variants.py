@@ -23,9 +23,7 @@ class TileConfig:
     ``tile_n``, which the dK/dV kernel reads (key rows per program ``tile_n``, query rows per
     step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
-    (1-10) of its K and V tile loads; ``exp2_fma`` (0, 2 or 4) gives the last 1/2 or 1/4 of
-    each score tile's columns their exp2 from a cubic on the FMA pipe instead of the MUFU
-    (``kernels/_tiles.exp2_split``), 0 none.
+    (1-10) of its K and V tile loads.
     """
 
     tile_m: int = 64
@@ -38,7 +36,6 @@ class TileConfig:
     dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
-    exp2_fma: int = 0
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
@@ -49,9 +46,6 @@ class TileConfig:
             if not 1 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in 1..10 (cuTile's range), got "
                                  f"{getattr(self, name)}")
-        if self.exp2_fma not in (0, 2, 4) or self.exp2_fma > self.tile_n // 16:
-            raise ValueError(f"exp2_fma must be 0, 2 or 4 and leave the MUFU columns at least 16 "
-                             f"wide, got {self.exp2_fma} with tile_n={self.tile_n}")
 
     def hints(self) -> dict:
         """The ``kernel.replace_hints`` keywords this config sets (None ones are left out)."""

@@ -66,16 +66,6 @@ MIX_MULT_1 = 0x7FEB352D
 MIX_MULT_2 = 0x846CA68B
 
 
-# exp2 on the FMA pipe (``exp2_fma``): adding 1.5 * 2**23 to |x| < 2**22 rounds x to the
-# nearest integer j, left in the low mantissa bits; 2**f for f = x - j in [-0.5, 0.5] is a cubic
-# (a relative-error fit: at most 7.5e-5 relative, against bf16's 3.9e-3 rounding of P).
-EXP2_ROUND = 12582912.0
-EXP2_C0 = 0.99992806
-EXP2_C1 = 0.69326097
-EXP2_C2 = 0.24261113
-EXP2_C3 = 0.05517165
-
-
 def dropout_threshold(p: float) -> int:
     """The 31-bit threshold of drop probability ``p`` (a host-side helper: the launcher passes
     it as ``dropout_threshold``); capped so that p just below 1 still keeps a score."""
@@ -103,37 +93,6 @@ def dropout_keep(rows, offs_k, threshold):
     ``offs_k`` (the two broadcast to the tile, S or S^T)."""
     x = mix32(rows ^ (offs_k.astype(ct.uint32) * COL_MULT))
     return (x >> 1).astype(ct.int32) >= threshold
-
-
-def exp2_fma(x):
-    """2**x of an fp32 tile without the MUFU: round, a cubic, and the integer part added to the
-    exponent bits. x is clamped to -127, whose 2**x is a denormal near 0 (as -inf's 0 is)."""
-    x = ct.maximum(x, -127.0)
-    t = x + EXP2_ROUND  # bits: those of EXP2_ROUND plus j, the rounded x
-    f = x - (t - EXP2_ROUND)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0  # 2**f
-    # (bits(t) << 23) is j << 23: EXP2_ROUND's own bits shift out.
-    bits = ct.bitcast(p, ct.int32) + ct.bitwise_lshift(ct.bitcast(t, ct.int32), 23)
-    return ct.bitcast(bits, ct.float32)
-
-
-def exp2_split(x, EXP2_FMA: ConstInt):
-    """2**x of a [M, N] fp32 tile, the last N / EXP2_FMA columns (none when 0; 2 or 4) from
-    ``exp2_fma`` and the rest from the MUFU (flushing denormals): at D=64 the MUFU's 16
-    exp2 per cycle and SM take as long as the tensor cores' matmuls of the same tile."""
-    if EXP2_FMA == 0:
-        return ct.exp2(x, flush_to_zero=True)
-    rows = x.shape[0]
-    half = x.shape[1] // 2
-    hi = ct.extract(x, (0, 1), shape=(rows, half))
-    if EXP2_FMA == 2:
-        hi = exp2_fma(hi)
-    else:
-        quarter = half // 2
-        hi = ct.cat((ct.exp2(ct.extract(hi, (0, 0), shape=(rows, quarter)), flush_to_zero=True),
-                     exp2_fma(ct.extract(hi, (0, 1), shape=(rows, quarter)))), 1)
-    lo = ct.exp2(ct.extract(x, (0, 0), shape=(rows, half)), flush_to_zero=True)
-    return ct.cat((lo, hi), 1)
 
 
 def heaviest_first(q_len, TILE_M: ConstInt):

@@ -61,17 +61,17 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, exp2_split,
-                     heaviest_first, log2_scores, query_rows, tile_runs)
+from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
+                     log2_scores, query_rows, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
                     MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, EXP2_FMA)."""
+    TILE_DV, LATENCY_K, LATENCY_V)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, EXP2_FMA = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
@@ -92,7 +92,7 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
         # exp2(-inf - -inf) does not make NaN. Tiles with neither a window/causal/ragged mask
         # nor an attention mask always have a finite max.
         m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
-    p = exp2_split(s * score_scale - m_sub, EXP2_FMA)  # [TILE_M, TILE_N]
+    p = ct.exp2(s * score_scale - m_sub, flush_to_zero=True)  # [TILE_M, TILE_N]
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
@@ -112,7 +112,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, EXP2_FMA: ConstInt):
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
     tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
@@ -127,7 +127,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, EXP2_FMA)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -170,7 +170,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, EXP2_FMA: ConstInt):
+                  LATENCY_V: ConstInt):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -180,7 +180,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, EXP2_FMA)
+                        LATENCY_V)
 
 
 @ct.kernel
@@ -193,12 +193,11 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        EXP2_FMA: ConstInt):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, EXP2_FMA)
+                        LATENCY_V)
