@@ -338,11 +338,27 @@ _FORWARD_CANDIDATES = {
     # 64x128 o2 nww8 0.99x at 1k non-causal), and both stay behind 64x128 o2. The hardware
     # starts the next program as soon as an SM has room, which a static stride cannot match
     # under causal's uneven tiles.
+    # Dropped in session 14: 64x64 o2 (D<=256), a candidate since session 4. By the tuner's
+    # timings it was never the fastest in 64 plain classes (bench/results/forward-h200-
+    # session11.json, -session12-fp16-rerun.json and forward-h200-d256-session14.json: bf16
+    # and fp16, D 64/128/256, L 1k-16k, causal and not), at 1.087-1.499x the best; at D=256
+    # the default spills nowhere under dropout, a mask or the score features (tileiras 13.4
+    # SASS), so the candidate was no escape there either. D=256 now has one tile: no tuning.
+    # Tried and dropped in session 14 [H200, bf16, bench_variants.py, L 1k/4k/16k;
+    # bench/results/variants-h200-session14-fwd-*]: an EXP2_FMA switch giving the exp2 of the
+    # last 1/2 or 1/4 of each score tile's columns to a cubic on the FMA pipe (FA4's offload of
+    # the MUFU; no shuffles, no spills, 7 more instructions per score so moved). On every
+    # non-causal row it took 1.02-1.19x the time of its tile (64x64 o3/o4 at D=64, 64x128 o2
+    # and 128x128 nww8 at D=128) but for 128x128 nww8 with a quarter at 16k (0.955x, still
+    # behind 64x128 o2); its causal rows failed the tuner's check (a clamp bug, masked scores
+    # NaN). At D=64 the MUFU, the FP32 issue and the tensor cores are all near saturation
+    # (docs/kernel-internals.md), so moving work from the first to the second gains nothing.
+    # The K/V latency hints on 64x128 o2 at D=128 (1/1, 4/4, 8/8 against 2/4): within 0.7% of
+    # it on five rows, 3.2-5.0% slower at 16k non-causal.
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
-             (128, TileConfig(tile_m=64, tile_n=128, occupancy=2)),
-             (256, TileConfig(tile_m=64, tile_n=64, occupancy=2))),
+             (128, TileConfig(tile_m=64, tile_n=128, occupancy=2))),
     # Three and four CTAs per SM at D<=64, as won on the H200 (session 11, above): on sm_100
     # 64x64 o3 and o4 compile to 80 and 64 registers with no spills (the default: 255
     # registers, 141 KB of shared memory); under a window, softcap, ALiBi and a mask tileiras
