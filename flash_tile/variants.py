@@ -347,7 +347,7 @@ _FORWARD_CANDIDATES = {
     # Tried and dropped in session 14 [H200, bf16, bench_variants.py, L 1k/4k/16k;
     # bench/results/variants-h200-session14-fwd-*]: an EXP2_FMA switch giving the exp2 of the
     # last 1/2 or 1/4 of each score tile's columns to a cubic on the FMA pipe (FA4's offload of
-    # the MUFU; no shuffles, no spills, 7 more instructions per score so moved). On every
+    # the MUFU; no shuffles, no spills, 7-8 more instructions per score so moved). On every
     # non-causal row it took 1.02-1.19x the time of its tile (64x64 o3/o4 at D=64, 64x128 o2
     # and 128x128 nww8 at D=128) but for 128x128 nww8 with a quarter at 16k (0.955x, still
     # behind 64x128 o2); its causal rows failed the tuner's check (a clamp bug, masked scores
