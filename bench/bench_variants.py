@@ -21,6 +21,9 @@ interleaved rounds; the table gives both times, their ratio and the largest diff
 their outputs:
 
     python bench/bench_variants.py --backward --configs '{}' --baseline /tmp/base/kernels
+
+``--dropout P`` times every row with dropout of probability P (and the defaults of classes with
+dropout); without it the rows' scores are plain.
 """
 
 import argparse
@@ -101,17 +104,17 @@ def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
 
 
 def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
-           backward: bool):
+           backward: bool, dropout: _launch.Dropout = _launch.NO_DROPOUT):
     """``run(config)`` for one row, as the autotuner builds it: fresh outputs, one launch."""
     q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
-    forward = _ops.forward_runner(q, k, v, None, None, scale, 0.0, 0, window, True)
+    forward = _ops.forward_runner(q, k, v, None, None, scale, 0.0, 0, window, True, dropout)
     if not backward:
         return forward
     out, lse = forward(variants.default_config(torch.cuda.get_device_capability(), head_dim))
     return _ops.backward_runner(torch.randn_like(q), q, k, v, out, lse, None, None, None, scale,
-                                0.0, 0, window)
+                                0.0, 0, window, dropout)
 
 
 def main():
@@ -126,12 +129,15 @@ def main():
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
     parser.add_argument("--baseline", metavar="DIR",
                         help="another kernels/ directory to time each variant against")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                        help="dropout probability of every row (default 0: plain scores)")
     args = parser.parse_args()
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
     overlays = [json.loads(c) for c in args.configs]
     capability = torch.cuda.get_device_capability()
-    pick = (functools.partial(variants.default_backward_config, plain=True) if args.backward
-            else variants.default_config)  # the rows' scores are plain
+    dropout = _launch.Dropout(args.dropout, 2024) if args.dropout else _launch.NO_DROPOUT
+    pick = (functools.partial(variants.default_backward_config, plain=not args.dropout)
+            if args.backward else variants.default_config)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
     baseline = load_kernels(args.baseline) if args.baseline else None
@@ -144,9 +150,9 @@ def main():
             for causal in causals:
                 batch, heads = grid_shape(length, head_dim)
                 run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
-                             args.backward)
+                             args.backward, dropout)
                 row = {"dtype": args.dtype, "head_dim": head_dim, "length": length,
-                       "causal": causal, "variants": [autotune.describe(c) for c in configs]}
+                       "causal": causal, "dropout": args.dropout, "variants": [autotune.describe(c) for c in configs]}
                 if baseline:
                     row["ms"], row["max_diff"] = against_baseline(configs, run, baseline)
                     row["ratio"] = {n: round(row["ms"][n] / row["ms"][f"{n} (baseline)"], 3)
@@ -171,7 +177,8 @@ def main():
     save_json(args.out, info, backward=args.backward, baseline=args.baseline, rows=rows)
     print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
                        f"against {'the baseline kernels' if baseline else 'the default'}, "
-                       f"{args.dtype},", info, table(rows, args.configs, bool(baseline))))
+                       f"{args.dtype}{f', dropout {args.dropout}' if args.dropout else ''},",
+                       info, table(rows, args.configs, bool(baseline))))
 
 
 def table(rows, overlays, baseline: bool) -> str:

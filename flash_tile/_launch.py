@@ -69,8 +69,10 @@ class Dropout:
 
     def scalars(self) -> tuple[int, int, float]:
         """(dropout_seed, dropout_threshold, dropout_scale): the kernels' runtime arguments;
-        a hash below the threshold (p * 2**31 of the 31-bit range) drops its score."""
-        return int(self.seed), dropout_threshold(self.p), 1.0 / (1.0 - self.p)
+        a hash below the threshold (p * 2**32 of the unsigned 32-bit range, passed as the int32
+        of the same bits) drops its score."""
+        threshold = dropout_threshold(self.p)
+        return int(self.seed), threshold - (threshold >> 31 << 32), 1.0 / (1.0 - self.p)
 
 
 NO_DROPOUT = Dropout(0.0, 0)

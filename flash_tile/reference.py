@@ -82,8 +82,9 @@ def dropout_keep(p: float, seed: int, batch: int, heads: int, q_len: int, k_len:
 
     bh = ar(batch * heads, (batch, heads, 1, 1))
     rows = _mix32(_mix32((ar(q_len, (1, 1, q_len, 1)) + _mul32(bh, ROW_MULT)) & _M32) ^ seed)
-    hashed = _mix32(rows ^ _mul32(ar(k_len, (1, 1, 1, k_len)), COL_MULT))
-    return (hashed >> 1) >= dropout_threshold(p)
+    hashed = _mul32(rows ^ _mul32(ar(k_len, (1, 1, 1, k_len)), COL_MULT), MIX_MULT_1)
+    hashed = _mul32(hashed ^ (hashed >> 16), MIX_MULT_2)
+    return hashed >= dropout_threshold(p)
 
 
 def _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n, diag_offset):

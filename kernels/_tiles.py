@@ -11,14 +11,23 @@ and [N, 1] for its transpose S^T (the backward's dK/dV kernel). Query row i sees
 
 Dropout keeps score (b, h, i, j) iff hash(seed, b * H + h, i, j) >= threshold, a pure function
 of those indices (no RNG state, no stored mask): the backward recomputes the forward's mask
-exactly, whatever the tiles. The hash is ``mix32`` (the "lowbias32" integer finaliser,
-bijective on 32 bits) chained as
+exactly, whatever the tiles. Per query row the state is ``mix32`` (the "lowbias32" integer
+finaliser, bijective on 32 bits) chained twice; per score two of its multiply rounds follow:
 
     row  = mix32(mix32(uint32(i) + uint32(b * H + h) * ROW_MULT) ^ seed)
-    keep = mix32(row ^ uint32(j) * COL_MULT) >> 1  >=  threshold     (31-bit compare)
+    x    = (row ^ uint32(j) * COL_MULT) * MIX_MULT_1                     (mod 2**32)
+    keep = (x ^ x >> 16) * MIX_MULT_2  >=  threshold                     (unsigned compare)
 
-with threshold = min(round(p * 2**31), 2**31 - 1) (``dropout_threshold``, computed on the
-host); ``flash_tile.reference.dropout_keep`` is its torch twin.
+The per-score part is lowbias32 without its outer xor-shifts: the row state is mixed already,
+and the last xor-shift changes only the low 16 bits, which decide a compare against the
+threshold only where the 16 bits above them tie with it. It takes 7 integer instructions a
+score where the whole finaliser and a 31-bit compare took 12 (sm_90 SASS), and the forward's
+D = 64 loop is bound by issue (docs/kernel-internals.md). One multiply alone is not enough: the
+keep bits of neighbouring scores then correlate visibly (tests/test_reference.py checks).
+
+with threshold = min(round(p * 2**32), 2**32 - 1) (``dropout_threshold``, computed on the
+host and passed as the int32 of the same bits); ``flash_tile.reference.dropout_keep`` is its
+torch twin.
 
 The helpers of both kernels pass what is the same for every tile pair of a launch as tuples
 (cuTile unpacks them at compile time, so they cost nothing):
@@ -59,7 +68,7 @@ ZERO = ct.PaddingMode.ZERO
 
 
 # Odd multipliers that spread row and column indices over 32 bits before mixing, and the two
-# of lowbias32's rounds.
+# of lowbias32's rounds (also the per-score hash's).
 ROW_MULT = 0x9E3779B9
 COL_MULT = 0x85EBCA77
 MIX_MULT_1 = 0x7FEB352D
@@ -67,9 +76,10 @@ MIX_MULT_2 = 0x846CA68B
 
 
 def dropout_threshold(p: float) -> int:
-    """The 31-bit threshold of drop probability ``p`` (a host-side helper: the launcher passes
-    it as ``dropout_threshold``); capped so that p just below 1 still keeps a score."""
-    return min(round(p * 2**31), 2**31 - 1)
+    """The unsigned 32-bit threshold of drop probability ``p`` (a host-side helper: the
+    launcher passes its bits as the int32 ``dropout_threshold``); capped so that p just below 1
+    still keeps a score."""
+    return min(round(p * 2**32), 2**32 - 1)
 
 
 def mix32(x):
@@ -91,8 +101,9 @@ def dropout_rows(seed, batch, head, heads, offs_q):
 def dropout_keep(rows, offs_k, threshold):
     """Which scores dropout keeps: ``rows`` from ``dropout_rows`` against key columns
     ``offs_k`` (the two broadcast to the tile, S or S^T)."""
-    x = mix32(rows ^ (offs_k.astype(ct.uint32) * COL_MULT))
-    return (x >> 1).astype(ct.int32) >= threshold
+    x = (rows ^ (offs_k.astype(ct.uint32) * COL_MULT)) * MIX_MULT_1
+    x = (x ^ (x >> 16)) * MIX_MULT_2
+    return x >= ct.bitcast(ct.full((1, 1), threshold, dtype=ct.int32), ct.uint32)
 
 
 def heaviest_first(q_len, TILE_M: ConstInt):
