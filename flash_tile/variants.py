@@ -23,7 +23,9 @@ class TileConfig:
     ``tile_n``, which the dK/dV kernel reads (key rows per program ``tile_n``, query rows per
     step ``tile_m``).
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
-    (1-10) of its K and V tile loads.
+    (1-10) of its K and V tile loads; ``lazy_rescale`` moves the online softmax's reference max
+    only when a row's max rises past it by more than 2**8 (FA4's conditional rescale), instead
+    of at every key tile.
     """
 
     tile_m: int = 64
@@ -36,6 +38,7 @@ class TileConfig:
     dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
