@@ -110,13 +110,20 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
     m_tile = ct.max(s, axis=-1, keepdims=True) * score_scale  # [TILE_M, 1]
     CAN_BE_EMPTY = MASKED or ATTN_MASK != NO_MASK
     if LAZY_RESCALE:
-        # Only when some row's max has risen past m_i by more than RESCALE_SLACK: otherwise
-        # every p stays below 2**RESCALE_SLACK against the stale m_i.
+        # p against the stale m_i first, so that the CTA-wide vote below overlaps the exp2s.
+        # Only when some row's max has risen past m_i by more than RESCALE_SLACK is that p
+        # (possibly inf) thrown away and taken again; otherwise every p is below
+        # 2**RESCALE_SLACK.
+        p = ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY), flush_to_zero=True)
         if ct.max(ct.where(m_tile > m_i + RESCALE_SLACK, 1, 0)) > 0:
             m_i, l_i, acc = _rescale(m_i, max(m_i, m_tile), l_i, acc, CAN_BE_EMPTY)
+            # The min is the fresh p (m_i only grew); it keeps the stale p needed on both
+            # paths, so that tileiras cannot sink its exp2s below the vote.
+            p = min(p, ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY),
+                               flush_to_zero=True))
     else:
         m_i, l_i, acc = _rescale(m_i, max(m_i, m_tile), l_i, acc, CAN_BE_EMPTY)
-    p = ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY), flush_to_zero=True)
+        p = ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY), flush_to_zero=True)
     l_i = l_i + ct.sum(p, axis=-1, keepdims=True)  # [TILE_M, 1]
 
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
