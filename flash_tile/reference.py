@@ -15,7 +15,6 @@ import torch
 
 from flash_tile.kernels._tiles import (COL_MULT, MIX_MULT_1, MIX_MULT_2, ROW_MULT,
                                       dropout_threshold, tile_runs)
-from flash_tile.kernels.attention_fwd import RESCALE_SLACK
 
 LOG2_E = 1.0 / math.log(2.0)
 _M32 = 0xFFFFFFFF
@@ -147,8 +146,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
-                    tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
-                    lazy_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile_n: int = 64, dropout_p: float = 0.0,
+                    dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
@@ -158,9 +157,6 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     subtracts slope * |i + diag_offset - j|; ``attn_mask``, broadcastable to [B, H, Lq, Lk],
     hides keys where False (bool) or is added to the scores (float). ``dropout_p`` > 0 drops
     probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed``.
-    ``lazy_rescale`` moves each program's (batch, head, query tile) reference max only at the
-    steps where some row's max rises past it by more than ``RESCALE_SLACK``, as the kernel's
-    LAZY_RESCALE does.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -186,11 +182,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             v_tile = v[:, :, j * tile_n:(j + 1) * tile_n]
             s, _ = _tile_scores(q_tile, k_tile, scale, softcap, slopes, attn_mask, m_start,
                                 j * tile_n, diag_offset, window, not n_inner <= j < n_outer)
-            m_tile = s.amax(dim=-1, keepdim=True)  # [B, H, rows, 1]
-            m_new = torch.maximum(m_i, m_tile)
-            if lazy_rescale:  # per program: whether any of its rows rose past the slack
-                rises = (m_tile > m_i + RESCALE_SLACK).any(dim=2, keepdim=True)
-                m_new = torch.where(rises, m_new, m_i)
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
             p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]

@@ -22,11 +22,7 @@ updates the online softmax of FlashAttention (Dao et al. 2022, Alg. 1; FA2's def
     l_i   = l_i * alpha + rowsum(p)
     acc   = acc * alpha + p V                    [TILE_M, TILE_DV]
 
-and divides by l_i once at the end. Under LAZY_RESCALE (FA4's conditional rescale) m_i is a
-reference point that moves only when some row of the tile's max exceeds it by more than
-RESCALE_SLACK: any reference m_i >= the true max - RESCALE_SLACK gives the same o_i and lse_i
-(p, l_i and acc all carry the factor exp2(true max - m_i) <= 2**RESCALE_SLACK), and steps
-that keep it skip alpha and the acc * alpha multiplies, TILE_DV of them per row. Under DROPOUT each p_ij also gets a keep bit z_ij
+and divides by l_i once at the end. Under DROPOUT each p_ij also gets a keep bit z_ij
 (``_tiles.dropout_keep``): l_i sums p as above (dropout acts after the softmax), acc sums
 z * p V, and the output is scaled by 1 / (1 - dropout_p) (``dropout_scale``).
 S' = s * log2(e): for plain scores the factor scale * log2(e) is applied after the row max
@@ -68,32 +64,14 @@ import cuda.tile as ct
 from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
                      log2_scores, query_rows, tile_runs)
 
-# LAZY_RESCALE's slack in log2 units: m_i is moved only once a row's max has risen past it by
-# more than this, so every p stays below 2**8 = 256, in range for fp32 l_i and acc and for the
-# fp16/bf16 P of the P V matmul, with their relative precision unchanged.
-RESCALE_SLACK = 8.0
-
-
-def _finite(m, CAN_BE_EMPTY: ConstBool):
-    """``m`` with -inf (a row with nothing visible yet) as 0, to subtract from scores:
-    exp2(-inf - -inf) would be NaN, exp2(-inf - 0) is 0. Rows of tiles with neither a band nor
-    an attention mask always have a finite max."""
-    return ct.where(m == -math.inf, 0.0, m) if CAN_BE_EMPTY else m
-
-
-def _rescale(m_i, m_new, l_i, acc, CAN_BE_EMPTY: ConstBool):
-    """(m_new, l_i, acc) with l_i and acc moved from the reference max m_i to m_new."""
-    alpha = ct.exp2(m_i - _finite(m_new, CAN_BE_EMPTY), flush_to_zero=True)  # [TILE_M, 1]
-    return m_new, l_i * alpha, acc * alpha
-
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
                     MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, LAZY_RESCALE)."""
+    TILE_DV, LATENCY_K, LATENCY_V)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, LAZY_RESCALE = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
@@ -107,32 +85,24 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
                                     MASKED, FEATURES, False, True)
 
     # The max is taken before scaling: the scale is positive.
-    m_tile = ct.max(s, axis=-1, keepdims=True) * score_scale  # [TILE_M, 1]
-    CAN_BE_EMPTY = MASKED or ATTN_MASK != NO_MASK
-    if LAZY_RESCALE:
-        # p against the stale m_i first, so that the CTA-wide vote below overlaps the exp2s.
-        # Only when some row's max has risen past m_i by more than RESCALE_SLACK is that p
-        # (possibly inf) thrown away and taken again; otherwise every p is below
-        # 2**RESCALE_SLACK.
-        p = ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY), flush_to_zero=True)
-        if ct.max(ct.where(m_tile > m_i + RESCALE_SLACK, 1, 0)) > 0:
-            m_i, l_i, acc = _rescale(m_i, max(m_i, m_tile), l_i, acc, CAN_BE_EMPTY)
-            # The min is the fresh p (m_i only grew); it keeps the stale p needed on both
-            # paths, so that tileiras cannot sink its exp2s below the vote.
-            p = min(p, ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY),
-                               flush_to_zero=True))
-    else:
-        m_i, l_i, acc = _rescale(m_i, max(m_i, m_tile), l_i, acc, CAN_BE_EMPTY)
-        p = ct.exp2(s * score_scale - _finite(m_i, CAN_BE_EMPTY), flush_to_zero=True)
-    l_i = l_i + ct.sum(p, axis=-1, keepdims=True)  # [TILE_M, 1]
+    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * score_scale)  # [TILE_M, 1]
+    m_sub = m_new
+    if MASKED or ATTN_MASK != NO_MASK:
+        # A row with nothing visible yet keeps m = -inf; subtract 0 there instead so that
+        # exp2(-inf - -inf) does not make NaN. Tiles with neither a window/causal/ragged mask
+        # nor an attention mask always have a finite max.
+        m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
+    p = ct.exp2(s * score_scale - m_sub, flush_to_zero=True)  # [TILE_M, TILE_N]
+    alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
     v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
                 padding_mode=ZERO, latency=LATENCY_V)
     v = v.reshape((TILE_N, TILE_DV))
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
-    acc = ct.mma(p.astype(v.dtype), v, acc)  # [TILE_M, TILE_DV]
-    return m_i, l_i, acc
+    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
+    return m_new, l_i, acc
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
@@ -142,7 +112,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, LAZY_RESCALE: ConstBool):
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
     tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
@@ -157,7 +127,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, LAZY_RESCALE)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -200,7 +170,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, LAZY_RESCALE: ConstBool):
+                  LATENCY_V: ConstInt):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -210,7 +180,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, LAZY_RESCALE)
+                        LATENCY_V)
 
 
 @ct.kernel
@@ -223,12 +193,11 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        LAZY_RESCALE: ConstBool):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, LAZY_RESCALE)
+                        LATENCY_V)

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_tile.kernels.attention_fwd import RESCALE_SLACK
 from flash_tile.reference import (attention_dense, attention_tiles, cdiv, check_error,
                                   dropout_keep, kv_tile_runs, visible_keys)
 
@@ -150,56 +149,6 @@ def test_large_scores_do_not_overflow():
     out, _ = attention_tiles(q * 30, k * 30, v, window=(-1, 0), tile_m=16, tile_n=16)
     ref = F.scaled_dot_product_attention(q * 30, k * 30, v, is_causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
-
-
-def _rising_keys(k, tiles_per_doubling=2, tile_n=32):
-    """k with its rows' norms doubling every ``tiles_per_doubling`` key tiles, so that the
-    row maxima of the scores climb along the keys, far past RESCALE_SLACK."""
-    rows = torch.arange(k.shape[2], dtype=torch.float64)
-    return k * torch.exp2(rows / (tiles_per_doubling * tile_n))[:, None]
-
-
-@pytest.mark.parametrize("features", ["plain", "causal", "window-softcap-alibi-mask", "dropout"])
-def test_lazy_rescale_twin_gives_the_exact_result(features):
-    """The lazy reference max (LAZY_RESCALE) only moves the point exp2 is taken against: out
-    and lse match the exact twin to float64 rounding, on keys whose scores climb so that some
-    steps rescale and others keep a stale max (both counted here, densely), with every
-    feature."""
-    q, k, v = _inputs(2, 4, 2, 113, 203, 64, 64, seed=17)
-    k = _rising_keys(k)
-    kw = {"tile_m": 16, "tile_n": 32}
-    if features == "causal":
-        kw.update(diag_offset=203 - 113, window=(-1, 0))
-    elif features == "window-softcap-alibi-mask":
-        keep = torch.rand(2, 1, 113, 203, generator=torch.Generator().manual_seed(4)) > 0.3
-        kw.update(diag_offset=90, window=(120, 40), softcap=30.0, attn_mask=keep,
-                  alibi_slopes=torch.full((2, 4), 0.05, dtype=torch.float64))
-    elif features == "dropout":
-        kw.update(dropout_p=0.3, dropout_seed=99)
-    exact = attention_tiles(q, k, v, 0.125, **kw)
-    lazy = attention_tiles(q, k, v, 0.125, lazy_rescale=True, **kw)
-    for a, b in zip(lazy, exact):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    if features == "plain":  # the same inputs for all: count the steps of the plain scores
-        s = 0.125 * q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.log(2.0)
-        rescaled, stale = _lazy_steps(s, 16, 32)
-        assert rescaled > 0 and stale > s.shape[0] * s.shape[1] * cdiv(113, 16), (rescaled, stale)
-
-
-def _lazy_steps(s, tile_m, tile_n):
-    """(steps that move the reference max, steps that keep it) of a lazy online softmax over
-    the dense log2 scores s [B, H, Lq, Lk], counted per (batch, head, query tile)."""
-    rescaled = stale = 0
-    for m_start in range(0, s.shape[2], tile_m):
-        m_i = torch.full(s.shape[:2] + (min(tile_m, s.shape[2] - m_start),), -math.inf,
-                         dtype=s.dtype)
-        for n_start in range(0, s.shape[3], tile_n):
-            m_tile = s[:, :, m_start:m_start + tile_m, n_start:n_start + tile_n].amax(-1)
-            rises = (m_tile > m_i + RESCALE_SLACK).any(-1, keepdim=True)  # [B, H, 1]
-            rescaled += rises.sum().item()
-            stale += (~rises).sum().item()
-            m_i = torch.where(rises, torch.maximum(m_i, m_tile), m_i)
-    return rescaled, stale
 
 
 @pytest.mark.parametrize("q_len,k_len", [(256, 256), (128, 512), (512, 128), (200, 300)])
