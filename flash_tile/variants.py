@@ -36,6 +36,7 @@ class TileConfig:
     dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
+    qk_ahead: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
