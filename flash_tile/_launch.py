@@ -35,17 +35,15 @@ class ForwardSpec:
     attn_mask: int  # NO_MASK, BOOL_MASK or ADDITIVE_MASK
     store_lse: bool  # the forward's alone
     dropout: bool
-    latency_k: int  # the forward's alone, as latency_v and qk_ahead
+    latency_k: int  # the forward's alone, as latency_v
     latency_v: int
-    qk_ahead: bool
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
                 self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
 
     def constants(self) -> tuple:
-        return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.qk_ahead)
+        return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -122,7 +120,7 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
     return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim),
                        tile_width(v_head_dim), left >= 0, right >= 0,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
-                       dropout, config.latency_k, config.latency_v, config.qk_ahead)
+                       dropout, config.latency_k, config.latency_v)
 
 
 @functools.cache

@@ -167,8 +167,6 @@ def describe(config: variants.TileConfig) -> str:
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
     if config.group_inner:
         hints.append("group_inner")
-    if config.qk_ahead:
-        hints.append("qk_ahead")
     # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.
     if (config.dq_tile_m, config.dq_tile_n) != (None, None):
         dq = config.dq_kernel()

@@ -36,7 +36,6 @@ class TileConfig:
     dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
-    qk_ahead: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
@@ -295,6 +294,12 @@ _FORWARD_CANDIDATES = {
     # the best of them trailed the best plain tile by 0-23% at D=64, 0.3-10% at D=128 and
     # 28-57% at D=256. The two-group tiles already overlap one group's softmax with the
     # other's wgmmas, and the switch cost an extra S fragment and one unused tile of S.
+    # Timed again in session 15 on the tiles that win since (same method, L 1k/4k/16k, causal
+    # and not; bench/results/variants-h200-session15-fwd-qk-ahead-*), ported to today's kernel
+    # (the SASS interleaves the next S's wgmmas with the exp2s; no spills on either tile): it
+    # took 1.00-1.08x the time of 64x128 o2 at D=128 and 1.04-1.09x of 64x64 o3 at D=64 (o4
+    # spills 60 LDL/STL with it). Two to four CTAs per SM already keep the tensor cores fed
+    # through each other's softmax; the early S only adds its registers and the unused tile.
     # Dropped in session 6 too: 64x128, the D=256 default until then. It was never the fastest
     # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
     # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi

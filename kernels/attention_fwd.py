@@ -65,31 +65,19 @@ from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, hea
                      log2_scores, query_rows, tile_runs)
 
 
-def _raw_scores(q, K, batch, kv_head, j, TILES):
-    """q . k for key tile j on tensor cores: [TILE_M, TILE_N] fp32."""
-    TILE_N, TILE_D, _, LATENCY_K, _, _ = TILES
+def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
+                    MASKED: ConstBool, FEATURES):
+    """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
+    ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
+    TILE_DV, LATENCY_K, LATENCY_V)."""
+    batch, _, _, _, drop_rows = rows
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
+    _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
     k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                   order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
     s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
-    return ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)
-
-
-def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i, acc, band, drop,
-                    TILES, MASKED: ConstBool, FEATURES):
-    """One step of the online softmax over key tile j; returns (s, m_i, l_i, acc).
-    ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, QK_AHEAD). Under QK_AHEAD ``s`` arrives holding tile j's
-    raw scores and leaves holding tile j + 1's; otherwise it is formed here."""
-    batch, _, _, _, drop_rows = rows
-    TILE_N, _, TILE_DV, _, LATENCY_V, QK_AHEAD = TILES
-    _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
-    if QK_AHEAD:
-        # Issued before this tile's softmax, which does not depend on it.
-        s_next = _raw_scores(q, K, batch, kv_head, j + 1, TILES)
-    else:
-        s = _raw_scores(q, K, batch, kv_head, j, TILES)  # [TILE_M, TILE_N] raw q . k
-        s_next = s
+    s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)  # [TILE_M, TILE_N] raw scores q . k
 
     # The scores in log2 units; plain ones still owe score_scale, applied after the row max.
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
@@ -114,7 +102,7 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i, acc, b
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
-    return s_next, m_new, l_i, acc
+    return m_new, l_i, acc
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
@@ -124,7 +112,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, QK_AHEAD: ConstBool):
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
     tile_m = heaviest_first(Q.shape[2], TILE_M)
     head = ct.bid(1)
@@ -139,7 +127,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, QK_AHEAD)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -151,21 +139,16 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     n_start, n_inner, n_outer, n_end = tile_runs(
         m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
         MASK_LEFT, MASK_RIGHT)
-    # Under QK_AHEAD the first tile's scores are formed here and each step forms the next
-    # one's; the last step's (tile n_end: outside the band, or zeros past Lk) go unused.
-    s = ct.zeros((TILE_M, TILE_N), dtype=ct.float32)
-    if QK_AHEAD:
-        s = _raw_scores(q, K, batch, kv_head, n_start if MASK_LEFT else n_inner, TILES)
     if MASK_LEFT:
         for j in range(n_start, n_inner):
-            s, m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i,
-                                               l_i, acc, band, drop, TILES, True, FEATURES)
+            m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i,
+                                            acc, band, drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        s, m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i,
-                                           acc, band, drop, TILES, False, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
+                                        band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        s, m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, s, m_i, l_i,
-                                           acc, band, drop, TILES, True, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
+                                        band, drop, TILES, True, FEATURES)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
     empty = l_i == 0.0
@@ -187,7 +170,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, QK_AHEAD: ConstBool):
+                  LATENCY_V: ConstInt):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -197,7 +180,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: flo
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, QK_AHEAD)
+                        LATENCY_V)
 
 
 @ct.kernel
@@ -210,12 +193,11 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        QK_AHEAD: ConstBool):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
                         window_left, window_right, dropout_seed, dropout_threshold,
                         dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                         EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V, QK_AHEAD)
+                        LATENCY_V)

@@ -6,8 +6,6 @@ for gradients), so that the tuner's own check against the default variant is a s
 not the only one. The end-to-end test tunes into a temporary cache and reads it back.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -22,8 +20,6 @@ _CAPABILITY = (torch.cuda.get_device_capability() if torch.cuda.is_available() a
                torch.cuda.get_device_capability() >= (8, 0) else (9, 0))
 # (head dim, candidate) for the head dims the variants are bucketed by.
 CASES = [(d, c) for d in (64, 128, 256) for c in variants.candidates(_CAPABILITY, d)]
-# Every forward tile with each key tile's scores formed one step early (QK_AHEAD).
-AHEAD_CASES = [(d, dataclasses.replace(c, qk_ahead=True)) for d, c in CASES if not c.qk_ahead]
 BACKWARD_CASES = [(d, c) for d in (64, 128, 256)
                   for c in variants.candidates(_CAPABILITY, d, backward=True)]
 
@@ -44,7 +40,7 @@ def _inputs(head_dim, requires_grad=False, k_len=333):
             for s in shapes]
 
 
-@pytest.mark.parametrize("head_dim,config", CASES + AHEAD_CASES, ids=_ids(CASES + AHEAD_CASES))
+@pytest.mark.parametrize("head_dim,config", CASES, ids=_ids(CASES))
 def test_every_forward_variant(head_dim, config):
     q, k, v = _inputs(head_dim)
     out = torch.full((2, 4, 203, head_dim), torch.nan, device="cuda", dtype=q.dtype)
@@ -57,7 +53,7 @@ def test_every_forward_variant(head_dim, config):
 
 
 @pytest.mark.parametrize("mask_kind", ["additive", "bool"])
-@pytest.mark.parametrize("head_dim,config", CASES + AHEAD_CASES, ids=_ids(CASES + AHEAD_CASES))
+@pytest.mark.parametrize("head_dim,config", CASES, ids=_ids(CASES))
 def test_every_forward_variant_under_every_score_feature(head_dim, config, mask_kind):
     """The tuner may pick any candidate for a class with features: a two-sided window wide
     enough that some query tile has all three runs of key tiles (masked, unmasked, masked),
