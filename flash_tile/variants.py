@@ -298,8 +298,9 @@ _FORWARD_CANDIDATES = {
     # and not; bench/results/variants-h200-session15-fwd-qk-ahead-*), ported to today's kernel
     # (the SASS interleaves the next S's wgmmas with the exp2s; no spills on either tile): it
     # took 1.00-1.08x the time of 64x128 o2 at D=128 and 1.04-1.09x of 64x64 o3 at D=64 (o4
-    # spills 60 LDL/STL with it). Two to four CTAs per SM already keep the tensor cores fed
-    # through each other's softmax; the early S only adds its registers and the unused tile.
+    # spills 60 LDL/STL with it). The likely reason (not profiled): two to four CTAs per SM
+    # already feed the tensor cores through each other's softmax, and the early S only adds
+    # its live registers and one unused tile of S per program.
     # Dropped in session 6 too: 64x128, the D=256 default until then. It was never the fastest
     # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
     # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
