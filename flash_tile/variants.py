@@ -370,7 +370,7 @@ _FORWARD_CANDIDATES = {
     # deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3: 1.08-1.17x),
     # 1.05-1.13x of 64x128 o2 and 1.16-1.36x of 128x128 nww8 at D=128. A branch needs one answer
     # per CTA: tileiras forms it through shuffles, a shared-memory round trip and three named
-    # barriers per step (sm_90 SASS: 430 -> 463 instructions in the D=128 loop, 75 of them
+    # barriers per step (sm_90 SASS: 431 -> 463 instructions in the D=128 loop, 75 of them
     # skipped), a serial chain between the score wgmma and the P V wgmma that costs more than
     # the 64 FMULs a thread it saves; with two consumer warp groups it also ties them together.
     # Taking p against the stale max before the vote, so that the SASS interleaves the vote with
