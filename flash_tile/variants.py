@@ -366,8 +366,8 @@ _FORWARD_CANDIDATES = {
     # causal and not; bench/results/variants-h200-session15-fwd-lazy-rescale-*]: FA4's
     # conditional rescale, a LAZY_RESCALE switch that moved the reference max (and rescaled acc
     # and l_i) only at steps where some row's max rose past it by more than 2**8. Random scores
-    # skip it at every step after the first (a rise of 8 in log2 units is a score 8 standard
-    # deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3: 1.08-1.17x),
+    # should skip it at every step after the first (a rise of 8 in log2 units is a score about
+    # 8 standard deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3: 1.08-1.17x),
     # 1.05-1.13x of 64x128 o2 and 1.16-1.36x of 128x128 nww8 at D=128. A branch needs one answer
     # per CTA: tileiras forms it through shuffles, a shared-memory round trip and three named
     # barriers per step (sm_90 SASS: 431 -> 463 instructions in the D=128 loop, 75 of them
