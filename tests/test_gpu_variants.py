@@ -40,11 +40,15 @@ def _inputs(head_dim, requires_grad=False, k_len=333):
             for s in shapes]
 
 
+@pytest.mark.parametrize("offset", [333 - 203, 0], ids=["bottom-right", "top-left"])
 @pytest.mark.parametrize("head_dim,config", CASES, ids=_ids(CASES))
-def test_every_forward_variant(head_dim, config):
+def test_every_forward_variant(head_dim, config, offset):
+    """Causal aligned as flash-attn does (every row sees the first keys, so the first key
+    tiles are unmasked) and as torch does (the first query tile's first key tile is its
+    diagonal: masked, while its rows' running max is still -inf)."""
     q, k, v = _inputs(head_dim)
     out = torch.full((2, 4, 203, head_dim), torch.nan, device="cuda", dtype=q.dtype)
-    offset, window, scale = 333 - 203, (-1, 0), head_dim ** -0.5
+    window, scale = (-1, 0), head_dim ** -0.5
     _launch.launch_forward(q, k, v, out, None, None, None, scale, 0.0, offset, window, config)
     ref = attention_dense(q.float(), k.float(), v.float(), scale, offset, window)
     low = attention_dense(q, k, v, scale, offset, window)
