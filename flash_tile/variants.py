@@ -366,18 +366,18 @@ _FORWARD_CANDIDATES = {
     # causal and not; bench/results/variants-h200-session15-fwd-lazy-rescale-*]: FA4's
     # conditional rescale, a LAZY_RESCALE switch that moved the reference max (and rescaled acc
     # and l_i) only at steps where some row's max rose past it by more than 2**8. Random scores
-    # should skip it at every step after the first (a rise of 8 in log2 units is a score about
-    # 8 standard deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3: 1.08-1.17x),
-    # 1.05-1.13x of 64x128 o2 and 1.16-1.36x of 128x128 nww8 at D=128. A branch needs one answer
-    # per CTA: tileiras forms it through shuffles, a shared-memory round trip and three named
-    # barriers per step (sm_90 SASS: 431 -> 463 instructions in the D=128 loop, 75 of them
-    # skipped), a serial chain between the score wgmma and the P V wgmma that costs more than
-    # the 64 FMULs a thread it saves; with two consumer warp groups it also ties them together.
-    # Taking p against the stale max before the vote, so that the SASS interleaves the vote with
-    # 64 of the exp2s, took 1.33-1.38x (64x64 o4), 1.05-1.12x (64x128 o2) and 1.13-1.24x
-    # (D=256's 128x64 nww8) on the non-causal rows, and failed the tuner's check on every
-    # top-left causal row (not debugged; its GPU test, bottom-right causal and the score
-    # features, had passed).
+    # should skip it at every step after the first (a rise of 8 in log2 units is a score about 8
+    # standard deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3:
+    # 1.08-1.17x), 1.05-1.13x of 64x128 o2 and 1.16-1.36x of 128x128 nww8 at D=128. A branch
+    # needs one answer per CTA: tileiras forms it through shuffles, a shared-memory round trip
+    # and three named barriers per step (sm_90 SASS: 431 -> 463 instructions in the D=128 loop,
+    # 75 of them skipped), a serial chain between the score wgmma and the P V wgmma: the likely
+    # reason (not profiled) it costs more than the 64 FMULs a thread it saves, and with two
+    # consumer warp groups it makes them wait for each other. Taking p against the stale max
+    # before the vote, so that the SASS interleaves the vote with the exp2s, took 1.33-1.38x
+    # (64x64 o4), 1.05-1.12x (64x128 o2) and 1.13-1.24x (D=256's 128x64 nww8) on the non-causal
+    # rows, and failed the tuner's check on every top-left causal row (not debugged; its GPU
+    # test, bottom-right causal and the score features, had passed).
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
