@@ -215,24 +215,25 @@ def table(rows, memory):
     mem_names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "naive"]
     parts = []
     if rows:
-        head = ["B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
+        head = ["dtype", "B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
                 *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
         parts += [md_table(head, (
-            [r["batch"], r["heads"], r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
-             *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
+            [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+             "yes" if r["causal"] else "no", *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
              *(r["bwd_tflops"].get(n, "-") for n in names),
              f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-"]
             for r in rows)),
             "", "The backward alone on the device, calls queued (ms; vs cuDNN is cuDNN's time "
             "over flash_tile's):", "",
-            md_table(["L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN", "flash_tile variant"], (
-                [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+            md_table(["dtype", "L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN",
+                      "flash_tile variant"], (
+                [r["dtype"], r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
                  *(r["bwd_device_ms"].get(n, "-") for n in DEVICE_BACKENDS),
                  f"{r['bwd_device_ratio_vs_cudnn']:.2f}x" if r["bwd_device_ratio_vs_cudnn"]
                  else "-", r.get("variant", "-")] for r in rows)),
             "", "Peak memory of one forward+backward at each row's shape (MiB):", "",
-            md_table(["L", "D", "causal", *mem_names], (
-                [r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
+            md_table(["dtype", "L", "D", "causal", *mem_names], (
+                [r["dtype"], r["seqlen"], r["head_dim"], "yes" if r["causal"] else "no",
                  *(r["peak_mib"].get(n, _why_missing(r["skipped"].get(n, "")))
                    for n in mem_names)] for r in rows))]
     if memory:
