@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 import flash_tile
 from flash_tile import _ops, autotune, variants
@@ -205,6 +206,14 @@ def machine_info():
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def results_path(name, gpu=None):
+    """The headline results' path prefix for this GPU: ``bench/results/<name>-<gpu>``, the GPU
+    named by the last word of its name in lower case (``forward-h200`` on an NVIDIA H200)."""
+    gpu = gpu or torch.cuda.get_device_name(0)
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        f"{name}-{gpu.split()[-1].lower()}")
+
+
 def md_table(head, rows) -> str:
     """A Markdown table: the header cells, then one list of cells per row."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -264,19 +273,23 @@ def main():
                         choices=[n for n in BACKENDS[1:] if n != "sdpa_cudnn"],
                         help="baselines to leave out (reported as skipped); SDPA cuDNN is the "
                              "ratios' baseline and stays")
-    parser.add_argument("--out", default="bench/out/forward", help="output path prefix")
+    parser.add_argument("--out", help="output path prefix (default: the headline files, "
+                                       "bench/results/forward-<gpu>)")
     parser.add_argument("--replot", metavar="JSON",
                         help="redraw <out>.png and <out>.md (rows copied to <out>.json) from a "
                              "results file; no GPU needed")
     args = parser.parse_args()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
+        args.out = args.out or results_path("forward", saved["machine"]["gpu"])
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         save(saved["rows"], saved["machine"], args.out)
         plot(saved["rows"], args.out + ".png")
         return
 
+    args.out = args.out or results_path("forward")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runners, skipped = backends(args.skip)
     for name, why in skipped.items():
         print(f"{name}: {why}")
@@ -284,17 +297,17 @@ def main():
     info = machine_info()
     print(json.dumps(info))
     rows = []
-    for dtype in args.dtypes:
-        for head_dim in args.head_dims:
-            for length in args.lengths:
-                for causal in (False, True):
-                    row = bench_row(*grid_shape(length, head_dim), length,
-                                    head_dim, causal, DTYPES[dtype], runners, skipped)
-                    rows.append(row)
-                    bad = {n: s for n, s in row["skipped"].items() if n not in skipped}
-                    print(f"{dtype} L={length} D={head_dim} causal={causal}: {row['tflops']} "
-                          f"ratio_vs_cudnn={row['ratio_vs_cudnn']} {bad or ''}", flush=True)
-                    save(rows, info, args.out)  # after every row: a cut-short run keeps its rows
+    grid = [(dtype, head_dim, length, causal) for dtype in args.dtypes
+            for head_dim in args.head_dims for length in args.lengths
+            for causal in (False, True)]
+    for dtype, head_dim, length, causal in tqdm(grid, desc="forward grid", unit="row"):
+        row = bench_row(*grid_shape(length, head_dim), length, head_dim, causal,
+                        DTYPES[dtype], runners, skipped)
+        rows.append(row)
+        bad = {n: s for n, s in row["skipped"].items() if n not in skipped}
+        tqdm.write(f"{dtype} L={length} D={head_dim} causal={causal}: {row['tflops']} "
+                   f"ratio_vs_cudnn={row['ratio_vs_cudnn']} {bad or ''}")
+        save(rows, info, args.out)  # after every row: a cut-short run keeps its rows
     print(table(rows))
     plot(rows, args.out + ".png")
 

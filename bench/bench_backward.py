@@ -12,7 +12,7 @@ microseconds). A second table times the backward alone on the GPU: the backward 
 stored forward, calls queued behind a sleep (``bench_attention.device_ms``), for flash_tile
 and SDPA's cuDNN and FLASH backends, in interleaved rounds.
 
-    python bench/bench_backward.py --out bench/out/backward
+    python bench/bench_backward.py        # bf16 and fp16: bench/results/backward-<gpu>.*
 
 Writes <out>.json, <out>.md (the tables) and <out>.png (backward-only TFLOP/s); the JSON after
 every row, so that a run cut short keeps what it measured, and ``--replot JSON`` writes the
@@ -27,10 +27,12 @@ import os
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 import flash_tile
 from bench_attention import (_peak_bytes, _sdpa, backends, chosen_variant, device_ms, failure,
-                             machine_info, md_table, plot, save_json, time_all, write_report)
+                             machine_info, md_table, plot, results_path, save_json, time_all,
+                             write_report)
 from flash_tile._timing import DTYPES, flops, grid_shape, interleaved_ms
 from flash_tile.reference import check_error
 
@@ -262,7 +264,8 @@ def write_results(out, info, rows, memory, dropout, label):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(DTYPES),
+                        help="the grid's dtypes (the memory and dropout rows use the first)")
     parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 4096, 16384],
                         help="the grid's lengths (none: memory and dropout rows only)")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
@@ -275,7 +278,8 @@ def main():
                         choices=["tilegym", "naive", "sdpa_flash", "sdpa_efficient"],
                         help="baselines to leave out (TileGym tunes its backward kernels on "
                              "each new shape: minutes per row)")
-    parser.add_argument("--out", default="bench/out/backward", help="output path prefix")
+    parser.add_argument("--out", help="output path prefix (default: the headline files, "
+                                       "bench/results/backward-<gpu>)")
     parser.add_argument("--replot", metavar="JSON",
                         help="redraw <out>.md and <out>.png (results copied to <out>.json) from "
                              "a results file, such as one a run cut short left; no GPU needed")
@@ -283,16 +287,17 @@ def main():
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
+        args.out = args.out or results_path("backward", saved["machine"]["gpu"])
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         sections = {name: saved.get(name, []) for name in ("rows", "memory", "dropout")}
         save_json(args.out, saved["machine"], **sections)
         names = {str(torch_dtype).removeprefix("torch."): name
                  for name, torch_dtype in DTYPES.items()}
-        label = ", ".join(sorted({names[r["dtype"]] for r in saved["rows"]})) or args.dtype
+        label = ", ".join(sorted({names[r["dtype"]] for r in saved["rows"]}))
         print(write_results(args.out, saved["machine"], **sections, label=label))
         return
-    dtype = DTYPES[args.dtype]
     info = machine_info()
+    args.out = args.out or results_path("backward")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runners, missing = backends(args.skip, "tile_fmha_with_backward")
     rows, memory, dropout = [], [], []
@@ -300,26 +305,25 @@ def main():
     def save():  # after every row: a run cut short keeps what it measured
         save_json(args.out, info, rows=rows, memory=memory, dropout=dropout)
 
-    for head_dim in args.head_dims:
-        for length in args.lengths:
-            for causal in (False, True):
-                rows.append(bench_row(*grid_shape(length, head_dim), length, head_dim, causal,
-                                      dtype, runners, missing))
-                r = rows[-1]
-                print(f"L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
-                      f"bwd {r['bwd_tflops']} device ms {r['bwd_device_ms']} {r['skipped'] or ''}",
-                      flush=True)
-                save()
+    grid = [(dtype, head_dim, length, causal) for dtype in args.dtypes
+            for head_dim in args.head_dims for length in args.lengths for causal in (False, True)]
+    for name, head_dim, length, causal in tqdm(grid, desc="backward grid", unit="row"):
+        rows.append(bench_row(*grid_shape(length, head_dim), length, head_dim, causal,
+                              DTYPES[name], runners, missing))
+        r = rows[-1]
+        tqdm.write(f"{name} L={length} D={head_dim} causal={causal}: fwd+bwd {r['fwd_bwd_tflops']} "
+                   f"bwd {r['bwd_tflops']} device ms {r['bwd_device_ms']} {r['skipped'] or ''}")
+        save()
     for length in args.memory_lengths:
-        memory.append(memory_row(length, dtype, runners, missing))
+        memory.append(memory_row(length, DTYPES[args.dtypes[0]], runners, missing))
         print(f"memory L={length}: {memory[-1]['peak_mib']}", flush=True)
         save()
     for dropout_p in args.dropout:
         for head_dim in args.head_dims:
-            dropout.append(dropout_row(4096, head_dim, dropout_p, dtype))
+            dropout.append(dropout_row(4096, head_dim, dropout_p, DTYPES[args.dtypes[0]]))
             print(f"dropout p={dropout_p} D={head_dim}: {dropout[-1]['tflops']}", flush=True)
             save()
-    print(write_results(args.out, info, rows, memory, dropout, args.dtype))
+    print(write_results(args.out, info, rows, memory, dropout, ", ".join(args.dtypes)))
 
 
 if __name__ == "__main__":

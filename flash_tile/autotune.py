@@ -28,9 +28,10 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
+from tqdm import tqdm
 
 from flash_tile import variants
 from flash_tile._timing import cuda_time_ms, interleaved_ms
@@ -114,16 +115,18 @@ def _agree(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> bool:
 def tune(configs: Sequence[variants.TileConfig],
          run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]],
          time_ms: Callable[[Callable[[], object]], float] | None = None,
-         log: Callable[[str], None] | None = None) -> tuple[variants.TileConfig, dict]:
+         log: Callable[[str], None] | None = None,
+         progress: Callable[[Sequence], Iterable] = iter) -> tuple[variants.TileConfig, dict]:
     """Time ``run(config)`` for each config (the first is the default and the reference) and
     return the fastest whose outputs agree with the default's, with every candidate's result:
     milliseconds (the median of its rounds), or why it was rejected. Every candidate is
-    checked (and so compiled) first, then timed once per round."""
+    checked (and so compiled) first, through ``progress(configs)`` (a progress bar), then
+    timed once per round."""
     time_ms = time_ms or (lambda fn: cuda_time_ms(fn, _WARMUP, _ITERS))
     log = log or (lambda line: None)
     reference = [t.clone() for t in run(configs[0])]
     results, checked = {}, []
-    for config in configs:
+    for config in progress(configs):
         name = describe(config)
         try:
             if _agree(run(config), reference):
@@ -281,11 +284,13 @@ def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig
         return configs[0]
 
     def log(line):
-        print(f"flash_tile autotune: {line}", file=sys.stderr, flush=True)
+        tqdm.write(f"flash_tile autotune: {line}", file=sys.stderr)
 
     log(f"tuning {key} over {len(configs)} variants (once per machine; "
         f"{ENV_SWITCH}=0 skips it)")
-    best, results = tune(configs, run, log=log)
+    progress = functools.partial(tqdm, desc="flash_tile autotune: compiling and checking",
+                                 unit="variant", file=sys.stderr, leave=False)
+    best, results = tune(configs, run, log=log, progress=progress)
     log(f"  -> {describe(best)}")
     cache.put(key, best, results)
     return best

@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 import torch
+from tqdm import tqdm
 
 from flash_tile import _timing, _validate, aot, autotune, variants
 
@@ -180,10 +181,11 @@ def tune(args):
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     grid = [(dt, d, n, c) for dt in args.dtypes for d in args.head_dims for n in args.lengths
             for c in causals]
-    for i, (dtype, head_dim, length, causal) in enumerate(grid, 1):
+    bar = tqdm(grid, desc="flash-tile tune", unit="shape")
+    for dtype, head_dim, length, causal in bar:
         batch, heads = _timing.grid_shape(length, head_dim, args.tokens, args.width)
-        print(f"[{i}/{len(grid)}] {dtype} D={head_dim} L={length} causal={causal} "
-              f"(B={batch}, H={heads})", flush=True)
+        bar.set_postfix_str(f"{dtype} D={head_dim} L={length} causal={causal} "
+                            f"(B={batch}, H={heads})")
         q, k, v = (torch.randn(batch, length, heads, head_dim, device="cuda",
                                dtype=_timing.DTYPES[dtype], requires_grad=args.backward)
                    for _ in range(3))

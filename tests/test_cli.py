@@ -37,35 +37,48 @@ def test_demo_without_gpu_compiles_and_runs_the_twin(capsys):
 
 
 def test_bench_runs_the_source_tree_scripts(tmp_path):
-    """`flash-tile bench forward --replot` redraws the committed H200 results (no GPU)."""
+    """`flash-tile bench forward --replot` redraws the committed H200 headline (no GPU): every
+    row of the JSON is a row of the table, with its ratio to cuDNN."""
+    import json
     import pathlib
 
     results = pathlib.Path(__file__).parent.parent / "bench" / "results" / "forward-h200.json"
     out = tmp_path / "replot"
     assert main(["bench", "forward", "--replot", str(results), "--out", str(out)]) == 0
     table = (tmp_path / "replot.md").read_text()
-    assert "| bfloat16 | 4 | 16 | 4096 | 128 | yes | 492.0 |" in table
+    rows = json.loads(results.read_text())["rows"]
+    for r in rows:
+        cells = [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                 "yes" if r["causal"] else "no", r["tflops"]["flash_tile"]]
+        assert "| " + " | ".join(map(str, cells)) + " |" in table, cells
+        assert f"| {r['ratio_vs_cudnn']:.2f}x |" in table
+    assert table.count("\n| ") == len(rows) + 1  # the header and one line a row
     assert (tmp_path / "replot.png").stat().st_size > 10_000
 
 
 def test_bench_backward_replots_a_run_cut_short(tmp_path):
     """`flash-tile bench backward --replot` writes the tables and plot of a results file (a run
-    stopped by its time limit leaves only the JSON), with the dtype and the left-out baselines
+    stopped by its time limit leaves only the JSON), with the dtypes and the left-out baselines
     read from its rows."""
     import json
     import pathlib
 
     results = (pathlib.Path(__file__).parent.parent / "bench" / "results" /
-               "backward-h200-fp16-session12-tilegym.json")
+               "backward-h200.json")
+    saved = json.loads(results.read_text())
+    cut = tmp_path / "cut.json"  # the first three rows, as a run stopped early leaves them
+    cut.write_text(json.dumps({"machine": saved["machine"], "rows": saved["rows"][:3]}))
     out = tmp_path / "replot"
-    assert main(["bench", "backward", "--replot", str(results), "--out", str(out)]) == 0
+    assert main(["bench", "backward", "--replot", str(cut), "--out", str(out)]) == 0
     table = (tmp_path / "replot.md").read_text()
-    assert table.startswith("Forward+backward and backward-only TFLOP/s (fp16) on NVIDIA H200")
-    assert "| 1 | 32 | 16384 | 64 | yes | 339.2 | 425.9 | 277.6 | - | 125.0 |" in table
-    assert "| 16384 | 64 | no | 16.3461 | 12.1602 | 19.3128 | 0.74x | 64x64 occupancy=2 |" in table
-    assert table.rstrip().endswith("Left out (--skip): naive, sdpa_efficient.")
-    assert json.loads((tmp_path / "replot.json").read_text())["rows"] == \
-        json.loads(results.read_text())["rows"]
+    assert table.startswith("Forward+backward and backward-only TFLOP/s (bf16) on NVIDIA H200")
+    for r in saved["rows"][:3]:
+        cells = [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                 "yes" if r["causal"] else "no", r["fwd_bwd_tflops"]["flash_tile"]]
+        assert "| " + " | ".join(map(str, cells)) + " |" in table, cells
+        assert f"| {r['bwd_device_ratio_vs_cudnn']:.2f}x | {r['variant']} |" in table
+    assert table.rstrip().endswith("Left out (--skip): naive, sdpa_efficient, tilegym.")
+    assert json.loads((tmp_path / "replot.json").read_text())["rows"] == saved["rows"][:3]
     assert (tmp_path / "replot.png").stat().st_size > 10_000
 
 

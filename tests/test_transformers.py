@@ -52,23 +52,30 @@ def test_registered(name):
     assert name in AttentionMaskInterface._global_mapping
 
 
-def test_the_flash_attn_preload_is_skipped_only_for_flash_tile(monkeypatch):
-    from transformers import modeling_flash_attention_utils, modeling_utils
+def test_the_preload_skip_passes_every_other_call_through():
+    calls = []
 
-    wrapper = modeling_utils.lazy_import_flash_attention
-    assert wrapper("flash_tile") is None and wrapper("cutile") is None
-    seen = []
-    monkeypatch.setattr(modeling_flash_attention_utils, "_lazy_imports",
-                        lambda *a, **k: seen.append(a) or (None,) * 5)
-    # The loader stores what it loads in module globals: put them back afterwards.
-    for name in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn",
-                 "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn", "_process_flash_kwargs_fn",
-                 "_process_with_kvcache_kwargs_fn"):
-        monkeypatch.setattr(modeling_flash_attention_utils, name,
-                            getattr(modeling_flash_attention_utils, name, None), raising=False)
-    monkeypatch.setattr(modeling_flash_attention_utils, "_loaded_implementation", None)
-    wrapper("flash_attention_2")  # another name reaches transformers' own loader
-    assert seen and seen[0][0] == "flash_attention_2"
+    def loader(implementation, *args, **kwargs):
+        calls.append((implementation, args, kwargs))
+        return "loaded"
+
+    wrapper = flash_tile_hf.skip_preload_for_flash_tile(loader)
+    assert wrapper("flash_tile") is None and wrapper("cutile") is None and not calls
+    assert wrapper("flash_attention_2", None, allow_all_kernels=True) == "loaded"
+    assert calls == [("flash_attention_2", (None,), {"allow_all_kernels": True})]
+    assert flash_tile_hf.skip_preload_for_flash_tile(wrapper) is wrapper  # not wrapped twice
+
+
+def test_loading_by_name_needs_no_flash_attn(monkeypatch):
+    # Through transformers' public API only: loading a model under flash_tile's names must
+    # not ask for flash-attn (not installed here), whatever this transformers' loader does.
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    for name in NAMES:
+        model = _model("llama", name)
+        assert model.config._attn_implementation == name
+        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(name)
+        assert model.config._attn_implementation == name
 
 
 @pytest.mark.parametrize("name", NAMES)

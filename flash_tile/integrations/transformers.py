@@ -17,17 +17,23 @@ mask. Attention dropout (``dropout``, which models pass only while training) run
 kernels.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
-flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``): when a model is
-loaded or switched to it, ``modeling_utils`` preloads flash-attn's functions through
-``lazy_import_flash_attention``, which for any name that is neither flash-attn nor a Hub
-kernel fails. flash_tile's attention function never uses that loader, so this module wraps
-it to skip the preload for flash_tile's names only (every other name reaches the original).
-"cutile" needs no such wrapper and stays as the name that does not depend on it. A model
-class that lists ``_compatible_flash_implementations`` (a few in transformers 5.24, e.g.
-granite_swa) swaps any "flash*" name for its own kernel, with a warning: use "cutile" there.
+flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``). That is what flash_tile
+wants for the packed and decode paths (transformers then passes ``cu_seq_lens_q/k`` instead of
+building dense masks), but it also makes ``modeling_utils`` preload flash-attn's functions
+through ``lazy_import_flash_attention`` when a model is loaded or switched to the name, and for a
+name that is neither flash-attn nor a Hub kernel that preload fails. transformers offers no
+public way to register a local kernel with that loader, so this module wraps the loader: the
+wrapper returns at once for flash_tile's names and hands every other name, with all its
+arguments, to the original. It is installed wherever transformers has that loader (4.56 calls
+it only for names starting with "flash_attention", so there it never sees flash_tile's names;
+tested on 4.56.2 and 5.24.0, both in CI). "cutile" needs no
+wrapper and stays as the name that does not depend on it. A model class that lists
+``_compatible_flash_implementations`` (a few in transformers 5.24, e.g. granite_swa) swaps any
+"flash*" name for its own kernel, with a warning: use "cutile" there.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -79,26 +85,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
 
 
-def _skip_flash_attn_preload_for_flash_tile() -> None:
-    """Wrap ``transformers.modeling_utils.lazy_import_flash_attention`` (see the module
-    docstring) so that it returns at once for flash_tile's names; idempotent."""
-    from transformers import modeling_utils
+def skip_preload_for_flash_tile(loader: Callable) -> Callable:
+    """``loader`` (transformers' ``lazy_import_flash_attention``) wrapped so that flash_tile's
+    names return None at once (flash_tile's attention function does not use flash-attn's
+    functions) and every other call reaches ``loader`` unchanged; a wrapper is not wrapped
+    again."""
+    if getattr(loader, "flash_tile_wrapper", False):
+        return loader
 
-    original = modeling_utils.lazy_import_flash_attention
-    if getattr(original, "flash_tile_wrapper", False):
-        return
-
-    @functools.wraps(original)
+    @functools.wraps(loader)
     def lazy_import_flash_attention(implementation, *args, **kwargs):
         if implementation in NAMES:
-            return None  # flash_tile's attention function does not use the flash-attn loader
-        return original(implementation, *args, **kwargs)
+            return None
+        return loader(implementation, *args, **kwargs)
 
     lazy_import_flash_attention.flash_tile_wrapper = True
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+    return lazy_import_flash_attention
+
+
+def _install_preload_skip() -> None:
+    """Wrap ``modeling_utils.lazy_import_flash_attention`` where this transformers has it."""
+    from transformers import modeling_utils
+
+    loader = getattr(modeling_utils, "lazy_import_flash_attention", None)
+    if callable(loader):
+        modeling_utils.lazy_import_flash_attention = skip_preload_for_flash_tile(loader)
 
 
 for _name in NAMES:
     AttentionInterface.register(_name, attention_forward)
     AttentionMaskInterface.register(_name, sdpa_mask)
-_skip_flash_attn_preload_for_flash_tile()
+_install_preload_skip()
