@@ -8,8 +8,8 @@ make_fx, a dispatch mode, tensor subclasses); in plain eager mode the op's own b
 a ``torch.autograd.Function`` with the same context and backward when a gradient is needed.
 All run the same code and launch the same kernels; the eager path only skips the
 dispatcher's work for a Python custom op, which costs more than the small problems' kernels
-do (H200 host, session 8: 84 / 170 us per call through the op without / with a gradient,
-48 / 68 us eager; bench/results/launch-h200-session8.md).
+do (H200 host, 2026-12-01, commit e164690: 84 / 170 us per call through the op without / with
+a gradient, 48 / 68 us eager; docs/experiments/evidence/2026-12-01-launch-h200-e164690.md).
 
 ``attention_forward`` takes [B, H, L, D] views (any strides with a unit last stride; K/V may
 have fewer heads, GQA) and returns the output as [B, H, Lq, Dv] whose memory is laid out as

@@ -73,44 +73,38 @@ def tile_width(dim: int, least: int = 16) -> int:
     return max(least, 1 << max(dim - 1, 0).bit_length())
 
 
+# Timings: NVIDIA H200, cuda-tile 1.7.0 / tileiras 13.4, the benchmark grid's rows (B*L = 16k
+# tokens, H*D = 2048), causal and not unless named; "0.9x" is a time over the named tile's.
+# Spill counts (LDL/STL) and registers are from cuobjdump of tileiras 13.4 cubins.
+
 # Hopper, 64<D<=128: 128x128 with 8 worker warps, two consumer warp groups of 64 rows each (FA3's
-# split of a 128-row tile; 168 registers, no spills, 133 KB of shared memory at D=128). The
-# autotuner on the H200 [session 5, 2026-11-30, bf16 and fp16, cuda-tile 1.7.0 / tileiras
-# 13.4, B*L = 16k, H*D = 2048, three runs; every candidate's time in
-# bench/results/tuning-h200-session5.json]: at D=128 it won 22 of 26 classes, 2-20% ahead of
-# 64x64 o2 from 2k on (1.83 against 2.08 ms at 16k causal, bf16); at 1k the runs disagree
-# (64x64 o2 or 128x64 o2 ahead by 0.4-7%). At D=64 it won 15 of the 16 classes at L 4k-16k,
-# by 0.1-7.8% over 128x64 o2, and lost 1k/2k by 2-12% (1k: 0.377 against 0.343 ms), where the
-# tuner picks 128x64 o2. It was the D<=64 default too until session 11 (SM90_THREE_CTAS below).
-# Earlier sessions (bench/results/tuning-h200*.json, before the 8-warp candidates existed)
-# had 128x64 o2 ahead at D=64 and 64x64 o2 / 128x64 o2 trading places at D=128; the
-# occupancy hint moved a plain 64x64 forward from about 400 to about 510 TFLOP/s, and 128x128
-# without the 8-warp hint fell to about 250 (255 registers, 620 LDL/STL).
-# - D=256: 128x64 with 8 worker warps, the two-group split again (no spills). It won all 10
-#   bf16 classes (L 1k-16k, causal and not) [H200, session 6, 2026-11-30, same stack;
-#   bench/results/tuning-h200-session6.json], 9.5-17% ahead of 64x128, the default until then
-#   (3.30 against 3.72 ms at 16k, non-causal), and 27-44% ahead of 64x64 o2. 128x64 spills
-#   without the 8-warp hint.
+# split of a 128-row tile; 168 registers, no spills, 133 KB of shared memory at D=128; without
+# the 8-warp hint 255 registers, 620 LDL/STL and about 250 TFLOP/s). At D=128 the tuner's pick
+# in 22 of 26 classes, 2-20% ahead of 64x64 o2 from 2k on (1.83 against 2.08 ms at 16k causal,
+# bf16); at 1k the runs disagree (64x64 o2 or 128x64 o2 ahead by 0.4-7%) [H200, 2026-11-30,
+# bf16 and fp16, three runs; every candidate's time in
+# docs/experiments/evidence/2026-11-30-tuning-h200-d7e2113.json].
 SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 # D<=64: three CTAs per SM, each one consumer warp group on 64x64 at 80 registers (no spills
 # with dropout, a boolean mask, or a window with softcap, ALiBi and a mask; 26-55 KB of shared
-# memory a CTA) [H200, session 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal
-# and not]: 0.813-0.967x the time of SM90_TWO_GROUPS, the default until then, on every row.
-# More CTAs in flight overlap one CTA's softmax with another's wgmmas, the overlap tileiras
-# does not build inside a CTA (docs/kernel-internals.md). Four CTAs (64 registers) took
-# 0.772-0.953x but spill under a mask (32 LDL/STL; 141 with the score features; 2 under
-# dropout), so that one is a candidate. At D=128 the accumulator alone is 64 registers a
-# thread and tileiras keeps 128 whatever the hint: no third CTA fits there.
+# memory a CTA): 0.813-0.967x the time of SM90_TWO_GROUPS on every row [H200, 2026-12-01, bf16,
+# bench_variants.py, L 1k/4k/16k;
+# docs/experiments/evidence/2026-12-01-variants-h200-fwd-d64-o3o4.md]. Four CTAs took
+# 0.772-0.953x but spill (below). At D=128 the accumulator alone is 64 registers a thread and
+# tileiras keeps 128 whatever the hint: no third CTA fits.
 SM90_THREE_CTAS = TileConfig(tile_m=64, tile_n=64, occupancy=3)
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
+# D=256: 128x64 with 8 worker warps, the two-group split again (no spills; it spills without
+# the hint): it won all 10 bf16 classes (L 1k-16k), 9.5-17% ahead of 64x128 (3.30 against
+# 3.72 ms at 16k, non-causal) and 27-44% ahead of 64x64 o2 [H200, 2026-11-30;
+# docs/experiments/evidence/2026-11-30-tuning-h200-24330b4.json].
 SM90_WIDE = TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)
 
 # Ampere and Ada: 64x32 with 8 worker warps compiles with no spill at D=64 and D=128 (162 and
-# 219 registers with session 7's heaviest-first index; cp.async + 128-bit loads); 64x64
-# spills 16 LDL/STL at D=64. Above D=128 64x32 spills (434 at D=256) and 32x32 with 8 worker
-# warps does not (227 registers). [2026-11-30, cuobjdump of tileiras 13.4 cubins for sm_80
-# with the JIT's shape/stride specialisation reproduced (flash_tile.aot); not yet timed on
-# such a GPU.]
+# 219 registers with the heaviest-first query index of f69088c; cp.async + 128-bit loads);
+# 64x64 spills 16 LDL/STL at D=64. Above D=128 64x32 spills (434 at D=256) and 32x32 with 8
+# worker warps does not (227 registers). [2026-11-30, sm_80 cubins with the JIT's shape/stride
+# specialisation reproduced (flash_tile.aot); not yet timed on such a GPU.]
 SM80_DEFAULT = TileConfig(tile_m=64, tile_n=32, num_worker_warps=8)
 SM80_WIDE = TileConfig(tile_m=32, tile_n=32, num_worker_warps=8)
 
@@ -120,7 +114,7 @@ SM100_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 
 # Blackwell consumer (sm_120, mma.sync + TMA): 64x64 has no spill up to D=128; at D=256 it
 # spills (440 LDL/STL); 32x64 with 8 worker warps does not (168 registers) [2026-11-30,
-# cuobjdump of tileiras 13.4 cubins; not yet timed on such a GPU].
+# tileiras 13.4 cubins; not yet timed on such a GPU].
 SM120_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 
@@ -162,75 +156,66 @@ def _lookup(table, capability, head_dim):
     raise ValueError(f"no tile config for head dim {head_dim}: the largest is {max_dim}")
 
 
-# The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the forward.
-# First choices, from cuobjdump of tileiras 13.4 cubins [2026-11-30], not yet timed; each compiles
-# the dK/dV and dQ kernels with no spill at D=64 and D=128 for GQA groups of 1 and 4 (without
-# dropout: with GQA 4 and dropout sm_90's D=128 default spills 145 LDL/STL in dK/dV, session 7). On
-# the way: sm_90 64x64 spills 1913 LDL/STL in dK/dV at D=64 (8 worker warps remove them, and add 323
-# at D=128); on sm_80 and sm_120 the spills (400-2500 at every shape tried) came from walking the
-# GQA group's heads in an outer loop: with the heads inside each query tile (group_inner) and 8
-# worker warps they are gone. The same order spills ~3000 on sm_90. On sm_90 the autotuner's winners
-# on the H200 are the defaults [2026-11-30, bf16 and fp16, L 1k-16k,
-# bench/results/tuning-h200-grid.json]: at D<=64 64x128 with 8 worker warps (4.89 ms against 6.79
-# for the former default 64x64 nww8 and 5.59 for 128x64 nww8 at 4k; it won 10 of 12 classes, 64x64
-# the other two by 1%); it also compiles without spills for GQA 4 with dropout, where 64x64 nww8
-# spilled 1601 LDL/STL. At D=128 128x64 with 8 worker warps (3.66 against 4.05 for 64x64 at 4k,
-# every class). Those were one shape for both kernels. Timed kernel by kernel [H200, session 7,
-# 2026-11-30, bf16, same stack, L 1k/4k/16k, five interleaved rounds; NOTES.md], each wants its own
-# rows tall and its steps narrow: dQ at D=64 ran 0.47-0.73x as long with 128x64 as with 64x128 (3.18
-# against 5.15 ms at 16k causal), and dK/dV at D=128 0.79-0.86x as long with 64x128 as with 128x64
-# (4.04 against 5.13 ms at 16k causal); the other two kernels were already on their best shape
-# (dK/dV 128x128 at D=64 within 1.5% of 64x128). So SM90_BACKWARD runs dK/dV on 64x128 and dQ on
-# 128x64, both with 8 worker warps: the D<=64 default until session 10 (no spills with GQA, dropout,
-# softcap, ALiBi and a mask). At D=128 its dK/dV spills under the score features: 16 LDL/STL with
-# dropout, 38 with GQA 4 and dropout, 191 with a window, softcap, ALiBi and a mask, where 128x64
-# spills 0, 145 and 0. The mask case decides: it is a candidate there and 128x64 was the untuned
-# default until session 11; the autotuner picks per feature class (session 7: the new shape in
-# every plain class, 128x64 with dropout). At D=256 on sm_90 64x64 spills 1172 in dK/dV; with 8
-# worker warps none (32x64, 64x32 and 32x32 all spill 380-740 in one kernel or the other while
-# both kernels share a shape). On sm_80/sm_120 32x32 still spills at D=256 (592/198 and 479), and
-# on sm_100 64x64 with 8 worker warps spills 1080 there.
+# The backward holds dK and dV (or dQ) accumulators beside K and V: more registers than the
+# forward. On sm_80 and sm_120 walking the GQA group's heads in an outer loop spilled 400-2500
+# LDL/STL at every shape tried; with the heads inside each query tile (group_inner) and 8
+# worker warps the D<=128 tiles spilled none (that order spills ~3000 on sm_90). At D=256
+# 32x32 still spilled on sm_80/sm_120 (592/198 and 479) and sm_100's 64x64 with 8 worker warps
+# 1080 [2026-11-30; not yet timed on such GPUs; today's counts: tests/test_aot.py's
+# BACKWARD_SPILLS].
+# SM90_BACKWARD, an sm_90 candidate at D<=128: each kernel timed alone wants its rows tall and
+# its steps narrow: dQ at D=64 ran 0.47-0.73x as long on 128x64 as on 64x128 (3.18 against
+# 5.15 ms at 16k causal), dK/dV at D=128 0.79-0.86x as long on 64x128 as on 128x64 (4.04
+# against 5.13 ms at 16k causal) [H200, 2026-11-30, bf16, L 1k/4k/16k, five interleaved
+# rounds; docs/experiments/evidence/2026-11-30-experiments-h200.md]. No spills at D<=64 with
+# GQA, dropout, softcap, ALiBi and a mask; at D=128 its dK/dV spills 16 LDL/STL with dropout,
+# 38 with GQA 4 and dropout, 191 with a window, softcap, ALiBi and a mask (128x64 nww8: 0, 145
+# and 0).
 SM90_BACKWARD = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, dq_tile_m=128,
                            dq_tile_n=64)
-# At D=256 on sm_90 the dQ kernel owns 128 query rows and steps 32 keys (dK/dV as before, 64x64
-# with 8 worker warps): the whole backward took 0.81-0.85x the time of 64x64 for both kernels
-# on every bf16 row (L 1k/4k/16k, causal and not; bench_variants, H200, session 8); dQ stepping
-# 32 keys with 64 rows took 1.00-1.19x and dK/dV stepping 32 queries (dQ on 128x32)
-# 1.06-1.11x, each against that former default. SASS (tileiras 13.4): the 128x32 dQ spills
-# none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and dropout; 128x64 spills 2380.
+# D=256 on sm_90: dK/dV on 64x64 with 8 worker warps (without the hint it spills 1172 LDL/STL),
+# dQ owning 128 query rows and stepping 32 keys: the whole backward took 0.81-0.85x the time of
+# 64x64 for both kernels on every bf16 row; dQ stepping 32 keys with 64 rows took 1.00-1.19x
+# and dK/dV stepping 32 queries (dQ on 128x32) 1.06-1.11x [H200, 2026-12-01, bench_variants.py,
+# L 1k/4k/16k; docs/experiments/evidence/2026-12-01-variants-h200-d256-backward.md]. The 128x32
+# dQ spills none plain, 7 LDL/STL with a window, softcap, ALiBi, a mask and dropout; 128x64
+# spills 2380.
 SM90_BACKWARD_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, dq_tile_m=128,
                                 dq_tile_n=32)
-# Two CTAs per SM instead of two consumer warp groups in one, both kernels on 64x64 [H200,
-# session 10, 2026-12-01, bf16, bench_variants.py, interleaved rounds, L 1k/4k/16k, causal and
-# not]: 0.907-0.99x the time of SM90_BACKWARD at D=64 and 0.812-0.914x that of 128x64 nww8 at
-# D=128, every row. The D<=64 default: no spills with GQA 4, dropout and the LSE's gradient,
-# nor with a window, softcap, ALiBi and a mask (sm_90 SASS, 128 registers). At D=128 its dK/dV
-# spills 108 LDL/STL under dropout (120 since session 13), so there it is the default of plain
-# classes only (_PLAIN_BACKWARD) and a candidate for the others.
+# Two CTAs per SM instead of two consumer warp groups in one, both kernels on 64x64:
+# 0.907-0.99x the time of SM90_BACKWARD at D=64 and 0.812-0.914x that of 128x64 nww8 at D=128,
+# every row [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k;
+# docs/experiments/evidence/2026-12-01-variants-h200-bwd-o2.md]. The D<=64 default: no spills
+# with GQA 4, dropout and the LSE's gradient, nor with a window, softcap, ALiBi and a mask
+# (sm_90 SASS, 128 registers). At D=128 its dK/dV spills 120 LDL/STL under dropout (108 before
+# the scale-once change, 23d1e78), so there it is the default of plain classes only
+# (_PLAIN_BACKWARD) and a candidate for the others.
 SM90_BACKWARD_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2)
-# The D=128 default under dropout and the score features (plain classes take SM90_BACKWARD_O2
-# since session 13: _PLAIN_BACKWARD): two CTAs per SM with dK/dV stepping 32 queries, dQ on
-# 64x64 [H200, session 11, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k, causal and not]:
-# 0.891-0.983x the time of 128x64 nww8 (the default until then) on every row;
-# SM90_BACKWARD_O2 took 0.812-0.919x in the same run. Unlike it, this tile compiles without
-# spills at D=128 under dropout, GQA 4 with dropout and the LSE's gradient, and a window with
-# softcap, ALiBi and a mask (sm_90 SASS, tileiras 13.4). Under GQA without dropout its dK/dV
-# spills 268-283 (found in session 13; 22 with GQA 4 and a bool mask, where SM90_BACKWARD_O2
-# spills 44). Registered up to D=128, it is a D=64 candidate too; the tuner's own timings
-# there (session 12's fp16 backward grid, bench/results/backward-h200-fp16-session12*.json)
-# put it at 1.19-1.39x the time of the D<=64 default on every row.
+# The D=128 default under dropout and the score features (plain classes: _PLAIN_BACKWARD): two
+# CTAs per SM with dK/dV stepping 32 queries, dQ on 64x64: 0.891-0.983x the time of 128x64
+# nww8 on every row, where SM90_BACKWARD_O2 took 0.812-0.919x [H200, 2026-12-01, bf16,
+# bench_variants.py, L 1k/4k/16k;
+# docs/experiments/evidence/2026-12-01-variants-h200-bwd-d128-32x64o2.md]. Unlike
+# SM90_BACKWARD_O2 it compiles without spills at D=128 under dropout, GQA 4 with dropout and
+# the LSE's gradient, and a window with softcap, ALiBi and a mask (sm_90 SASS); under GQA
+# without dropout its dK/dV spills 268-283 (22 with GQA 4 and a bool mask, where
+# SM90_BACKWARD_O2 spills 44) [2026-12-01, after 23d1e78]. Registered up to D=128; at D=64
+# the tuner put it at 1.19-1.39x the time of the D<=64 default on every row [H200, 2026-12-01,
+# fp16; docs/experiments/evidence/2026-12-01-backward-h200-fp16-{a7677c0,tilegym}.json].
 SM90_BACKWARD_O2_NARROW = TileConfig(tile_m=32, tile_n=64, occupancy=2, dq_tile_m=64,
                                      dq_tile_n=64)
 # dK/dV stepping 128 queries over its 64 keys, dQ on 64x64, two CTAs per SM: the shape TileGym
 # 1.5.1's tuner took for its dK/dV at D=64 (its backward ran 1.05-1.29x flash_tile's fp16 rate
-# there on every row but 1k causal, session 12). [H200, session 12, 2026-12-01, bf16,
-# bench_variants.py --backward, L 1k/4k/16k, causal and not]: 0.906-0.988x the time of
-# SM90_BACKWARD_O2 on every row; with the scale applied once (session 13, both kernels so
-# changed, same rows) 0.906-0.980x. Its dK/dV spills 23-35 LDL/STL plain (584 under dropout,
-# 998 with a window, softcap, ALiBi and a mask; sm_90 SASS, tileiras 13.4; 26-52 plain before
-# session 13), so it is a D<=64 candidate, which the tuner times per feature class, and not
-# the default. In the same run dQ on 64x128 (TileGym's dQ shape) took
-# 1.005-1.039x, and at D=128 dQ on 64x32 1.013-1.156x: neither registered.
+# there on every row but 1k causal [H200, 2026-12-01;
+# docs/experiments/evidence/2026-12-01-backward-h200-fp16-tilegym.md]). 0.906-0.988x the time
+# of SM90_BACKWARD_O2 on every row [H200, 2026-12-01, bf16, bench_variants.py --backward,
+# L 1k/4k/16k; docs/experiments/evidence/2026-12-01-variants-h200-bwd-d64-tilegym-shapes.md];
+# 0.906-0.980x with the scale applied once in both kernels (23d1e78;
+# docs/experiments/evidence/2026-12-01-ab-h200-bwd-scale-once.md). Its dK/dV spills 23-35
+# LDL/STL plain (584 under dropout, 998 with a window, softcap, ALiBi and a mask; sm_90 SASS),
+# so it is a D<=64 candidate, not the default. In the same run dQ on 64x128 (TileGym's dQ
+# shape) took 1.005-1.039x, and at D=128 dQ on 64x32 1.013-1.156x
+# (docs/experiments/evidence/2026-12-01-variants-h200-bwd-d128-dq64x32.md): neither registered.
 SM90_BACKWARD_O2_Q128 = TileConfig(tile_m=128, tile_n=64, occupancy=2, dq_tile_m=64,
                                    dq_tile_n=64)
 _BACKWARD_DEFAULTS = {
@@ -243,14 +228,14 @@ _BACKWARD_DEFAULTS = {
 }
 # A default above chosen for keeping its registers under dropout and the score features, and
 # the faster tile it gives way to in classes with plain scores (no dropout, softcap, ALiBi or
-# mask; a window, ragged lengths, GQA and the LSE's gradient allowed). At D=128 on sm_90,
-# session 13 [sm_90 SASS, tileiras 13.4, bf16]: SM90_BACKWARD_O2 spills nowhere there, GQA
+# mask; a window, ragged lengths, GQA and the LSE's gradient allowed). At D=128 on sm_90
+# [sm_90 SASS, tileiras 13.4, bf16, 2026-12-01]: SM90_BACKWARD_O2 spills nowhere there, GQA
 # groups 2-8 included, where SM90_BACKWARD_O2_NARROW's dK/dV spills 268-283 LDL/STL under
 # any GQA group without dropout; under the features it is the other way round (SM90_BACKWARD_O2
-# spills 6-201: 174 under softcap, 120 under dropout). On the H200 SM90_BACKWARD_O2 took
-# 0.895-0.982x the backward time of SM90_BACKWARD_O2_NARROW in the tuner's 16 timings of the
-# 12 plain D=128 classes (bf16 and fp16, L 1k-16k, causal and not; the "variant_ms" of
-# bench/results/backward-h200-*-session1[23]*.json).
+# spills 6-201: 174 under softcap, 120 under dropout). SM90_BACKWARD_O2 took 0.895-0.982x the
+# backward time of SM90_BACKWARD_O2_NARROW in the tuner's 16 timings of the 12 plain D=128
+# classes [H200, 2026-12-01, bf16 and fp16, L 1k-16k, causal and not; the "variant_ms" of
+# docs/experiments/evidence/2026-12-01-backward-h200-*-{a7677c0,f89ba83}.json].
 _PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 
 
@@ -270,119 +255,96 @@ def default_backward_config(capability: tuple[int, int], head_dim: int = 128,
 
 # Candidates the autotuner times (``flash_tile.autotune``), per architecture family, as
 # (largest head dim, config); the family's defaults are always among them. Adding a variant is
-# one entry here: tests/test_aot.py compiles every entry for the family's architectures.
+# one entry here: tests/test_aot.py compiles every entry for the family's architectures. Each
+# candidate costs a compile and a timing (two compiles in the backward) on a class's first call.
 _FORWARD_CANDIDATES = {
     # The defaults only: 64x64 and 128x32 with 8 worker warps spill at D=128 (12 and 212
-    # LDL/STL, cuobjdump of tileiras 13.4 cubins); none timed on Ampere/Ada yet. More CTAs
-    # per SM, the H200's D=64 lever, spill here: 64x64 with occupancy 2, 3 and 4 spills 24,
-    # 493 and 234 LDL/STL at D=64, causal (session 11).
+    # LDL/STL); none timed on Ampere/Ada yet. More CTAs per SM, the H200's D=64 lever, spill
+    # here: 64x64 with occupancy 2, 3 and 4 spills 24, 493 and 234 LDL/STL at D=64, causal
+    # [2026-12-01].
     (8, 0): ((128, SM80_DEFAULT), (256, SM80_WIDE)),
-    # Beside the defaults [H200, sessions 5 and 6, as above]: 128x64 o2 wins D=64 at L 1k/2k;
-    # 64x64 o2 was the D=128 default until session 5. SM90_WIDE (no spills at D=64/128/256,
-    # 168 registers) is timed at D<=128 too: 0.4-56% behind 128x128 there, 3-25% from 2k on
-    # (session 5).
-    # Tried and dropped in session 5 (bf16 run): K/V load-latency hints 8/8 on 64x64 o2 (24
-    # instead of 36 HGMMA: tileiras pipelines the K-loop less deep). Against its base tile it
-    # moved -8% to +8%, never the fastest by more than 1.4%. A longest-first order of the
-    # query tiles, judged noise then on these one-group tiles (one tuning pass, no control),
-    # measured 0.92-0.96x at 16k causal on the two-group tiles in session 7 with interleaved
-    # rounds, the non-causal control at 1.000x; the kernels now always run it.
-    # Tried and dropped in session 6 (bf16, 30 classes, D 64/128/256; NOTES.md): forming each
-    # key tile's S one K-loop step early (a QK_AHEAD switch, FA3's intra-warpgroup overlap,
-    # whose SASS interleaved the next S wgmmas with the exp2s) on four of these tiles. It was
-    # the fastest in 1 class of 30 (D=64 16k causal, 2.1% ahead of the same tile without it);
-    # the best of them trailed the best plain tile by 0-23% at D=64, 0.3-10% at D=128 and
-    # 28-57% at D=256. The two-group tiles already overlap one group's softmax with the
-    # other's wgmmas, and the switch cost an extra S fragment and one unused tile of S.
-    # Timed again in session 15 on the tiles that win since (same method, L 1k/4k/16k, causal
-    # and not; bench/results/variants-h200-session15-fwd-qk-ahead-*), ported to today's kernel
-    # (the SASS interleaves the next S's wgmmas with the exp2s; no spills on either tile): it
-    # took 1.00-1.08x the time of 64x128 o2 at D=128 and 1.04-1.09x of 64x64 o3 at D=64 (o4
-    # spills 60 LDL/STL with it). The likely reason (not profiled): two to four CTAs per SM
-    # already feed the tensor cores through each other's softmax, and the early S only adds
-    # its live registers and one unused tile of S per program.
-    # Dropped in session 6 too: 64x128, the D=256 default until then. It was never the fastest
-    # (17-60% behind at D<=128, 9.5-17% at D=256), and at D=256 it spills 178 LDL/STL under a
-    # boolean mask and fails to compile (tileiras 13.4, return code 5) with softcap and ALiBi
-    # on top, found by tests/test_gpu_variants.py and reproduced with flash_tile.aot.
-    # Dropped in session 7 (bf16, D=64, 10 classes): 128x256 with 8 worker warps, the
-    # two-group tile with twice the keys per K-loop step (168 registers, no spills). It was
-    # never the fastest: 4.8-39% behind the best tile (bench/results/tuning-h200-session7.json).
-    # Added in session 9 [H200, 2026-12-01, bf16, bench_variants.py, interleaved rounds]:
-    # 128x128 with occupancy 2 and no worker-warp hint at D<=64 took 0.84-0.96x the time of
-    # 128x128 nww8 on the non-causal rows (L 1k-16k) and 1.15-1.36x on the causal ones, and
-    # 1.6-2.0x at D=128, where it is not registered. One consumer warp group holds all 128
-    # rows and spills (84 LDL/STL non-causal, 243 causal at D=64), yet it wins the non-causal
-    # rows: two CTAs per SM, each its own K/V pipeline. The tuner picked it at 1k-8k in both
-    # dtypes (bench/results/forward-h200-session9.md). Timed then and not
-    # registered: 256x64 with 8 worker warps (1.01-1.23x, no spills at D=64), clusters of two
-    # (num_ctas=2: 1.9-3.2x at D 64-256; TMA multicast of K/V, half the rows per CTA).
-    # Added in session 10 [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k]: 64x128
-    # with occupancy 2, two one-group CTAs per SM with 64 rows each (no spills at D=128, 128
-    # registers): 0.898-0.974x the time of 128x128 nww8 on five D=128 rows, 1.045x at 16k
-    # causal. Registered for D<=128; at D=64 [session 11, same method] it took 0.872-0.967x
-    # the time of 128x128 nww8 on five rows and 1.05x at 16k causal. It stays a candidate, not
-    # the default: under a window, softcap, ALiBi and a boolean mask it spills 82 LDL/STL at
-    # D=64 and 146 at D=128, where 128x128 nww8 spills none (sm_90 SASS, tileiras 13.4).
-    # Timed in session 10 and not registered: 128x32 o2 (1.17-1.65x at D=128).
-    # Added in session 11 [H200, bf16, bench_variants.py, L 1k/4k/16k]: 64x64 with occupancy 4
-    # at D<=64, four one-group CTAs per SM at 64 registers: 0.772-0.953x the time of 128x128
-    # nww8 on every row, ahead of SM90_THREE_CTAS on every row, of 128x128 o2 on five. It
-    # spills under a boolean mask (32 LDL/STL) and the score features (141), as above.
-    # Dropped in session 11, by the tuner's timings of every candidate in the grid's 40 plain
-    # classes (bf16 and fp16, D 64/128, L 1k-16k, causal and not; the "variant_ms" of
-    # bench/results/forward-h200-session11.json): 128x128 o2 (D<=64), never within 6.5% of the
-    # best there, behind 64x64 o4 in all 20 D=64 classes; 128x64 o1 and 64x32 o2, which never
-    # won in any session (here 39-83% and 27-92% behind the best). Each candidate costs a
-    # compile and a timing on a class's first call.
-    # Tried and dropped in session 12 [H200, bf16, bench_variants.py, L 1k/4k/16k, causal and
-    # not; bench/results/variants-h200-session12-fwd-persistent-*]: a persistent grid (as many
-    # programs as CTAs fit, each walking (query tile, head, batch) in the launch order,
-    # striding by the grid; no spills, and six more CTA-wide barriers in the sm_90 SASS).
-    # Against the same tile launched per query tile it took 1.01-1.58x at D=64 (64x64 o3 and
-    # o4), 1.02-1.44x on 64x128 o2 at D=128 and 1.01-1.87x at D=256; only the 8-worker-warp
-    # tiles at D=128 gained anywhere (128x128 nww8 0.97-0.98x non-causal, 1.05-1.60x causal;
-    # 64x128 o2 nww8 0.99x at 1k non-causal), and both stay behind 64x128 o2. The hardware
-    # starts the next program as soon as an SM has room, which a static stride cannot match
-    # under causal's uneven tiles.
-    # Dropped in session 14: 64x64 o2 (D<=256), a candidate since session 4. By the tuner's
-    # timings it was never the fastest in 64 plain classes (bench/results/forward-h200-
-    # session11.json, -session12-fp16-rerun.json and forward-h200-d256-session14.json: bf16
-    # and fp16, D 64/128/256, L 1k-16k, causal and not), at 1.087-1.499x the best; at D=256
-    # the default spills nowhere under dropout, a mask or the score features (tileiras 13.4
-    # SASS), so the candidate was no escape there either. D=256 now has one tile: no tuning.
-    # Tried and dropped in session 14 [H200, bf16, bench_variants.py, L 1k/4k/16k;
-    # bench/results/variants-h200-session14-fwd-*]: an EXP2_FMA switch giving the exp2 of the
-    # last 1/2 or 1/4 of each score tile's columns to a cubic on the FMA pipe (FA4's offload of
-    # the MUFU; no shuffles, no spills, 7-8 more instructions per score so moved). On every
-    # non-causal row it took 1.02-1.19x the time of its tile (64x64 o3/o4 at D=64, 64x128 o2
-    # and 128x128 nww8 at D=128) but for 128x128 nww8 with a quarter at 16k (0.955x, still
-    # behind 64x128 o2); its causal rows failed the tuner's check (a clamp bug, masked scores
-    # NaN). At D=64 the MUFU, the FP32 issue and the tensor cores are all near saturation
-    # (docs/kernel-internals.md), so moving work from the first to the second gains nothing.
-    # The K/V latency hints on 64x128 o2 at D=128 (1/1, 4/4, 8/8 against 2/4): within 0.7% of
-    # it on five rows, 3.2-5.0% slower at 16k non-causal.
-    # Tried and dropped in session 15 [H200, 2026-12-02, bf16, bench_variants.py, L 1k/4k/16k,
-    # causal and not; bench/results/variants-h200-session15-fwd-lazy-rescale-*]: FA4's
-    # conditional rescale, a LAZY_RESCALE switch that moved the reference max (and rescaled acc
-    # and l_i) only at steps where some row's max rose past it by more than 2**8. Random scores
-    # should skip it at every step after the first (a rise of 8 in log2 units is a score about 8
-    # standard deviations out), yet it took 1.06-1.09x the time of 64x64 o4 at D=64 (o3:
-    # 1.08-1.17x), 1.05-1.13x of 64x128 o2 and 1.16-1.36x of 128x128 nww8 at D=128. A branch
-    # needs one answer per CTA: tileiras forms it through shuffles, a shared-memory round trip
-    # and three named barriers per step (sm_90 SASS: 431 -> 463 instructions in the D=128 loop,
-    # 75 of them skipped), a serial chain between the score wgmma and the P V wgmma: the likely
-    # reason (not profiled) it costs more than the 64 FMULs a thread it saves, and with two
-    # consumer warp groups it makes them wait for each other. Taking p against the stale max
-    # before the vote, so that the SASS interleaves the vote with the exp2s, took 1.33-1.38x
-    # (64x64 o4), 1.05-1.12x (64x128 o2) and 1.13-1.24x (D=256's 128x64 nww8) on the non-causal
-    # rows, and failed the tuner's check on every top-left causal row (not debugged; its GPU
-    # test, bottom-right causal and the score features, had passed).
+    # Beside the defaults on sm_90 [H200, bf16]:
+    # - 128x64 o2: the tuner's pick at D=64 for L 1k/2k [2026-11-30, the tuning run above].
+    # - SM90_WIDE at D<=128 too (no spills at D=64/128/256, 168 registers): 0.4-56% behind
+    #   128x128 there, 3-25% from 2k on [2026-11-30, the same run].
+    # - 64x64 o4 at D<=64 (four CTAs per SM at 64 registers): 0.772-0.953x the time of 128x128
+    #   nww8, ahead of SM90_THREE_CTAS on every row [2026-12-01, SM90_THREE_CTAS's run]. It
+    #   spills under a boolean mask (32 LDL/STL), the score features (141) and dropout (2).
+    # - 64x128 o2 at D<=128 (two one-group CTAs per SM, 128 registers, no spills at D=128):
+    #   0.898-0.974x the time of 128x128 nww8 on five D=128 rows, 1.045x at 16k causal; at
+    #   D=64 0.872-0.967x on five rows, 1.05x at 16k causal [2026-12-01, bench_variants.py,
+    #   L 1k/4k/16k; docs/experiments/evidence/2026-12-01-variants-h200-fwd-d128-o2.md,
+    #   docs/experiments/evidence/2026-12-01-variants-h200-fwd-d64-64x128o2.md]. Not the
+    #   default: under a window, softcap, ALiBi and a boolean mask it spills 82 LDL/STL at D=64
+    #   and 146 at D=128, where 128x128 nww8 spills none.
+    # Timed and not registered (time over the tile named):
+    # - 64x64 o2: never the fastest in 64 plain classes, at 1.087-1.499x the best [2026-12-01,
+    #   bf16 and fp16, D 64/128/256, L 1k-16k; the tuner's "variant_ms" of
+    #   docs/experiments/evidence/2026-12-01-forward-h200-{1dd46dd,fp16-rerun,d256}.json]. At
+    #   D=256 the default spills nowhere under dropout, a mask or the score features, so D=256
+    #   has one tile: no tuning.
+    # - 128x128 o2 at D<=64 (84 LDL/STL non-causal, 243 causal): never within 6.5% of the best
+    #   in the tuner's timings of the grid's 40 plain classes, behind 64x64 o4 in all 20 D=64
+    #   classes; 128x64 o1 and 64x32 o2 39-83% and 27-92% behind the best [2026-12-01, bf16
+    #   and fp16, D 64/128, L 1k-16k; the "variant_ms" of
+    #   docs/experiments/evidence/2026-12-01-forward-h200-1dd46dd.json].
+    # - 256x64 with 8 worker warps: 1.01-1.23x, no spills at D=64; clusters of two (num_ctas=2,
+    #   TMA multicast of K/V, half the rows per CTA): 1.9-3.2x at D 64-256; 128x32 o2: 1.17-1.65x
+    #   at D=128 [2026-12-01, bench_variants.py;
+    #   docs/experiments/evidence/2026-12-01-variants-h200-{fwd256,fwd-cta2,fwd-d128-o2}.md].
+    # - 128x256 with 8 worker warps at D=64 (168 registers, no spills): 4.8-39% behind the best
+    #   tile in 10 classes [2026-11-30;
+    #   docs/experiments/evidence/2026-11-30-tuning-h200-e284003.json].
+    # - 64x128 with no hints: never the fastest (17-60% behind at D<=128, 9.5-17% at D=256)
+    #   [2026-11-30; docs/experiments/evidence/2026-11-30-tuning-h200-24330b4.json]; at D=256 it
+    #   spills 178 LDL/STL under a boolean mask and fails to compile (tileiras 13.4, return code
+    #   5) with softcap and ALiBi on top.
+    # - K/V load-latency hints: 8/8 on 64x64 o2 (24 instead of 36 HGMMA: a shallower K-loop
+    #   pipeline) moved -8% to +8% against its base tile, never the fastest by more than 1.4%
+    #   [2026-11-30, one tuning pass: the d7e2113 file above]; on 64x128 o2 at D=128 1/1, 4/4
+    #   and 8/8 against 2/4 were within 0.7% on five rows, 3.2-5.0% slower at 16k non-causal
+    #   [2026-12-01;
+    #   docs/experiments/evidence/2026-12-01-variants-h200-fwd-d128-latency.md].
+    # - A longest-first order of the query tiles: 0.92-0.96x at 16k causal on the two-group
+    #   tiles, the non-causal control at 1.000x [2026-11-30, interleaved rounds;
+    #   docs/experiments/evidence/2026-11-30-experiments-h200.md]: the kernels always run it.
+    # - QK_AHEAD (commit 5f6c990): each key tile's S formed one K-loop step early (FA3's
+    #   intra-warpgroup overlap; the SASS interleaves the next S's wgmmas with the exp2s, no
+    #   spills): 1.00-1.08x the time of 64x128 o2 at D=128 and 1.04-1.09x of 64x64 o3 at D=64
+    #   (o4 spills 60 LDL/STL with it) [2026-12-02, bench_variants.py, L 1k/4k/16k;
+    #   docs/experiments/evidence/2026-12-02-variants-h200-fwd-qk-ahead-*]. On the 2026-11-30
+    #   tiles: the fastest in 1 class of 30 (D=64 16k causal, by 2.1%)
+    #   [docs/experiments/evidence/2026-11-30-tuning-h200-24330b4.json].
+    # - A persistent grid (as many programs as CTAs fit, each walking (query tile, head,
+    #   batch) in the launch order, striding by the grid; no spills, six more CTA-wide barriers
+    #   in the sm_90 SASS): against the same tile launched per query tile 1.01-1.58x at D=64
+    #   (64x64 o3 and o4), 1.02-1.44x on 64x128 o2 at D=128 and 1.01-1.87x at D=256; 128x128
+    #   nww8 at D=128 took 0.97-0.98x non-causal, 1.05-1.60x causal, and 64x128 o2 nww8 0.99x
+    #   at 1k non-causal, both behind 64x128 o2 [2026-12-01, bench_variants.py, L 1k/4k/16k;
+    #   docs/experiments/evidence/2026-12-01-variants-h200-fwd-persistent-*].
+    # - EXP2_FMA (commit 1e57712): the exp2 of the last 1/2 or 1/4 of each score tile's columns
+    #   from a cubic on the FMA pipe (FA4's offload of the MUFU; no spills, 7-8 more
+    #   instructions per score so moved): 1.02-1.19x the time of its tile on every non-causal
+    #   row (64x64 o3/o4 at D=64, 64x128 o2 and 128x128 nww8 at D=128) but for 128x128 nww8
+    #   with a quarter at 16k (0.955x, still behind 64x128 o2); its causal rows failed the
+    #   tuner's check (a clamp bug, masked scores NaN) [2026-12-01, bench_variants.py,
+    #   L 1k/4k/16k; docs/experiments/evidence/2026-12-01-variants-h200-fwd-exp2-fma-*].
+    # - LAZY_RESCALE (commits 96f942a, 94feb6f): FA4's conditional rescale, the reference max
+    #   (and acc and l_i) moved only at steps where some row's max rose past it by more than
+    #   2**8: 1.06-1.09x the time of 64x64 o4 at D=64 (o3: 1.08-1.17x), 1.05-1.13x of 64x128 o2
+    #   and 1.16-1.36x of 128x128 nww8 at D=128 [2026-12-02, bench_variants.py, L 1k/4k/16k;
+    #   docs/experiments/evidence/2026-12-02-variants-h200-fwd-lazy-rescale-d*]. The CTA-wide
+    #   branch takes shuffles, a shared-memory round trip and three named barriers per step
+    #   (sm_90 SASS: 431 -> 463 instructions in the D=128 loop, 75 of them skipped). With p
+    #   taken against the stale max before the vote: 1.33-1.38x (64x64 o4), 1.05-1.12x (64x128
+    #   o2) and 1.13-1.24x (D=256's 128x64 nww8) on the non-causal rows; every top-left causal
+    #   row failed the tuner's check (not debugged)
+    #   [docs/experiments/evidence/2026-12-02-variants-h200-fwd-lazy-rescale-v2-*].
     (9, 0): ((64, SM90_THREE_CTAS), (128, SM90_TWO_GROUPS), (256, SM90_WIDE),
              (128, SM90_NARROW),
              (64, TileConfig(tile_m=64, tile_n=64, occupancy=4)),
              (128, TileConfig(tile_m=64, tile_n=128, occupancy=2))),
-    # Three and four CTAs per SM at D<=64, as won on the H200 (session 11, above): on sm_100
+    # Three and four CTAs per SM at D<=64, as won on the H200 (2026-12-01, above): on sm_100
     # 64x64 o3 and o4 compile to 80 and 64 registers with no spills (the default: 255
     # registers, 141 KB of shared memory); under a window, softcap, ALiBi and a mask tileiras
     # keeps 128 and two CTAs' worth, still without spills [tileiras 13.4 SASS, 2026-12-01;
@@ -403,22 +365,22 @@ _FORWARD_CANDIDATES = {
 _BACKWARD_CANDIDATES = {
     (8, 0): (*_BACKWARD_DEFAULTS[(8, 0)],
              (128, TileConfig(tile_m=64, tile_n=32, num_worker_warps=8, group_inner=True))),
-    # Beside the defaults on sm_90: SM90_BACKWARD_O2 at D=128, SM90_BACKWARD at D<=128 and 128x64
-    # nww8, the D=128 default of sessions 3-10, which won the dropout classes in session 7 (above);
-    # SM90_BACKWARD_O2_Q128
-    # at D<=64 (dK/dV stepping 128 query rows: within 1.5% of 64 kernel-alone with 8 worker
-    # warps in session 7, 1-9% ahead with two CTAs per SM in session 12). Not registered:
-    # 32x64 in both kernels (spills 410 in dQ at D=128). Timed in session 9 and not
-    # registered [H200, bf16, L 1k/4k/16k]: dQ on 256x32 at D=64 (no spills; 1.015-1.113x the
-    # time of the default) and clusters of two (num_ctas=2: 4.4-4.7x at D=128; at D=64 the launch
-    # fails with a misaligned-address fault, which ends the process's CUDA context). Timed in
-    # session 11: three CTAs per SM at D=64, dK/dV stepping 32 queries and dQ on 64x64 at 80
-    # registers (no spills; 64x64 for both spills 116 in dK/dV), 0.999-1.08x the time of the
-    # default. Dropped in session 13: 64x64 with no hint, a control since session 5. In the
-    # tuner's 38 timings of it in sessions 12 and 13 (24 plain classes: bf16 and fp16, D 64/128,
-    # L 1k-16k, causal and not; the "variant_ms" of bench/results/backward-h200-*-session1[23]
-    # *.json) it was never the fastest, at 1.19-1.70x the best; each candidate costs two
-    # compiles and a timing on a class's first call.
+    # Beside the defaults on sm_90: SM90_BACKWARD_O2_Q128 at D<=64, SM90_BACKWARD_O2 at D=128,
+    # 128x64 nww8 (the tuner's pick under dropout at D=128 [H200, 2026-11-30]), SM90_BACKWARD
+    # at D<=128 (all above). Not registered: 32x64 in both kernels (spills 410 in dQ at D=128).
+    # Timed and not registered [H200, 2026-12-01, bf16, bench_variants.py, L 1k/4k/16k]: dQ on
+    # 256x32 at D=64 (no spills; 1.015-1.113x the time of the default;
+    # docs/experiments/evidence/2026-12-01-variants-h200-bwd-dq256.md); clusters of two
+    # (num_ctas=2: 4.4-4.7x at D=128,
+    # docs/experiments/evidence/2026-12-01-variants-h200-bwd-cta2-d128.md; at D=64 the launch
+    # fails with a misaligned-address fault, which ends the process's CUDA context); three
+    # CTAs per SM at D=64, dK/dV stepping 32 queries and dQ on 64x64 at 80 registers (no
+    # spills; 64x64 for both spills 116 in dK/dV): 0.999-1.08x
+    # (docs/experiments/evidence/2026-12-01-variants-h200-bwd-d64-32x64o3.md). Dropped: 64x64
+    # with no hint, never the fastest in the tuner's 38 timings of 24 plain classes, at
+    # 1.19-1.70x the best [H200, 2026-12-01, bf16 and fp16, D 64/128, L 1k-16k; the
+    # "variant_ms" of
+    # docs/experiments/evidence/2026-12-01-backward-h200-*-{a7677c0,tilegym,f89ba83}.json].
     (9, 0): (*_BACKWARD_DEFAULTS[(9, 0)],
              (64, SM90_BACKWARD_O2_Q128),
              (128, SM90_BACKWARD_O2),

@@ -218,9 +218,9 @@ def test_backward_kernels_use_tensor_cores(arch):
 # listed (tileiras 13.4); a listed one must still spill, so that a stale entry cannot hide a
 # regression. Keyed by ``autotune.describe``, which names the dQ kernel's own tiles too.
 FORWARD_SPILLS = {
-    # Empty since session 11, when sm_90's 128x128 o2 (243 LDL/STL causal at D=64, registered
-    # for its H200 timings in session 9) was dropped. A candidate registered for its timings
-    # despite spills goes here, with what was seen.
+    # Empty since sm_90's 128x128 o2 (243 LDL/STL causal at D=64, registered for its H200
+    # timings of 2026-12-01, commit 3f515c1) was dropped (2026-12-01, commit 7186579). A
+    # candidate registered for its timings despite spills goes here, with what was seen.
 }
 BACKWARD_SPILLS = {
     ("sm_80", 256, "32x32 num_worker_warps=8 group_inner"): "dK/dV 578, dQ 242 LDL/STL",
@@ -269,10 +269,10 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     """The tuner may launch any candidate for a class with features, so each must build with
     all of them at once (a two-sided window, softcap, ALiBi, a boolean mask), as
     tests/test_gpu_variants.py runs them on a GPU. Spills are allowed here: under all of
-    them several tiles spill (in session 6, 6 of the 18 then registered: three sm_90
+    them several tiles spill (on 2026-11-30, 6 of the 18 then registered: three sm_90
     candidates, sm_100's 128x128 and both sm_120 tiles at D<=128, its default among them, as
-    KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered in session 9 and
-    dropped in session 11, spilled 2455 LDL/STL), and the tuner times them like any other.
+    KNOWN_SPILLS has for the mask alone; sm_90's 128x128 o2, registered and dropped on
+    2026-12-01, spilled 2455 LDL/STL), and the tuner times them like any other.
     64x128 at D=256 failed to compile this way (tileiras 13.4, return code 5) and was
     dropped."""
     cubin = aot.compile_forward(arch, "bfloat16", head_dim, config=config,
