@@ -1,13 +1,15 @@
 """flash_tile: flash attention for PyTorch, with kernels hand-written in NVIDIA cuTile.
 
 ``flash_attn_func`` takes flash-attn's [B, L, H, D] layout and bottom-right causal alignment;
-``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment.
+``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment;
+``flash_attn_with_kvcache`` attends against a contiguous or paged KV cache (decode).
 """
 
 from flash_tile.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                             scaled_dot_product_attention)
+from flash_tile.kvcache import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
-           "scaled_dot_product_attention", "__version__"]
+           "flash_attn_with_kvcache", "scaled_dot_product_attention", "__version__"]

@@ -15,8 +15,9 @@ import torch
 
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import attention_bwd_dkdv, attention_bwd_dq
+from flash_tile.kernels.attention_decode import attention_decode, cache_append, decode_combine
 from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
-from flash_tile.variants import TileConfig, tile_width
+from flash_tile.variants import DecodeConfig, TileConfig, tile_width
 
 
 @dataclass(frozen=True)
@@ -261,3 +262,145 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """The compile-time constants of one decode kernel instance, in the kernel's order."""
+
+    num_splits: int
+    tile_lq: int
+    tile_g: int
+    tile_n: int
+    tile_d: int
+    tile_dv: int
+    mask_left: bool
+    mask_right: bool
+    softcap: bool
+    alibi: bool
+    paged: bool
+    batch_idx: bool
+    store_lse: bool
+
+    def constants(self) -> tuple:
+        return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
+                self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
+                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig
+                 ) -> tuple[int, int, int]:
+    """(TILE_LQ, TILE_G, TILE_N): the group's heads padded to a power of two, as many query
+    rows with them as make ``config.rows`` packed rows (at least 16: the smallest tensor-core
+    tile), and ``config.tile_n`` keys a step, fewer where a page is smaller: a key tile must
+    lie in one page (the largest power of two that divides the page size)."""
+    tile_g = _pow2_at_least(group)
+    tile_lq = min(_pow2_at_least(q_len), max(config.rows // tile_g, 1))
+    tile_lq = max(tile_lq, 16 // min(tile_g, 16))
+    tile_n = config.tile_n
+    if page_size is not None:
+        tile_n = min(tile_n, page_size & -page_size)
+    return tile_lq, tile_g, tile_n
+
+
+def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
+                  sms: int, config: DecodeConfig) -> int:
+    """The split count: ``num_splits`` when given (> 0); else enough splits that the grid
+    fills ``config.ctas_per_sm`` waves of the GPU's SMs, each split keeping at least
+    ``config.min_tiles_per_split`` key tiles, at most ``config.max_splits``."""
+    if num_splits > 0:
+        return min(num_splits, max(key_tiles, 1))
+    programs = batch * kv_heads * q_tiles
+    want = -(-sms * config.ctas_per_sm // programs)
+    return max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
+                  batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                  alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                  window: tuple[int, int], new_len: int, num_splits: int,
+                  config: DecodeConfig) -> int:
+    """Launch the decode (and, with more than one split, the combine) on q's current stream.
+
+    q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
+    layout, or pages [num_blocks, page_size, H_kv, D] with ``block_table`` [B, max_blocks]
+    int32; out [B, Lq, H, Dv] in q's dtype; lse [B, H, Lq] fp32 or None; sequence b has
+    seqlens_k[b] + ``new_len`` keys (seqlens_k [B] int32); batch_idx [B] int32 or None; alibi_slopes [B, H] fp32 or
+    None. ``window`` (left, right) as ``launch_forward``, aligned bottom-right per sequence.
+    ``num_splits`` 0 picks the split count (``decode_splits``). Returns the split count.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_heads, group = k_cache.shape[2], heads // k_cache.shape[2]
+    paged = block_table is not None
+    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, k_cache.shape[1] if paged else None,
+                                           config)
+    q_tiles = -(-q_len // tile_lq)
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n),
+                           _sm_count(q.device), config)
+    spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
+                      tile_width(v_cache.shape[3]), window[0] >= 0, window[1] >= 0,
+                      softcap > 0.0, alibi_slopes is not None, paged, batch_idx is not None,
+                      lse is not None)
+    out_split, lse_split = (decode_workspace(splits, batch, q_len, heads, v_cache.shape[3],
+                                             q.device) if splits > 1 else (None, None))
+    slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
+    lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
+    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes = _fill_unused(
+        q.device, (lse_g, 4), (None if out_split is None else
+                               out_split.view(splits, batch, q_len, kv_heads, group, -1), 6),
+        (None if lse_split is None else lse_split.view(splits, batch, q_len, kv_heads, group),
+         5), (batch_idx, 1), (block_table, 2), (slopes, 3))
+    args = (q.view(batch, q_len, kv_heads, group, head_dim), k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2), out.view(batch, q_len, kv_heads, group, -1), lse_g,
+            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, float(scale),
+            float(softcap), int(window[0]), int(window[1]), int(new_len), *spec.constants())
+    stream = torch.cuda.current_stream(q.device)
+    with torch.cuda.device(q.device):
+        ct.launch(stream, (splits * q_tiles, kv_heads, batch), _decode_kernel(config), args)
+        if splits > 1:
+            ct.launch(stream, (q_len, heads, batch), decode_combine,
+                      (out_split, lse_split, out, _fill_unused(q.device, (lse, 3))[0],
+                       _pow2_at_least(splits), tile_width(v_cache.shape[3]), lse is not None))
+    return splits
+
+
+def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split partials, fp32 [S, B, Lq, H, Dv] outputs and [S, B, Lq, H] LSEs, from torch's
+    caching allocator (a graph capture gets them from its own pool)."""
+    return (torch.empty((splits, batch, q_len, heads, v_head_dim), dtype=torch.float32,
+                        device=device),
+            torch.empty((splits, batch, q_len, heads), dtype=torch.float32, device=device))
+
+
+def launch_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                        batch_idx: torch.Tensor | None,
+                        block_table: torch.Tensor | None) -> None:
+    """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
+    ``launch_decode``) at position cache_seqlens[b] of each sequence b, on q's stream."""
+    batch, new_len, kv_heads, head_dim = k_new.shape
+    batch_idx_arg, table = _fill_unused(k_new.device, (batch_idx, 1), (block_table, 2))
+    with torch.cuda.device(k_new.device):
+        ct.launch(torch.cuda.current_stream(k_new.device), (new_len, kv_heads, batch),
+                  cache_append, (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg,
+                                 table, tile_width(head_dim), tile_width(v_new.shape[3]),
+                                 block_table is not None, batch_idx is not None))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _decode_kernel(config: DecodeConfig):
+    """The decode entry point with ``config``'s compiler hints, made once per config."""
+    return _with_hints(attention_decode, tuple(config.hints().items()))

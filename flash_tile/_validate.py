@@ -251,3 +251,66 @@ def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inpu
                                   "2**31 elements or more is not supported yet; split the "
                                   "batch")
     return True
+
+
+def check_index_tensor(t, name: str, shape: tuple[int, ...], device: torch.device
+                       ) -> torch.Tensor:
+    """An int32 tensor of ``shape`` on ``device`` (cache lengths, cache rows, a block table);
+    its values are not read (that would sync)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+        raise ValueError(f"{name} must be an int32 tensor, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+    return t
+
+
+def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
+                      device: torch.device) -> None:
+    """A paged cache's block table: int32 [B, max_blocks] on q's device, pages of a multiple
+    of 16 rows (a key tile must lie in one page), no cache_batch_idx (pages are the rows)."""
+    if cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx selects rows of a contiguous cache; with a paged "
+                         "cache (block_table) the table selects the pages")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise ValueError("block_table must be an int32 tensor [batch, max_blocks], got "
+                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), device)
+    if page_size % 16:
+        raise ValueError(f"page_size (the paged cache's dim 1) must be a multiple of 16, got "
+                         f"{page_size}")
+
+
+def check_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, batch: int,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, capacity: int,
+                 has_seqlens: bool) -> int:
+    """New keys/values to append: both given, [B, L_new, H_kv, D / Dv] matching the caches,
+    L_new within the capacity, and cache_seqlens given (where to write). Returns L_new."""
+    if k is None or v is None:
+        raise ValueError("pass both k and v (the new keys and values), or neither")
+    if not has_seqlens:
+        raise ValueError("appending k/v needs cache_seqlens: the position to write at")
+    kv_heads = k_cache.shape[2]
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != kv_heads or \
+                t.shape[3] != cache.shape[3]:
+            raise ValueError(f"{name} must be [{batch}, L_new, {kv_heads}, {cache.shape[3]}], "
+                             f"got {list(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of new rows, got {k.shape[1]} "
+                         f"and {v.shape[1]}")
+    if k.shape[1] > capacity:
+        raise ValueError(f"{k.shape[1]} new rows do not fit a cache of {capacity}")
+    return k.shape[1]
+
+
+def check_num_splits(num_splits) -> int:
+    """num_splits: 0 (choose) or a positive split count, as an int."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got "
+                         f"{num_splits!r}")
+    return num_splits

@@ -21,8 +21,9 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
-from flash_tile._launch import (MASK_KINDS, forward_spec, hinted_backward_kernels,
-                                hinted_kernel, kernel_mask)
+from flash_tile._launch import (MASK_KINDS, DecodeSpec, decode_tiles, forward_spec,
+                                hinted_backward_kernels, hinted_kernel, kernel_mask)
+from flash_tile.kernels.attention_decode import attention_decode, cache_append, decode_combine
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
@@ -188,6 +189,54 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
             zip(("dq", "dkdv"), hinted_backward_kernels(config), sigs)}
+
+
+def _index_array(ndim: int) -> ArrayConstraint:
+    """An int32 array of sequence lengths, cache rows or a block table (any strides)."""
+    return ArrayConstraint(ct.int32, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * ndim, stride_divisible_by=(1,) * ndim,
+                           shape_divisible_by=(1,) * ndim, base_addr_divisible_by=4)
+
+
+def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
+                   v_head_dim: int | None = None, group: int = 8, q_len: int = 1,
+                   page_size: int | None = None, causal: bool = True,
+                   window: tuple[int, int] = (-1, -1), softcap: bool = False,
+                   alibi: bool = False, batch_idx: bool = False, splits: int = 4,
+                   store_lse: bool = True,
+                   config: variants.DecodeConfig | None = None) -> dict[str, bytes]:
+    """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
+    ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
+    ``page_size`` (None: contiguous); other arguments as ``compile_forward``."""
+    v_head_dim = v_head_dim or head_dim
+    config = config or variants.default_decode_config(variants.capability_of(arch),
+                                                      max(head_dim, v_head_dim))
+    window = (window[0], 0) if causal else tuple(window)
+    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)
+    spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
+                      variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
+                      alibi, page_size is not None, batch_idx, store_lse)
+    qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
+    k, v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
+    f32 = _array(ct.float32, 4)
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)] + \
+        [ScalarConstraint(ct.int32)] * 3
+    cc = CallingConvention.cutile_python_v1()
+    cubins = {"decode": _export(attention_decode.replace_hints(**config.hints()), KernelSignature(
+        [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
+         _index_array(1), _index_array(2), _array(ct.float32, 3), *scalars,
+         *spec.constants()], cc), arch)}
+    if splits > 1:
+        cubins["combine"] = _export(decode_combine, KernelSignature(
+            [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
+             _array(ct.float32, 3), 1 << (splits - 1).bit_length(),
+             variants.tile_width(v_head_dim), store_lse], cc), arch)
+    cubins["append"] = _export(cache_append, KernelSignature(
+        [k, v, k, v, _index_array(1), _index_array(1), _index_array(2),
+         variants.tile_width(head_dim), variants.tile_width(v_head_dim),
+         page_size is not None, batch_idx], cc), arch)
+    return cubins
 
 
 def _cuda_tool(name: str) -> str:

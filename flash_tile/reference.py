@@ -279,6 +279,80 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
 
 
+def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+                    batch_idx: torch.Tensor | None = None,
+                    block_table: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Each sequence's keys and values, [1, H_kv, k_len_b, D] pairs, read from a KV cache in
+    flash-attn's layout ([Bc, L_cache, H_kv, D], row batch_idx[b] or b) or from its pages
+    ([num_blocks, page_size, H_kv, D] through block_table [B, max_blocks])."""
+    seqs = []
+    for b, k_len in enumerate(seqlens_k.tolist()):
+        if block_table is None:
+            row = b if batch_idx is None else int(batch_idx[b])
+            k, v = k_cache[row, :k_len], v_cache[row, :k_len]
+        else:
+            pages = block_table[b, :cdiv(k_len, k_cache.shape[1])].long()
+            k, v = (c[pages].flatten(0, 1)[:k_len] for c in (k_cache, v_cache))
+        seqs.append(tuple(t.transpose(0, 1)[None] for t in (k, v)))
+    return seqs
+
+
+def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+                           scale: float | None = None, window: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                           tile_lq: int = 1, tile_n: int = 128,
+                           num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's work split in float64 on the CPU: per sequence and query tile of
+    ``tile_lq`` rows, the key tiles some row sees cut into ``num_splits`` runs, each run's
+    partial output and LSE from the forward's twin (``attention_tiles``, the same online
+    softmax), then the combine: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
+
+    q [B, Lq, H, D] (flash-attn's layout); ``seqs`` from ``cache_sequences``; causal and
+    windows bottom-right per sequence (row i sees key j iff i + k_len - Lq - left <= j <=
+    i + k_len - Lq + right). Returns (out [B, Lq, H, Dv], lse [B, H, Lq]) in float64, lse +inf
+    and out 0 for rows that see no key.
+    """
+    q = q.detach().to("cpu", torch.float64).transpose(1, 2)  # [B, H, Lq, D]
+    batch, heads, q_len, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    left, right = window
+    out = torch.zeros(batch, heads, q_len, seqs[0][1].shape[-1], dtype=torch.float64)
+    lse = torch.full((batch, heads, q_len), math.inf, dtype=torch.float64)
+    for b, (k, v) in enumerate(seqs):
+        k_len = k.shape[2]
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)[b:b + 1]
+        for m_start in range(0, q_len, tile_lq):
+            rows = slice(m_start, min(m_start + tile_lq, q_len))
+            first, last = m_start, rows.stop - 1
+            n_lo = 0 if left < 0 else max(min(first + k_len - q_len - left, k_len), 0) // tile_n
+            n_hi = cdiv(k_len, tile_n) if right < 0 else \
+                cdiv(max(min(last + k_len - q_len + right + 1, k_len), 0), tile_n)
+            per_split = cdiv(max(n_hi - n_lo, 0), num_splits)
+            parts = []
+            for split in range(num_splits):
+                n0 = n_lo + split * per_split
+                n1 = min(n0 + per_split, n_hi)
+                if n0 >= n1:
+                    continue  # the kernel's empty split: lse -inf, weight 0
+                keys = slice(n0 * tile_n, n1 * tile_n)
+                o_s, lse_s = attention_tiles(
+                    q[b:b + 1, :, rows], k[:, :, keys], v[:, :, keys], scale,
+                    k_len - q_len + m_start - n0 * tile_n, window, softcap, slopes,
+                    tile_m=tile_lq, tile_n=tile_n)
+                parts.append((o_s[0], lse_s[0].masked_fill(lse_s[0] == math.inf, -math.inf)))
+            if not parts:
+                continue
+            lse_all = torch.stack([p[1] for p in parts])  # [S, H, rows]
+            lse_max = lse_all.amax(dim=0)
+            weight = torch.exp(lse_all - torch.where(lse_max == -math.inf, 0.0, lse_max))
+            total = weight.sum(dim=0)
+            o = sum(w[..., None] * p[0] for w, p in zip(weight, parts))
+            empty = total == 0.0
+            out[b, :, rows] = o / torch.where(empty, 1.0, total)[..., None]
+            lse[b, :, rows] = torch.where(empty, math.inf, lse_max + torch.log(total))
+    return out.transpose(1, 2), lse
+
+
 def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,

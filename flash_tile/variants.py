@@ -421,3 +421,40 @@ def arch_name(capability: tuple[int, int]) -> str:
 def capability_of(arch: str) -> tuple[int, int]:
     """``"sm_90"`` -> ``(9, 0)``, the inverse of ``arch_name``."""
     return divmod(int(arch.removeprefix("sm_")), 10)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The decode kernel's tiles and split policy (``kernels/attention_decode.py``).
+
+    ``rows``: packed query rows per program (query rows x the GQA group, padded to powers of
+    two); ``tile_n``: keys per step (capped by the page size); ``ctas_per_sm``: how many
+    programs per SM the split heuristic aims at; ``min_tiles_per_split``: the fewest key tiles
+    a split is given; ``max_splits``: the split count's cap (the combine reads them all).
+
+    Measured [H200, 2026-12-02, cuda-tile 1.7.0, GQA 32/8, D = 128, bf16, Lq = 1, B 1-128, L
+    4k-128k, K/V GB/s by device time]: occupancy 2 took 3.4-4.6 TB/s where no hint took
+    2.2-2.7 (1.2-1.7x), and occupancy 4 1.5-1.8; 128-key steps 1.1-1.4x 64-key ones; aiming
+    the splits at 2 programs per SM beat 4 and 8 on 5 of 7 rows (B = 8 rows: 4 and 8 up to
+    1.18x ahead)."""
+
+    rows: int = 16
+    tile_n: int = 128
+    occupancy: int | None = 2
+    num_worker_warps: int | None = None
+    ctas_per_sm: int = 2
+    min_tiles_per_split: int = 2
+    max_splits: int = 64
+
+    def hints(self) -> dict:
+        hints = {"occupancy": self.occupancy, "num_worker_warps": self.num_worker_warps}
+        return {k: v for k, v in hints.items() if v is not None}
+
+
+DECODE_DEFAULT = DecodeConfig()
+
+
+def default_decode_config(capability: tuple[int, int], head_dim: int = 128) -> DecodeConfig:
+    """The decode config for a GPU and head dim: 64-key steps at D > 128 (the K and V tiles
+    of a step stay at 64 KiB in bf16), 128-key steps below."""
+    return DecodeConfig(tile_n=64) if head_dim > 128 else DECODE_DEFAULT

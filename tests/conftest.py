@@ -44,15 +44,18 @@ def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""
     if not request.node.get_closest_marker("gpu"):
         return
-    from flash_tile import _ops
+    from flash_tile import _launch, _ops, kvcache
 
     def poisoned(allocate):
         def allocate_nan(*args):
             outputs = allocate(*args)
             for t in outputs:
-                t.fill_(float("nan"))
+                if t is not None:
+                    t.fill_(float("nan"))
             return outputs
         return allocate_nan
 
     monkeypatch.setattr(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
     monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
+    monkeypatch.setattr(kvcache, "_outputs", poisoned(kvcache._outputs))
+    monkeypatch.setattr(_launch, "decode_workspace", poisoned(_launch.decode_workspace))

@@ -1,0 +1,214 @@
+"""Decode benchmark: attention of a few query rows against a KV cache, GB/s of K/V read.
+
+Each row is one decode step of B sequences whose caches hold L keys (GQA H/H_kv, D = 128,
+bf16): flash_tile's ``flash_attn_with_kvcache`` on a contiguous cache and on paged caches
+(page sizes 16, 64, 256, shuffled block tables), against SDPA's cuDNN, FLASH (FA2) and
+efficient backends on the contiguous cache (``enable_gqa``, causal bottom-right through an
+explicit Lq = 1 call, which needs no mask) and flash_tile's own ``flash_attn_func``. Every
+backend is checked against an fp32 reference (flash-attn's 2x rule) before it is timed.
+
+GB/s counts the K and V bytes the step must read, B * L * H_kv * (D + Dv) * 2, over the GPU
+time per call with the calls queued behind a sleep (``bench_attention.device_ms``), so that
+launch gaps do not count; ``fraction_of_bandwidth`` divides by the read bandwidth measured
+in the same run (a sum over a 4 GiB tensor). ``host_us`` is the wall time per call of
+back-to-back calls on a problem the GPU finishes first (B = 1, L = 1k): the host's cost.
+
+    python bench/bench_decode.py                       # bench/results/decode-<gpu>.*
+    python bench/bench_decode.py --batches 1 --lengths 131072 --pages 64 --out /tmp/d
+
+Writes <out>.json (rows with ``gbps`` per backend, ``ratio_vs_cudnn`` and
+``fraction_of_bandwidth``), <out>.md and <out>.png.
+"""
+
+import argparse
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+from tqdm import tqdm
+
+import flash_tile
+from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
+                             save_json, write_report)
+from bench_launch import host_us
+from flash_tile import reference
+
+BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
+            "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
+SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def read_bandwidth_gbps() -> float:
+    """GB/s of a sum over a 4 GiB bf16 tensor: the read bandwidth decode can hope for."""
+    x = torch.ones(2**31, device="cuda", dtype=torch.bfloat16)
+    ms = device_ms(lambda: x.sum(dtype=torch.float32), iters=10)
+    del x
+    return 2**32 / ms / 1e6
+
+
+def paged(k, v, page_size, gen):
+    """The contiguous caches [B, L, H_kv, D] as shuffled pages and their block table."""
+    batch, length = k.shape[:2]
+    per_seq = length // page_size
+    order = torch.randperm(batch * per_seq, generator=gen, device=k.device)
+    table = order.view(batch, per_seq).to(torch.int32)
+    pages = [torch.empty(batch * per_seq, page_size, *t.shape[2:], dtype=t.dtype,
+                         device=t.device) for t in (k, v)]
+    for t, p in zip((k, v), pages):
+        p[order] = t.reshape(batch * per_seq, page_size, *t.shape[2:])
+    return pages[0], pages[1], table
+
+
+def runners(q, k, v, lens):
+    """{backend: call} for one row on the contiguous cache."""
+    calls = {"flash_tile": lambda: flash_tile.flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=lens, causal=True)}
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    # Lq = 1 sees every key; more rows need the bottom-right causal bias (torch's is_causal
+    # is top-left).
+    mask = causal_lower_right(q.shape[1], k.shape[1]) if q.shape[1] > 1 else None
+    for name, backend in SDPA.items():
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                                      enable_gqa=True).transpose(1, 2)
+        calls[name] = call
+    calls["flash_attn_func"] = lambda: flash_tile.flash_attn_func(q, k, v, causal=True)
+    return calls
+
+
+def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandwidth):
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + length)
+    q, k, v = (torch.randn(batch, n, h, head_dim, generator=gen, device="cuda",
+                           dtype=torch.bfloat16)
+               for n, h in ((q_len, heads), (length, kv_heads), (length, kv_heads)))
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "q_len": q_len, "gbps": {}, "skipped": {}, "max_err": {}}
+    # Reference: the first sequence (all of them share the shape and the code path).
+    k0, v0, q0 = (t[:1].transpose(1, 2) for t in (k, v, q))
+    ref = reference.attention_dense(q0.float(), k0.float(), v0.float(),
+                                    diag_offset=length - q_len, window=(-1, 0))
+    low = reference.attention_dense(q0, k0, v0, diag_offset=length - q_len, window=(-1, 0))
+    nbytes = batch * length * kv_heads * head_dim * 2 * 2
+
+    def measure(name, call):
+        try:
+            out = call()
+            report = reference.check_error(out[:1].transpose(1, 2), ref, low)
+            row["max_err"][name] = report["max_err"]
+            if not report["ok"]:
+                row["skipped"][name] = f"wrong result: {report}"
+                return
+            row["gbps"][name] = round(nbytes / device_ms(call) / 1e6, 1)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this row
+            row["skipped"][name] = failure(e)
+
+    for name, call in runners(q, k, v, lens).items():
+        measure(name, call)
+    for size in page_sizes:  # one paged copy at a time: the caches can be tens of GiB
+        kp, vp, table = paged(k, v, size, gen)
+        measure(f"flash_tile_paged{size}", functools.partial(
+            flash_tile.flash_attn_with_kvcache, q, kp, vp, cache_seqlens=lens,
+            block_table=table, causal=True))
+        del kp, vp, table
+    ours, cudnn = row["gbps"].get("flash_tile"), row["gbps"].get("sdpa_cudnn")
+    row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
+    row["fraction_of_bandwidth"] = round(ours / bandwidth, 3) if ours else None
+    row["cache_mib"] = round(nbytes / 2**20, 1)
+    return row
+
+
+def host_row(heads, kv_heads, head_dim):
+    """Host microseconds per call, B = 1, L = 1k, Lq = 1 (the GPU is never the bottleneck)."""
+    q = torch.randn(1, 1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1024, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    lens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
+    calls = runners(q, k, v, lens)
+    return {name: round(us, 1) for name, us in host_us(
+        {n: calls[n] for n in ("flash_tile", "sdpa_cudnn", "sdpa_flash", "flash_attn_func")}
+    ).items()}
+
+
+def table(rows, bandwidth):
+    names = [n for n in BACKENDS if any(n in r["gbps"] for r in rows)]
+    head = ["B", "L", "H/H_kv", "Lq", "cache MiB", *names, "vs cuDNN", "of bandwidth",
+            "targets"]
+    lines = []
+    for r in rows:
+        ratio, frac = r["ratio_vs_cudnn"], r["fraction_of_bandwidth"]
+        misses = []
+        if ratio is not None and ratio < 1.0:
+            misses.append("< 1.0x cuDNN")
+        if frac is not None and r["cache_mib"] >= 32 and frac < 0.9:
+            misses.append("< 90% bandwidth")
+        lines.append([r["batch"], r["seqlen"], f"{r['heads']}/{r['kv_heads']}", r["q_len"],
+                      r["cache_mib"], *(r["gbps"].get(n, "-") for n in names),
+                      f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-",
+                      "missed: " + ", ".join(misses) if misses else "met"])
+    return (f"K/V GB/s per backend; read bandwidth measured in the same run: "
+            f"{bandwidth:.0f} GB/s.\n\n" + md_table(head, lines))
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    labels = [f"B{r['batch']} L{r['seqlen'] // 1024}k Lq{r['q_len']}" for r in rows]
+    names = [n for n in BACKENDS if any(n in r["gbps"] for r in rows)]
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rows))],
+               [r["gbps"].get(name, 0) for r in rows], width, label=name)
+    ax.set_xticks([x + 0.4 for x in range(len(rows))], labels, rotation=45, ha="right",
+                  fontsize=7)
+    ax.set_ylabel("K/V read, GB/s")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 8192, 32768, 131072])
+    parser.add_argument("--heads", nargs="+", default=["32/8"], help="H/H_kv pairs")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--q-lens", nargs="+", type=int, default=[1])
+    parser.add_argument("--pages", nargs="*", type=int, default=[16, 64, 256])
+    parser.add_argument("--max-cache-gib", type=float, default=34.0,
+                        help="rows whose K/V exceed this are left out")
+    parser.add_argument("--out", help="output path prefix (default: bench/results/decode-<gpu>)")
+    args = parser.parse_args()
+    args.out = args.out or results_path("decode")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    info = machine_info()
+    info["read_bandwidth_gbps"] = bandwidth = round(read_bandwidth_gbps(), 1)
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
+    info["host_us"] = host_row(*heads[0], args.head_dim)
+    grid = [(b, n, h, kvh, lq) for h, kvh in heads for lq in args.q_lens
+            for b in args.batches for n in args.lengths
+            if b * n * kvh * args.head_dim * 4 <= args.max_cache_gib * 2**30]
+    rows = []
+    for b, n, h, kvh, lq in tqdm(grid, desc="decode grid", unit="row"):
+        rows.append(bench_row(b, n, h, kvh, args.head_dim, lq, args.pages, bandwidth))
+        tqdm.write(f"B={b} L={n} H={h}/{kvh} Lq={lq}: {rows[-1]['gbps']} "
+                   f"{rows[-1]['skipped'] or ''}")
+        save_json(args.out, info, rows=rows)
+        torch.cuda.empty_cache()
+    write_report(args.out, "Decode, K/V read GB/s (bf16, causal)", info,
+                 f"{table(rows, bandwidth)}\n\nHost microseconds per call (B = 1, L = 1k): "
+                 f"{info['host_us']}")
+    plot(rows, args.out + ".png")
+    print(table(rows, bandwidth))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""``flash_attn_with_kvcache``: attention against a KV cache (decode, speculative decoding,
+chunked prefill), contiguous or paged, with the new keys and values appended in place.
+
+The call validates everything checkable without a device sync, then launches at most three
+cuTile kernels on the current stream (``kernels/attention_decode.py``): the append of the new
+rows, the split-KV decode, and the combine of the splits. It reads nothing back to the host
+and allocates only its outputs and the split workspace (torch's caching allocator), so a step
+captures in a CUDA graph and replays with new ``cache_seqlens``.
+"""
+
+import math
+
+import torch
+
+from flash_tile import _validate, variants
+from flash_tile._interop import accepts_cupy
+from flash_tile._launch import launch_cache_append, launch_decode
+
+
+def _seqlens(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
+    """cache_seqlens as an int32 [B] tensor on ``device``: an int is broadcast (one small
+    fill), None means every sequence fills the cache's capacity."""
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        length = capacity if cache_seqlens is None else cache_seqlens
+        if not 0 <= length <= capacity:
+            raise ValueError(f"cache_seqlens={length} is outside the cache's capacity "
+                             f"[0, {capacity}]")
+        return torch.full((batch,), length, dtype=torch.int32, device=device)
+    return _validate.check_index_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
+
+
+def _outputs(batch, q_len, heads, v_head_dim, dtype, device, with_lse):
+    """(out [B, Lq, H, Dv], lse [B, H, Lq] fp32 or None), uninitialised."""
+    out = torch.empty((batch, q_len, heads, v_head_dim), dtype=dtype, device=device)
+    lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=device) \
+        if with_lse else None
+    return out, lse
+
+
+@accepts_cupy
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q against a KV cache; a drop-in for ``flash_attn.flash_attn_with_kvcache``.
+
+    Args:
+        q: [B, Lq, H, D] float16 or bfloat16 CUDA tensor, Lq >= 1 (one decode step, a few
+            speculative tokens, or a chunk of a prompt), D from 1 to 256.
+        k_cache, v_cache: the cache in q's dtype, either contiguous-by-sequence
+            [B_cache, L_cache, H_kv, D] (v: Dv), or paged [num_blocks, page_size, H_kv, D]
+            when ``block_table`` is given; H a multiple of H_kv (GQA/MQA). Unit last stride.
+        k, v: optional new keys/values [B, L_new, H_kv, D / Dv], written into the cache in
+            place at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1 before the
+            attention reads it (so it attends to cache_seqlens + L_new keys).
+        rotary_cos, rotary_sin, cache_leftpad: not supported yet (NotImplementedError):
+            rotate q and k before the call; keep sequences left-aligned in the cache.
+        cache_seqlens: int or [B] int32 tensor: the keys already in each sequence's cache
+            (None: the whole cache, L_cache or max_blocks * page_size).
+        cache_batch_idx: optional [B] int32: the cache row of each sequence (contiguous
+            caches only).
+        block_table: optional [B, max_blocks] int32: sequence b's key p lives in page
+            block_table[b, p // page_size] at row p % page_size. Pages need not be contiguous
+            or ordered; page_size must be a multiple of 16.
+        softmax_scale: default 1 / sqrt(D).
+        causal, window_size: aligned bottom-right per sequence, as flash-attn: with k_len =
+            cache_seqlens[b] + L_new, query row i sees key j iff
+            i + k_len - Lq - left <= j <= i + k_len - Lq + right (causal: right = 0).
+        softcap: > 0 caps the scaled scores with softcap * tanh(s / softcap).
+        alibi_slopes: [H] or [B, H] float32, bias -slope * |i + k_len - Lq - j|.
+        num_splits: 0 picks the number of key splits from B, H_kv, Lq and the cache's
+            capacity so that the GPU's SMs fill (``_launch.decode_splits``); 1 disables
+            splitting; any count gives the same result within rounding.
+        return_softmax_lse: also return the LSE.
+
+    Returns:
+        out [B, Lq, H, Dv] in q's dtype; with ``return_softmax_lse`` the pair (out, lse), lse
+        [B, H, Lq] float32, natural log, +inf (and out 0) for rows that see no key.
+
+    Not checked (checking would need a device sync): that every block_table entry a sequence
+    uses is a valid page, that cache_batch_idx entries are valid rows, and that
+    cache_seqlens[b] + L_new fits the capacity. Violating them reads or writes outside the
+    cache (an illegal-address error, or another sequence's keys). Forward only: no gradients.
+    """
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("rotary_cos/rotary_sin: the fused rotary embedding is not "
+                                  "supported yet; apply the rotation to q and k before the "
+                                  "call")
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad is not supported yet; keep each sequence's "
+                                  "keys at the start of its cache row")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
+                         f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, q_len, heads, head_dim = q.shape
+    if q_len == 0:
+        raise ValueError("q has seqlen 0: give at least one query row")
+    new = (k, v) if k is not None or v is not None else ()
+    _validate.check_dtypes(q, k_cache, v_cache, *new)
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must agree but for the head dim, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _validate.check_heads(heads, k_cache.shape[2], v_cache.shape[2])
+    _validate.check_head_dims(head_dim, k_cache.shape[3], v_cache.shape[3])
+    scale = _validate.check_scale(1.0 / math.sqrt(head_dim) if softmax_scale is None
+                                  else softmax_scale)
+    left, right = _validate.check_window(window_size)
+    if causal:
+        right = 0
+    softcap = _validate.check_softcap(softcap)
+    device = _validate.check_device(q, k_cache, v_cache, *new)
+    if alibi_slopes is not None:
+        alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, heads)
+        _validate.check_device(q, alibi_slopes)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit last stride (as flash-attn requires)")
+    if block_table is not None:
+        _validate.check_block_table(block_table, batch, k_cache.shape[1], cache_batch_idx,
+                                    device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if cache_batch_idx is not None:
+            cache_batch_idx = _validate.check_index_tensor(cache_batch_idx, "cache_batch_idx",
+                                                           (batch,), device)
+        elif k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of "
+                             f"{batch}: pass cache_batch_idx or a larger cache")
+        capacity = k_cache.shape[1]
+    seqlens = _seqlens(cache_seqlens, batch, capacity, device)
+    new_len = 0
+    if new:
+        new_len = _validate.check_new_kv(k, v, batch, k_cache, v_cache, capacity,
+                                         cache_seqlens is not None)
+    num_splits = _validate.check_num_splits(num_splits)
+
+    out, lse = _outputs(batch, q_len, heads, v_cache.shape[3], q.dtype, device,
+                        return_softmax_lse)
+    if new_len:
+        launch_cache_append(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table)
+    capability, _ = _validate.device_properties(device)
+    launch_decode(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx, block_table,
+                  alibi_slopes, scale, softcap, (left, right), new_len, num_splits,
+                  variants.default_decode_config(capability, max(head_dim, v_cache.shape[3])))
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,245 @@
+"""Attention against a KV cache (decode, speculative decoding, chunked prefill) in cuTile.
+
+Maths. As ``attention_fwd``: for query row i of a sequence whose cache holds k_len keys,
+o_i = sum_j softmax_j(s_ij) v_j over the keys j that row i sees, with the same scores (scale,
+SOFTCAP, ALIBI) and the same online softmax in log2 units. Decode differs in its work split:
+
+- GQA packed into M. The G = H / H_kv query heads that share a key/value head, and TILE_LQ of
+  the Lq query rows, form one [TILE_LQ * TILE_G, D] tile, row r being query row
+  r // TILE_G of head r % TILE_G of the group (FA3's pack_gqa, FlashInfer's GQA decode): at
+  Lq = 1 the tensor cores still get 8-16 rows, and each K/V tile is read once per group, not
+  once per head.
+- Split-KV. The keys a query tile sees are cut into NUM_SPLITS contiguous runs of key tiles,
+  one program each, so that a batch of one long sequence still fills the GPU. Under SPLIT each
+  program stores its normalised partial output o_s and its partial LSE lse_s (natural log)
+  to a float32 workspace, and ``decode_combine`` merges them:
+
+      lse = log sum_s exp(lse_s),     o = sum_s exp(lse_s - lse) o_s.
+
+  A split that sees no key stores lse_s = -inf and o_s = 0, which add nothing. Without SPLIT
+  the program writes the output and the LSE itself.
+
+Masking. Causal and windows are aligned bottom-right per sequence, as flash-attn's
+``flash_attn_with_kvcache``: row i of Lq sees key j iff j < k_len and
+
+    i + k_len - Lq - window_left <= j        (when MASK_LEFT)
+    j <= i + k_len - Lq + window_right       (when MASK_RIGHT; causal: window_right = 0)
+
+A row that sees no key gets an output of 0 and an LSE of +inf, as the forward.
+
+Layout. Q [B, Lq, H_kv, G, D] (flash-attn's [B, Lq, H, D] with its heads split, a view);
+K [Bc, H_kv, L_cache, D] and V [Bc, H_kv, L_cache, Dv] (flash-attn's cache [Bc, L_cache, H_kv,
+D] transposed, a view), or under PAGED the pages [num_blocks, H_kv, page_size, D] with
+BlockTable [B, max_blocks] int32 giving sequence b's page of keys [p * page_size, (p + 1) *
+page_size); TILE_N divides page_size, so a key tile lies in one page and loads as one tile.
+SeqLensK [B] int32 plus the scalar new_len is each sequence's key count, BatchIdx [B] int32 (under
+BATCH_IDX) the cache row of sequence b. Out [B, Lq, H_kv, G, Dv] in Q's dtype and Lse
+[B, H_kv, G, Lq] fp32 (flash-attn's [B, H, Lq]); the SPLIT workspace OutSplit [NUM_SPLITS, B,
+Lq, H_kv, G, Dv] and LseSplit [NUM_SPLITS, B, Lq, H_kv, G], fp32. D and Dv need not be powers
+of two: tiles are zero-padded by the loads and clipped by the stores, as in the forward.
+
+``cache_append`` writes new keys and values into the cache at each sequence's length before
+the attention reads it: one program per (new row, key/value head, sequence).
+"""
+
+import math
+
+import cuda.tile as ct
+
+from ._tiles import LN_2, NO_MASK, ZERO, ConstBool, ConstInt, log2_scores
+
+NEG_INF = ct.PaddingMode.NEG_INF
+
+
+def _cache_row(BatchIdx, batch, BATCH_IDX: ConstBool):
+    """The cache's batch row of sequence ``batch``."""
+    if BATCH_IDX:
+        return ct.load(BatchIdx, (batch,), shape=()).item()
+    return batch
+
+
+def _kv_tile(A, kv, j, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
+             KEYS_LAST: ConstBool):
+    """Key tile j of K (as K^T, [COLS, TILE_N], through the permuted load order) or of V
+    ([TILE_N, COLS]): one tile load, from the sequence's cache row, or under PAGED from the
+    page the block table names for the tile's keys (TILE_N divides the page size)."""
+    _, _, BlockTable, cache_row, batch, kv_head, page_size = kv
+    row, tile = cache_row, j
+    if PAGED:
+        start = j * TILE_N
+        row = ct.load(BlockTable, (batch, start // page_size), shape=()).item()
+        tile = (start % page_size) // TILE_N
+    if KEYS_LAST:
+        return ct.load(A, index=(row, kv_head, 0, tile), shape=(1, 1, COLS, TILE_N),
+                       order=(0, 1, 3, 2), padding_mode=ZERO).reshape((COLS, TILE_N))
+    return ct.load(A, index=(row, kv_head, tile, 0), shape=(1, 1, TILE_N, COLS),
+                   padding_mode=ZERO).reshape((TILE_N, COLS))
+
+
+def _slopes(Slopes, batch, kv_head, TILE_LQ: ConstInt, TILE_G: ConstInt, ALIBI: ConstBool):
+    """The ALiBi slope of each packed row, [TILE_LQ * TILE_G, 1] (0.0 without ALIBI)."""
+    if not ALIBI:
+        return 0.0
+    slope = ct.load(Slopes, index=(batch, kv_head, 0), shape=(1, 1, TILE_G), padding_mode=ZERO)
+    slope = ct.broadcast_to(slope.reshape((1, TILE_G)), (TILE_LQ, TILE_G))
+    return slope.reshape((TILE_LQ * TILE_G, 1))
+
+
+def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES):
+    """One online-softmax step over key tile j; returns (m_i, l_i, acc). Every tile is
+    masked (the band, and k_len): the cost of decode is the K/V read. V's rows past k_len
+    are zeroed too: a stale cache may hold NaN there, and the zero probabilities of those
+    keys would still make 0 * NaN = NaN in P V. Only in the tile that k_len cuts: the branch
+    is the same for the whole CTA (j is a scalar), and the select in every step cost 7-35%
+    of the GB/s on the H200 (2026-12-02, occupancy 2, B 1-128, L 4k-128k)."""
+    K, V = kv[0], kv[1]
+    TILE_M, TILE_N, TILE_D, TILE_DV, PAGED = TILES
+    k_t = _kv_tile(K, kv, j, TILE_N, TILE_D, PAGED, True)  # [TILE_D, TILE_N]
+    s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
+    offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
+                               FEATURES, False, True)
+    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * factor)
+    m_sub = ct.where(m_new == -math.inf, 0.0, m_new)  # rows that saw nothing yet
+    p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
+    alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    v = _kv_tile(V, kv, j, TILE_N, TILE_DV, PAGED, False)  # [TILE_N, TILE_DV]
+    if (j + 1) * TILE_N > band[0]:  # the tile k_len cuts
+        offs_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
+        v = ct.where(offs_v < band[0], v, 0.0).astype(v.dtype)
+    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
+    return m_new, l_i, acc
+
+
+def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                 qk_scale, softcap, window_left, window_right, new_len,
+                 NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
+                 TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                 MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                 PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
+                 STORE_LSE: ConstBool):
+    """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
+    sequence bid(2)."""
+    TILE_M = TILE_LQ * TILE_G
+    split = ct.bid(0) % NUM_SPLITS
+    tile_q = ct.bid(0) // NUM_SPLITS
+    kv_head = ct.bid(1)
+    batch = ct.bid(2)
+    q_len = Q.shape[1]
+    k_len = ct.load(SeqLensK, (batch,), shape=()).item() + new_len
+    diag_offset = k_len - q_len
+    cache_row = _cache_row(BatchIdx, batch, BATCH_IDX)
+    page_size = K.shape[2]
+
+    q = ct.load(Q, index=(batch, tile_q, kv_head, 0, 0), shape=(1, TILE_LQ, 1, TILE_G, TILE_D),
+                padding_mode=ZERO).reshape((TILE_M, TILE_D))
+    # Packed row r is query row tile_q * TILE_LQ + r // TILE_G.
+    offs_q = tile_q * TILE_LQ + ct.arange(TILE_M, dtype=ct.int32)[:, None] // TILE_G
+    band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, PAGED)
+    FEATURES = (MASK_LEFT, MASK_RIGHT, False, SOFTCAP, ALIBI, NO_MASK, False)
+    rows = (batch, kv_head, offs_q, _slopes(Slopes, batch, kv_head, TILE_LQ, TILE_G, ALIBI), 0)
+
+    # The key tiles some row of this query tile sees, then this split's share of them.
+    first_row = tile_q * TILE_LQ
+    last_row = min(first_row + TILE_LQ, q_len) - 1
+    n_lo = 0
+    if MASK_LEFT:
+        n_lo = max(min(first_row + diag_offset - window_left, k_len), 0) // TILE_N
+    n_hi = ct.cdiv(k_len, TILE_N)
+    if MASK_RIGHT:
+        n_hi = ct.cdiv(max(min(last_row + diag_offset + window_right + 1, k_len), 0), TILE_N)
+    per_split = ct.cdiv(max(n_hi - n_lo, 0), NUM_SPLITS)
+    n_start = n_lo + split * per_split
+    n_end = min(n_start + per_split, n_hi)
+
+    m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
+    acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
+    kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size)
+    for j in range(n_start, n_end):
+        m_i, l_i, acc = _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES,
+                                        FEATURES)
+
+    empty = l_i == 0.0
+    out = acc * (1.0 / ct.where(empty, 1.0, l_i))  # [TILE_M, TILE_DV], 0 where empty
+    lse = m_i * LN_2 + ct.log(l_i)  # -inf where empty
+    if SPLIT:
+        ct.store(OutSplit, index=(split, batch, tile_q, kv_head, 0, 0),
+                 tile=out.reshape((1, 1, TILE_LQ, 1, TILE_G, TILE_DV)))
+        ct.store(LseSplit, index=(split, batch, tile_q, kv_head, 0),
+                 tile=lse.reshape((1, 1, TILE_LQ, 1, TILE_G)))
+    else:
+        ct.store(Out, index=(batch, tile_q, kv_head, 0, 0),
+                 tile=out.astype(Out.dtype).reshape((1, TILE_LQ, 1, TILE_G, TILE_DV)))
+        if STORE_LSE:
+            lse = ct.where(empty, math.inf, lse).reshape((TILE_LQ, TILE_G))
+            ct.store(Lse, index=(batch, kv_head, 0, tile_q),
+                     tile=ct.permute(lse, (1, 0)).reshape((1, 1, TILE_G, TILE_LQ)))
+
+
+@ct.kernel
+def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
+                     Slopes, qk_scale: float, softcap: float, window_left: int,
+                     window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
+                     TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                     MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
+                     ALIBI: ConstBool, PAGED: ConstBool, BATCH_IDX: ConstBool,
+                     SPLIT: ConstBool, STORE_LSE: ConstBool):
+    """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
+    OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
+    under BATCH_IDX, BlockTable under PAGED; the window bounds under their MASK_ switch.
+    Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
+    new_len rows, or its whole length with new_len = 0)."""
+    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G,
+                 TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
+                 BATCH_IDX, SPLIT, STORE_LSE)
+
+
+@ct.kernel
+def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: ConstInt,
+                   STORE_LSE: ConstBool):
+    """Grid (Lq, H, B): merge the NUM_SPLITS partial outputs of query row bid(0) of head bid(1)
+    of sequence bid(2). OutSplit [S, B, Lq, H, Dv] and LseSplit [S, B, Lq, H] fp32 (the decode
+    workspace with its heads merged); Out [B, Lq, H, Dv], Lse [B, H, Lq] fp32 (under
+    STORE_LSE). TILE_S >= S: the padded splits read lse = -inf and weigh nothing."""
+    row = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    lse_s = ct.load(LseSplit, index=(0, batch, row, head), shape=(TILE_S, 1, 1, 1),
+                    padding_mode=NEG_INF).reshape((TILE_S, 1))
+    lse_max = ct.max(lse_s, axis=0, keepdims=True)  # [1, 1]
+    empty = lse_max == -math.inf
+    weight = ct.exp(lse_s - ct.where(empty, 0.0, lse_max))  # [TILE_S, 1], 0 for empty splits
+    total = ct.sum(weight, axis=0, keepdims=True)
+    o_s = ct.load(OutSplit, index=(0, batch, row, head, 0), shape=(TILE_S, 1, 1, 1, TILE_DV),
+                  padding_mode=ZERO).reshape((TILE_S, TILE_DV))
+    out = ct.sum(o_s * weight, axis=0, keepdims=True) / ct.where(empty, 1.0, total)
+    ct.store(Out, index=(batch, row, head, 0),
+             tile=out.astype(Out.dtype).reshape((1, 1, 1, TILE_DV)))
+    if STORE_LSE:
+        lse = ct.where(empty, math.inf, lse_max + ct.log(total))
+        ct.store(Lse, index=(batch, head, row), tile=lse.reshape((1, 1, 1)))
+
+
+@ct.kernel
+def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
+                 TILE_DV: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool):
+    """Grid (L_new, H_kv, B): row bid(0) of KNew/VNew [B, L_new, H_kv, D / Dv] into the cache
+    (flash-attn's layout: [Bc, L_cache, H_kv, D], or pages [num_blocks, page_size, H_kv, D]
+    under PAGED) at position CacheSeqLens[b] + bid(0) of sequence b."""
+    i = ct.bid(0)
+    kv_head = ct.bid(1)
+    batch = ct.bid(2)
+    pos = ct.load(CacheSeqLens, (batch,), shape=()).item() + i
+    row = _cache_row(BatchIdx, batch, BATCH_IDX)
+    if PAGED:
+        page_size = K.shape[1]
+        row = ct.load(BlockTable, (batch, pos // page_size), shape=()).item()
+        pos = pos % page_size
+    k = ct.load(KNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_D), padding_mode=ZERO)
+    ct.store(K, index=(row, pos, kv_head, 0), tile=k)
+    v = ct.load(VNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_DV), padding_mode=ZERO)
+    ct.store(V, index=(row, pos, kv_head, 0), tile=v)

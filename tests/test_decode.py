@@ -1,0 +1,185 @@
+"""The decode path on the CPU: the float64 twin of its split and combine against plain
+attention, the split and tile choices, the input checks, and ahead-of-time compiles of its
+kernels for every architecture."""
+
+import math
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import _launch, _validate, aot, kvcache, reference, variants
+
+
+def _contiguous(batch, capacity, kv_heads, head_dim, v_head_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, capacity, kv_heads, head_dim, generator=gen, dtype=torch.float64),
+            torch.randn(batch, capacity, kv_heads, v_head_dim, generator=gen,
+                        dtype=torch.float64))
+
+
+def _dense(q, seqs, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """Plain attention per sequence, bottom-right aligned: the twin's oracle."""
+    outs, lses = [], []
+    for b, (k, v) in enumerate(seqs):
+        qb = q[b:b + 1].transpose(1, 2).double()
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1].double()
+        o, lse = reference.attention_dense(qb, k, v, diag_offset=k.shape[2] - q.shape[1],
+                                           window=window, softcap=softcap,
+                                           alibi_slopes=slopes, return_lse=True)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("tile_lq,tile_n", [(1, 16), (4, 32), (16, 128)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (20, 0), (9, 4)])
+def test_split_and_combine_equal_plain_attention(num_splits, tile_lq, tile_n, window):
+    batch, q_len, heads, kv_heads, d, dv = 3, 7, 6, 2, 16, 8
+    k_cache, v_cache = _contiguous(batch, 203, kv_heads, d, dv)
+    seqlens = torch.tensor([0, 1, 203], dtype=torch.int32)  # 0: every row sees nothing
+    seqs = reference.cache_sequences(k_cache, v_cache, seqlens)
+    q = torch.randn(batch, q_len, heads, d, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    slopes = torch.rand(batch, heads, dtype=torch.float64)
+    out, lse = reference.decode_tiles_reference(q, seqs, None, window, 5.0, slopes, tile_lq,
+                                                tile_n, num_splits)
+    ref_out, ref_lse = _dense(q[1:], seqs[1:], window, 5.0, slopes[1:])
+    assert torch.allclose(out[1:], ref_out, atol=1e-12)
+    assert torch.equal(lse[1:].isinf(), ref_lse.isinf())
+    finite = ~ref_lse.isinf()
+    assert torch.allclose(lse[1:][finite], ref_lse[finite], atol=1e-12)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == math.inf).all())
+
+
+def test_paged_and_contiguous_caches_hold_the_same_sequences():
+    batch, capacity, page = 3, 96, 16
+    k_cache, v_cache = _contiguous(batch, capacity, 2, 8, 8)
+    per_seq = capacity // page
+    table = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(2))
+    table = table.view(batch, per_seq).to(torch.int32)
+    k_pages = torch.empty(batch * per_seq, page, 2, 8, dtype=torch.float64)
+    v_pages = torch.empty_like(k_pages)
+    for b in range(batch):
+        for p in range(per_seq):
+            k_pages[table[b, p]] = k_cache[b, p * page:(p + 1) * page]
+            v_pages[table[b, p]] = v_cache[b, p * page:(p + 1) * page]
+    lens = torch.tensor([5, 96, 33], dtype=torch.int32)
+    for (k1, v1), (k2, v2) in zip(reference.cache_sequences(k_cache, v_cache, lens),
+                                  reference.cache_sequences(k_pages, v_pages, lens, None, table)):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    picked = reference.cache_sequences(k_cache, v_cache, lens[:2], idx)
+    assert torch.equal(picked[0][0][0], k_cache[2, :5].transpose(0, 1))
+
+
+def test_tiles_pack_the_group_and_fit_the_pages():
+    config = variants.DECODE_DEFAULT
+    assert _launch.decode_tiles(1, 8, None, config) == (2, 8, 128)  # 16 rows at least
+    assert _launch.decode_tiles(1, 1, None, config) == (16, 1, 128)
+    assert _launch.decode_tiles(64, 4, None, config) == (4, 4, 128)  # config.rows rows
+    assert _launch.decode_tiles(3, 6, 48, config) == (2, 8, 16)  # 48 = 16 * 3
+    assert _launch.decode_tiles(1, 8, 64, config)[2] == 64
+    assert _launch.decode_tiles(1, 8, 256, config)[2] == 128
+
+
+def test_splits_fill_the_gpu_and_respect_the_caps():
+    config = variants.DECODE_DEFAULT
+    # B = 1, 8 KV heads, a 128k cache: 33 splits make 264 programs for 132 SMs at 2 a SM.
+    assert _launch.decode_splits(0, 1, 8, 1, 1024, 132, config) == 33
+    assert _launch.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
+    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 3  # >= 2 key tiles a split
+    assert _launch.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
+    assert _launch.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
+    assert _launch.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
+
+
+def _q(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(rotary_cos=_q(4, 8), rotary_sin=_q(4, 8)), NotImplementedError, "rotary"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "leftpad"),
+    (dict(window_size=(1,)), ValueError, "window_size"),
+    (dict(softmax_scale=-1.0), ValueError, "scale"),
+    (dict(softcap=-2.0), ValueError, "softcap"),
+])
+def test_bad_arguments_raise_before_launch(kwargs, error, match):
+    q, k = _q(2, 1, 4, 64), _q(2, 32, 2, 64)
+    with pytest.raises(error, match=match):
+        flash_tile.flash_attn_with_kvcache(q, k, k, **kwargs)
+
+
+def test_bad_shapes_and_dtypes_raise_before_launch():
+    q, k = _q(2, 1, 4, 64), _q(2, 32, 2, 64)
+    with pytest.raises(ValueError, match="4-D"):
+        flash_tile.flash_attn_with_kvcache(q[0], k, k)
+    with pytest.raises(ValueError, match="seqlen 0"):
+        flash_tile.flash_attn_with_kvcache(q[:, :0], k, k)
+    with pytest.raises(ValueError, match="same dtype"):
+        flash_tile.flash_attn_with_kvcache(q, k.half(), k)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_tile.flash_attn_with_kvcache(_q(2, 1, 5, 64), k, k)
+    with pytest.raises(ValueError, match="agree"):
+        flash_tile.flash_attn_with_kvcache(q, k, k[:, :16])
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_tile.flash_attn_with_kvcache(q, k, k)
+
+
+def test_index_checks():
+    dev = torch.device("cpu")
+    lens = torch.zeros(3, dtype=torch.int32)
+    assert _validate.check_index_tensor(lens, "cache_seqlens", (3,), dev) is lens
+    with pytest.raises(ValueError, match="int32"):
+        _validate.check_index_tensor(lens.long(), "cache_seqlens", (3,), dev)
+    with pytest.raises(ValueError, match=r"shape \[2\]"):
+        _validate.check_index_tensor(lens, "cache_seqlens", (2,), dev)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    _validate.check_block_table(table, 3, 64, None, dev)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _validate.check_block_table(table, 3, 24, None, dev)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        _validate.check_block_table(table, 3, 64, lens, dev)
+    with pytest.raises(ValueError, match=r"shape \[2, 4\]"):
+        _validate.check_block_table(table, 2, 64, None, dev)
+    with pytest.raises(ValueError, match="capacity"):
+        kvcache._seqlens(65, 3, 64, dev)
+    assert kvcache._seqlens(None, 3, 64, dev).tolist() == [64, 64, 64]
+    with pytest.raises(ValueError, match="num_splits"):
+        _validate.check_num_splits(-1)
+
+
+def test_new_kv_checks():
+    k_cache = _q(2, 32, 2, 64)
+    k = _q(2, 3, 2, 64)
+    assert _validate.check_new_kv(k, k, 2, k_cache, k_cache, 32, True) == 3
+    with pytest.raises(ValueError, match="both k and v"):
+        _validate.check_new_kv(k, None, 2, k_cache, k_cache, 32, True)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        _validate.check_new_kv(k, k, 2, k_cache, k_cache, 32, False)
+    with pytest.raises(ValueError, match=r"\[2, L_new, 2, 64\]"):
+        _validate.check_new_kv(_q(2, 3, 1, 64), k, 2, k_cache, k_cache, 32, True)
+    with pytest.raises(ValueError, match="do not fit"):
+        _validate.check_new_kv(_q(2, 40, 2, 64), _q(2, 40, 2, 64), 2, k_cache, k_cache, 32,
+                               True)
+
+
+@pytest.mark.parametrize("arch", variants.ARCHS)
+def test_decode_kernels_compile_with_tensor_cores(arch):
+    """Split decode, combine and append compile for every architecture; the decode's two
+    matmuls run on tensor cores, with no spills. At 16 packed rows tileiras 13.4 picks the
+    warp-level HMMA on every architecture (sm_90's wgmma and sm_100's tcgen05 take 64 rows
+    and more); the K/V tiles still load through TMA where there is one."""
+    cubins = aot.compile_decode(arch, page_size=64, splits=4, softcap=True)
+    listing = aot.disassemble(cubins["decode"])
+    sass = aot.summarize(listing)
+    assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, sass
+    assert " HMMA." in listing
+    assert (sass["tma_load"] > 0) == (arch in aot.TMA_ARCHS)
+    assert set(cubins) == {"decode", "combine", "append"}
+    if arch == "sm_90":  # contiguous, one split: no combine, K/V through TMA
+        single = aot.compile_decode(arch, splits=1, group=4, q_len=4, head_dim=256)
+        assert set(single) == {"decode", "append"}
+        assert aot.summarize(aot.disassemble(single["decode"]))["tma_load"] > 0

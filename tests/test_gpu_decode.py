@@ -1,0 +1,186 @@
+"""flash_attn_with_kvcache on the GPU against an fp32 reference, flash-attn's 2x rule.
+
+Each sequence's keys are read back from the cache (``reference.cache_sequences``) and attended
+by ``reference.attention_dense`` in fp32 (the reference) and in the input dtype (PyTorch's own
+low-precision error). Cache slots past each sequence's length, and pages no sequence uses, hold
+NaN: a kernel that reads one fails.
+"""
+
+import math
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, seqlens, gen):
+    """(k_cache, v_cache, block_table): random keys below each length, NaN above; paged caches
+    get shuffled pages plus unused NaN pages."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    if page_size is None:
+        k, v = rand(batch, capacity, kv_heads, head_dim), rand(batch, capacity, kv_heads,
+                                                               v_head_dim)
+        pos = torch.arange(capacity, device="cuda")[None, :, None, None]
+        stale = pos >= torch.tensor(seqlens, device="cuda")[:, None, None, None]
+        return k.masked_fill(stale, math.nan), v.masked_fill(stale, math.nan), None
+    per_seq = -(-capacity // page_size)
+    pages = batch * per_seq + 3  # some never used
+    k, v = (rand(pages, page_size, kv_heads, d) for d in (head_dim, v_head_dim))
+    table = torch.randperm(pages, generator=gen, device="cuda")[:batch * per_seq]
+    table = table.view(batch, per_seq).to(torch.int32)
+    used = torch.zeros(pages, page_size, dtype=torch.bool, device="cuda")
+    for b, n in enumerate(seqlens):
+        flat = used[table[b].long()].flatten()
+        flat[:n] = True
+        used[table[b].long()] = flat.view(per_seq, page_size)
+    k = k.masked_fill(~used[..., None, None], math.nan)
+    v = v.masked_fill(~used[..., None, None], math.nan)
+    return k, v, table
+
+
+def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
+           alibi_slopes=None, batch_idx=None, block_table=None):
+    lengths = torch.tensor(seqlens, dtype=torch.int32)
+    seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table)
+    for b, (k, v) in enumerate(seqs):
+        qb = q[b:b + 1].transpose(1, 2)
+        diag = k.shape[2] - q.shape[1]
+        slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[2])[
+            b:b + 1]
+        args = dict(diag_offset=diag, window=window, softcap=softcap, alibi_slopes=slopes)
+        if k.shape[2] == 0:  # no key at all: zeros and +inf, as flash-attn
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+            assert lse is None or bool((lse[b] == math.inf).all())
+            continue
+        ref, ref_lse = reference.attention_dense(qb.float(), k.float(), v.float(),
+                                                 return_lse=True, **args)
+        low = reference.attention_dense(qb, k, v, **args)
+        report = reference.check_error(out[b:b + 1].transpose(1, 2), ref, low)
+        assert report["ok"], (b, report)
+        if lse is not None:
+            assert reference.check_error(lse[b:b + 1], ref_lse, ref_lse.to(q.dtype))["ok"]
+
+
+def _run(batch=3, q_len=1, heads=8, kv_heads=2, head_dim=128, v_head_dim=None, capacity=300,
+         seqlens=None, page_size=None, dtype=torch.bfloat16, num_splits=0, seed=0, **kw):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    v_head_dim = v_head_dim or head_dim
+    seqlens = seqlens or [int(x) for x in torch.randint(
+        1, capacity + 1, (batch,), generator=gen, device="cuda")]
+    k_cache, v_cache, table = _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype,
+                                     page_size, seqlens, gen)
+    q = torch.randn(batch, q_len, heads, head_dim, generator=gen, device="cuda").to(dtype)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    out, lse = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                  block_table=table, num_splits=num_splits,
+                                                  return_softmax_lse=True, **kw)
+    _check(q, k_cache, v_cache, out, lse, seqlens, kw.get("window_size", (-1, -1))
+           if not kw.get("causal") else (kw.get("window_size", (-1, -1))[0], 0),
+           kw.get("softcap", 0.0), kw.get("alibi_slopes"), None, table)
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 7, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_contiguous(q_len, group, causal):
+    _run(q_len=q_len, heads=2 * group, kv_heads=2, causal=causal,
+         seqlens=[0, 1, 203] if q_len == 1 else None, capacity=max(300, q_len))
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256, 48])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_paged(page_size, q_len):
+    _run(q_len=q_len, page_size=page_size, capacity=1000, seqlens=[1, 17, 999], causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_dims(head_dim, dtype):
+    _run(head_dim=head_dim, dtype=dtype, q_len=3, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_every_split_count_agrees(num_splits):
+    _run(batch=2, capacity=2000, seqlens=[1999, 113], num_splits=num_splits, q_len=2,
+         causal=True)
+
+
+def test_features():
+    slopes = torch.rand(8, device="cuda")
+    _run(q_len=5, window_size=(40, 0), softcap=30.0, alibi_slopes=slopes, capacity=500)
+    _run(q_len=5, window_size=(7, 3), capacity=500, page_size=64)
+    _run(q_len=1, head_dim=128, v_head_dim=64, capacity=500)
+
+
+def test_append_then_attend():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batch, cap, kvh, d, new = 2, 600, 2, 64, 3
+    seqlens = [10, 400]
+    for page_size in (None, 16):
+        k_cache, v_cache, table = _cache(batch, cap, kvh, d, d, torch.bfloat16, page_size,
+                                         seqlens, gen)
+        q = torch.randn(batch, new, 8, d, generator=gen, device="cuda").to(torch.bfloat16)
+        k_new, v_new = (torch.randn(batch, new, kvh, d, generator=gen, device="cuda").to(
+            torch.bfloat16) for _ in range(2))
+        lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+        out = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                 cache_seqlens=lens, block_table=table,
+                                                 causal=True)
+        grown = [n + new for n in seqlens]
+        seqs = reference.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
+        for b, (k, v) in enumerate(seqs):  # the new rows landed where they belong
+            assert torch.equal(k[0, :, seqlens[b]:].transpose(0, 1), k_new[b])
+            assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])
+        _check(q, k_cache, v_cache, out, None, grown, (-1, 0), block_table=table)
+        assert torch.equal(lens.cpu(), torch.tensor(seqlens, dtype=torch.int32))  # unchanged
+
+
+def test_cache_batch_idx():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    seqlens = [50, 5, 120, 77]
+    k_cache, v_cache, _ = _cache(4, 128, 2, 64, 64, torch.float16, None, seqlens, gen)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 1, 4, 64, generator=gen, device="cuda").to(torch.float16)
+    lens = torch.tensor([seqlens[2], seqlens[0]], dtype=torch.int32, device="cuda")
+    out = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                             cache_batch_idx=idx)
+    _check(q, k_cache, v_cache, out, None, lens.tolist(), batch_idx=idx)
+
+
+def test_cuda_graph_replays_growing_caches():
+    """One decode step (append + attend) captured once and replayed over three steps, the
+    cache lengths growing in place between replays."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    batch, cap, kvh, d = 2, 512, 2, 128
+    seqlens = [100, 37]
+    k_cache, v_cache, table = _cache(batch, cap, kvh, d, d, torch.bfloat16, 64, seqlens, gen)
+    q = torch.empty(batch, 1, 8, d, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.empty(batch, 1, kvh, d, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+
+    def step():
+        return flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                  cache_seqlens=lens, block_table=table,
+                                                  causal=True)
+
+    for t in (q, k_new, v_new):
+        t.normal_(generator=gen)
+    step()  # compile and warm up outside the capture
+    lens += 1
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
+        graph.replay()
+        lens += 1
+        grown = [int(n) for n in lens.tolist()]
+        _check(q, k_cache, v_cache, out, None, grown, (-1, 0), block_table=table)
