@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import subprocess
 import time
 
 import torch
@@ -201,9 +202,22 @@ def machine_info():
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "sms": props.multi_processor_count, "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda, "cuda_tile": package_version("cuda-tile"),
-            "flash_tile": flash_tile.__version__, "code": autotune.code_digest(),
+            "flash_tile": flash_tile.__version__, "commit": source_commit(),
+            "code": autotune.code_digest(),
             "autotune": autotune.enabled(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def source_commit() -> str | None:
+    """The git commit of the source tree the benchmark runs from (None outside a checkout);
+    ``code`` beside it is the digest of the kernels and the tile registry, which the tuner's
+    cache keys on."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def results_path(name, gpu=None):
@@ -345,7 +359,8 @@ def write_report(out, title, info, body):
     digest, where recorded), ``info["note"]`` if any, then ``body``."""
     tuned = {True: "autotuned", False: "default variants (no autotuning)"}.get(
         info.get("autotune"), "tuning not recorded")
-    code = f", code {info['code']}" if "code" in info else ""
+    code = f", commit {info['commit']}" if info.get("commit") else ""
+    code += f", code digest {info['code']}" if "code" in info else ""
     note = f"{info['note']}\n\n" if "note" in info else ""
     text = (f"{title} on {info['gpu']} ({info['date']}, torch {info['torch']}, cuda-tile "
             f"{info['cuda_tile']}, driver {info.get('driver')}; flash_tile {tuned}{code})."
