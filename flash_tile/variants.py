@@ -433,10 +433,11 @@ class DecodeConfig:
     a split is given; ``max_splits``: the split count's cap (the combine reads them all).
 
     Measured [H200, 2026-12-02, cuda-tile 1.7.0, GQA 32/8, D = 128, bf16, Lq = 1, B 1-128, L
-    4k-128k, K/V GB/s by device time]: occupancy 2 took 3.4-4.6 TB/s where no hint took
-    2.2-2.7 (1.2-1.7x), and occupancy 4 1.5-1.8; 128-key steps 1.1-1.4x 64-key ones; aiming
-    the splits at 2 programs per SM beat 4 and 8 on 5 of 7 rows (B = 8 rows: 4 and 8 up to
-    1.18x ahead)."""
+    4k-128k, K/V GB/s by device time; docs/experiments/evidence/2026-12-02-decode-h200.md]:
+    occupancy 2 is 1.19-1.55x no hint on a kernel that masks every V tile, and the kernel as
+    it is spills 322 LDL/STL without it; occupancy 4 0.41-0.44x of 2. 128-key steps 1.24-1.37x
+    64-key ones. Splits aimed at 2 programs per SM beat 4 and 8 on 5 of 7 rows (at B = 8, 4
+    and 8 were up to 1.18x ahead)."""
 
     rows: int = 16
     tile_n: int = 128
