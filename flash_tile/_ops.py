@@ -1,6 +1,7 @@
 """The forward and backward as torch custom ops, with fake kernels and autograd, so that
 torch.compile, fake tensors and autograd each see one opaque call; and the eager path to the
-same implementation.
+same implementation. ``kvcache_attention`` is the KV-cache decode's op (forward only; it
+mutates the caches it appends to), reached the same way.
 
 ``attention_forward`` is what the public functions call: the custom op
 ``flash_tile::attention_forward`` where something traces the call (torch.compile, export,
@@ -26,7 +27,8 @@ device's architecture and head dim, or their default with ``FLASH_TILE_AUTOTUNE=
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import NO_DROPOUT, Dropout, launch_backward, launch_forward, mask_name
+from flash_tile._launch import (NO_DROPOUT, Dropout, launch_backward, launch_cache_append,
+                                launch_decode, launch_forward, mask_name)
 from flash_tile._validate import device_properties
 
 
@@ -236,3 +238,52 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_off
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)
     return _forward_impl(*args)  # nothing to differentiate: no autograd node to build
+
+
+def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):
+    """(out [B, Lq, H, Dv] in q's dtype, lse [B, H, Lq] fp32 or an empty tensor)."""
+    batch, q_len, heads, _ = q.shape
+    out = torch.empty((batch, q_len, heads, v_head_dim), dtype=q.dtype, device=q.device)
+    lse_shape = (batch, heads, q_len) if return_lse else (0,)
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k: torch.Tensor | None, v: torch.Tensor | None, cache_seqlens: torch.Tensor,
+                  cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                  alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                  window_left: int, window_right: int, num_splits: int,
+                  return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-cache op's body: append k/v (when given) into the caches at cache_seqlens, then
+    attend (``flash_tile.kvcache.flash_attn_with_kvcache`` checked every argument)."""
+    out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
+    new_len = 0 if k is None else k.shape[1]
+    if new_len:
+        launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table)
+    config = variants.default_decode_config(device_properties(q.device)[0],
+                                            max(q.shape[-1], v_cache.shape[-1]))
+    launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
+                  cache_batch_idx, block_table, alibi_slopes, scale, softcap,
+                  (window_left, window_right), new_len, num_splits, config)
+    return out, lse
+
+
+kvcache_op = torch.library.custom_op("flash_tile::kvcache_attention", _kvcache_impl,
+                                     mutates_args=("k_cache", "v_cache"), device_types="cuda")
+
+
+@kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  alibi_slopes, scale, softcap, window_left, window_right, num_splits,
+                  return_lse):
+    return _decode_outputs(q, v_cache.shape[-1], return_lse)
+
+
+def kvcache_attention(*args):
+    """(out, lse) of ``flash_attn_with_kvcache``, arguments as the
+    ``flash_tile::kvcache_attention`` op's: the op where something traces the call (a graph
+    needs it and its fake, which declares the caches mutated by the append), else its body."""
+    q, k_cache, v_cache = args[:3]
+    if _seen_by_a_tracer(q, k_cache, v_cache):
+        return kvcache_op(*args)
+    return _kvcache_impl(*args)

@@ -1,8 +1,9 @@
 """``flash_attn_with_kvcache``: attention against a KV cache (decode, speculative decoding,
 chunked prefill), contiguous or paged, with the new keys and values appended in place.
 
-The call validates everything checkable without a device sync, then launches at most three
-cuTile kernels on the current stream (``kernels/attention_decode.py``): the append of the new
+The call validates everything checkable without a device sync, then launches (through the
+``flash_tile::kvcache_attention`` custom op where torch.compile traces) at most three cuTile
+kernels on the current stream (``kernels/attention_decode.py``): the append of the new
 rows, the split-KV decode, and the combine of the splits. It reads nothing back to the host
 and allocates only its outputs and the split workspace (torch's caching allocator), so a step
 captures in a CUDA graph and replays with new ``cache_seqlens``.
@@ -12,9 +13,9 @@ import math
 
 import torch
 
-from flash_tile import _validate, variants
+from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
-from flash_tile._launch import launch_cache_append, launch_decode
+from flash_tile._ops import kvcache_attention
 
 
 def _seqlens(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
@@ -27,14 +28,6 @@ def _seqlens(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
                              f"[0, {capacity}]")
         return torch.full((batch,), length, dtype=torch.int32, device=device)
     return _validate.check_index_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
-
-
-def _outputs(batch, q_len, heads, v_head_dim, dtype, device, with_lse):
-    """(out [B, Lq, H, Dv], lse [B, H, Lq] fp32 or None), uninitialised."""
-    out = torch.empty((batch, q_len, heads, v_head_dim), dtype=dtype, device=device)
-    lse = torch.empty((batch, heads, q_len), dtype=torch.float32, device=device) \
-        if with_lse else None
-    return out, lse
 
 
 @accepts_cupy
@@ -137,12 +130,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_seqlens is not None)
     num_splits = _validate.check_num_splits(num_splits)
 
-    out, lse = _outputs(batch, q_len, heads, v_cache.shape[3], q.dtype, device,
-                        return_softmax_lse)
-    if new_len:
-        launch_cache_append(k, v, k_cache, v_cache, seqlens, cache_batch_idx, block_table)
-    capability, _ = _validate.device_properties(device)
-    launch_decode(q, k_cache, v_cache, out, lse, seqlens, cache_batch_idx, block_table,
-                  alibi_slopes, scale, softcap, (left, right), new_len, num_splits,
-                  variants.default_decode_config(capability, max(head_dim, v_cache.shape[3])))
+    out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
+                                 v if new_len else None, seqlens, cache_batch_idx, block_table,
+                                 alibi_slopes, scale, softcap, left, right, num_splits,
+                                 bool(return_softmax_lse))
     return (out, lse) if return_softmax_lse else out

@@ -183,3 +183,45 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
         single = aot.compile_decode(arch, splits=1, group=4, q_len=4, head_dim=256)
         assert set(single) == {"decode", "append"}
         assert aot.summarize(aot.disassemble(single["decode"]))["tma_load"] > 0
+
+
+def test_fake_kvcache_op_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+        k_cache = torch.empty(4, 100, 2, 64, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.empty(4, 100, 2, 32, device="cuda", dtype=torch.bfloat16)
+        lens = torch.empty(3, device="cuda", dtype=torch.int32)
+        out, lse = torch.ops.flash_tile.kvcache_attention(
+            q, k_cache, v_cache, None, None, lens, None, None, None, 0.125, 0.0, -1, 0, 0, True)
+        assert out.shape == (3, 2, 8, 32) and out.dtype == torch.bfloat16
+        assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_traces_into_one_graph(paged, monkeypatch):
+    """torch.compile(fullgraph=True) through flash_attn_with_kvcache: the checks and the
+    ``flash_tile::kvcache_attention`` op (which declares the caches it appends to as mutated)
+    in one graph. Meta tensors stand in for CUDA ones (the device check is stubbed)."""
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    def step(q, k_cache, v_cache, k, v, lens, table):
+        return flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
+                                                  block_table=table, causal=True)
+
+    meta = dict(device="meta", dtype=torch.float16)
+    q = torch.empty(2, 1, 8, 64, **meta)
+    caches = [torch.empty(16 if paged else 2, 64, 2, 64, **meta) for _ in range(2)]
+    new = [torch.empty(2, 1, 2, 64, **meta) for _ in range(2)]
+    lens = torch.empty(2, device="meta", dtype=torch.int32)
+    table = torch.empty(2, 8, device="meta", dtype=torch.int32) if paged else None
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True, backend=backend)(q, *caches, *new, lens, table)
+    assert out.shape == (2, 1, 8, 64)
+    assert any("kvcache_attention" in target for target in seen), seen

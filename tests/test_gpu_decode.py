@@ -184,3 +184,28 @@ def test_cuda_graph_replays_growing_caches():
         lens += 1
         grown = [int(n) for n in lens.tolist()]
         _check(q, k_cache, v_cache, out, None, grown, (-1, 0), block_table=table)
+
+
+def test_torch_compile_matches_eager():
+    """A decode step (append + attend) under torch.compile(fullgraph=True) gives eager's output
+    and leaves the caches as eager does."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    seqlens = [77, 300]
+    k_cache, v_cache, table = _cache(2, 512, 2, 128, 128, torch.bfloat16, 64, seqlens, gen)
+    q = torch.randn(2, 1, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    k_new, v_new = (torch.randn(2, 1, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+                    for _ in range(2))
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+
+    def step(k_cache, v_cache):
+        return flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                  cache_seqlens=lens, block_table=table,
+                                                  causal=True)
+
+    eager_caches = (k_cache.clone(), v_cache.clone())
+    expected = step(*eager_caches)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(k_cache, v_cache)
+    assert torch.equal(compiled, expected)
+    assert torch.equal(k_cache.nan_to_num(), eager_caches[0].nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), eager_caches[1].nan_to_num())
