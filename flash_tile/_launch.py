@@ -331,8 +331,9 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
     layout, or pages [num_blocks, page_size, H_kv, D] with ``block_table`` [B, max_blocks]
     int32; out [B, Lq, H, Dv] in q's dtype; lse [B, H, Lq] fp32 or None; sequence b has
-    seqlens_k[b] + ``new_len`` keys (seqlens_k [B] int32); batch_idx [B] int32 or None; alibi_slopes [B, H] fp32 or
-    None. ``window`` (left, right) as ``launch_forward``, aligned bottom-right per sequence.
+    seqlens_k[b] + ``new_len`` keys (seqlens_k [B] int32); batch_idx [B] int32 or None;
+    alibi_slopes [B, H] fp32 or None. ``window`` (left, right) as ``launch_forward``, aligned
+    bottom-right per sequence.
     ``num_splits`` 0 picks the split count (``decode_splits``). Returns the split count.
     """
     batch, q_len, heads, head_dim = q.shape

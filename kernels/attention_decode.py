@@ -7,8 +7,8 @@ SOFTCAP, ALIBI) and the same online softmax in log2 units. Decode differs in its
 - GQA packed into M. The G = H / H_kv query heads that share a key/value head, and TILE_LQ of
   the Lq query rows, form one [TILE_LQ * TILE_G, D] tile, row r being query row
   r // TILE_G of head r % TILE_G of the group (FA3's pack_gqa, FlashInfer's GQA decode): at
-  Lq = 1 the tensor cores still get 8-16 rows, and each K/V tile is read once per group, not
-  once per head.
+  Lq = 1 the tensor cores still get 16 rows (a group of 8 heads takes two query rows, the
+  second past Lq and never stored), and each K/V tile is read once per group, not per head.
 - Split-KV. The keys a query tile sees are cut into NUM_SPLITS contiguous runs of key tiles,
   one program each, so that a batch of one long sequence still fills the GPU. Under SPLIT each
   program stores its normalised partial output o_s and its partial LSE lse_s (natural log)
@@ -32,8 +32,8 @@ K [Bc, H_kv, L_cache, D] and V [Bc, H_kv, L_cache, Dv] (flash-attn's cache [Bc, 
 D] transposed, a view), or under PAGED the pages [num_blocks, H_kv, page_size, D] with
 BlockTable [B, max_blocks] int32 giving sequence b's page of keys [p * page_size, (p + 1) *
 page_size); TILE_N divides page_size, so a key tile lies in one page and loads as one tile.
-SeqLensK [B] int32 plus the scalar new_len is each sequence's key count, BatchIdx [B] int32 (under
-BATCH_IDX) the cache row of sequence b. Out [B, Lq, H_kv, G, Dv] in Q's dtype and Lse
+SeqLensK [B] int32 plus the scalar new_len is each sequence's key count, BatchIdx [B] int32
+(under BATCH_IDX) the cache row of sequence b. Out [B, Lq, H_kv, G, Dv] in Q's dtype and Lse
 [B, H_kv, G, Lq] fp32 (flash-attn's [B, H, Lq]); the SPLIT workspace OutSplit [NUM_SPLITS, B,
 Lq, H_kv, G, Dv] and LseSplit [NUM_SPLITS, B, Lq, H_kv, G], fp32. D and Dv need not be powers
 of two: tiles are zero-padded by the loads and clipped by the stores, as in the forward.
@@ -193,8 +193,8 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
     new_len rows, or its whole length with new_len = 0)."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G,
-                 TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
+                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ,
+                 TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
                  BATCH_IDX, SPLIT, STORE_LSE)
 
 

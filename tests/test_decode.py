@@ -225,3 +225,40 @@ def test_kvcache_traces_into_one_graph(paged, monkeypatch):
     out = torch.compile(step, fullgraph=True, backend=backend)(q, *caches, *new, lens, table)
     assert out.shape == (2, 1, 8, 64)
     assert any("kvcache_attention" in target for target in seen), seen
+
+
+def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
+    """The wiring from flash_attn_with_kvcache to the two launches, on CPU tensors with the
+    launches recorded instead of run: the append first, at cache_seqlens, then the decode with
+    the new rows counted, the causal window, the LSE buffer and the split request."""
+    from flash_tile import _ops
+
+    calls = []
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "launch_cache_append", lambda *a: calls.append(("append", a)))
+    monkeypatch.setattr(_ops, "launch_decode", lambda *a: calls.append(("decode", a)))
+    q = _q(2, 3, 8, 64)
+    k_cache, v_cache = _q(4, 100, 2, 64), _q(4, 100, 2, 32)
+    k_new, v_new = _q(2, 3, 2, 64), _q(2, 3, 2, 32)
+    lens = torch.tensor([5, 90], dtype=torch.int32)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    out, lse = flash_tile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx,
+        causal=True, window_size=(50, -1), softcap=10.0, num_splits=3,
+        return_softmax_lse=True)
+    assert [name for name, _ in calls] == ["append", "decode"]
+    append, decode = calls[0][1], calls[1][1]
+    assert append[0] is k_new and append[2] is k_cache and append[4] is lens
+    assert append[5] is idx and append[6] is None
+    (dq, dk, dv, dout, dlse, dlens, didx, dtable, dslopes, scale, softcap, window, new_len,
+     splits, config) = decode
+    assert dq is q and dk is k_cache and dv is v_cache and dout is out and dlse is lse
+    assert dlens is lens and didx is idx and dtable is None and dslopes is None
+    assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
+    assert config == variants.default_decode_config((9, 0), 64)
+    assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
+    calls.clear()
+    flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
+    assert [name for name, _ in calls] == ["decode"]
+    assert calls[0][1][5].tolist() == [7, 7] and calls[0][1][4] is None  # no LSE asked
