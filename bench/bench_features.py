@@ -13,6 +13,7 @@ import os
 
 import torch
 from torch.nn.attention import SDPBackend
+from tqdm import tqdm
 
 import flash_tile
 from bench_attention import (SDPA_BACKENDS, _sdpa, machine_info, md_table, measure, save_json,
@@ -96,11 +97,11 @@ def main():
     info = machine_info()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows = []
-    for spec in ROWS:
+    for spec in tqdm(ROWS, desc="features", unit="row"):
         rows.append(bench_feature_row(*spec, dtype))
         r = rows[-1]
-        print(f"{r['label']} causal={r['causal']}: {r['tflops']} "
-              f"ratio_vs_best_sdpa={r['ratio_vs_best_sdpa']} {r['skipped'] or ''}", flush=True)
+        tqdm.write(f"{r['label']} causal={r['causal']}: {r['tflops']} "
+                   f"ratio_vs_best_sdpa={r['ratio_vs_best_sdpa']} {r['skipped'] or ''}")
         save_json(args.out, info, rows=rows)
     print(write_report(args.out, "Forward features, TFLOP/s of visible (query, key) pairs,",
                        info, table(rows)))

@@ -36,6 +36,7 @@ import os
 import sys
 
 import torch
+from tqdm import tqdm
 
 from flash_tile import _launch, _ops, autotune, variants
 from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, interleaved_ms
@@ -142,6 +143,8 @@ def main():
 
     baseline = load_kernels(args.baseline) if args.baseline else None
     rows = []
+    progress = tqdm(total=len(args.head_dims) * len(args.lengths) * len(causals),
+                    desc="variants", unit="row")
     for head_dim in args.head_dims:
         default = pick(capability, head_dim)
         laid = [dataclasses.replace(default, **o) for o in overlays]
@@ -163,10 +166,12 @@ def main():
                     row["ratio"] = {n: round(ms / base, 3) for n, ms in row["ms"].items()
                                     if isinstance(ms, float)}
                 rows.append(row)
-                print(row, flush=True)
+                progress.update()
+                tqdm.write(str(row))
                 del run
                 torch.cuda.empty_cache()
 
+    progress.close()
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
     if baseline:
