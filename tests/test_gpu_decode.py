@@ -99,7 +99,7 @@ def test_paged(page_size, q_len):
     _run(q_len=q_len, page_size=page_size, capacity=1000, seqlens=[1, 17, 999], causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256, 80])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_head_dims(head_dim, dtype):
     _run(head_dim=head_dim, dtype=dtype, q_len=3, causal=True)

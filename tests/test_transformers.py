@@ -97,9 +97,25 @@ def test_mapping_matches_sdpa_on_cpu(kind, name, monkeypatch):
     assert all(c["attn_mask"] is not None and c["attn_mask"].dtype == torch.bool for c in calls)
 
 
+def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softcap=0.0):
+    """flash_attn_with_kvcache for one query row against whole caches, by torch's SDPA."""
+    assert q.shape[1] == 1 and cache_seqlens == k_cache.shape[1] and softcap == 0.0
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+        scale=softmax_scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
+    decode_calls = []
+
+    def recording_kvcache(*args, **kwargs):
+        decode_calls.append(kwargs["cache_seqlens"])
+        return _torch_kvcache(*args, **kwargs)
+
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", recording_kvcache)
     model = _model("llama", "sdpa")
     ids, _ = _batch()
     with torch.no_grad():
@@ -107,6 +123,9 @@ def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
         model.set_attn_implementation(name)
         ours = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
     assert torch.equal(ours, ref)
+    # The four steps after the prompt's decode through the KV-cache kernel, both layers each,
+    # against caches one key longer every step.
+    assert decode_calls == [n for n in range(21, 25) for _ in range(2)]
 
 
 def test_unsupported_requests_raise():

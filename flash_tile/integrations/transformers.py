@@ -14,7 +14,8 @@ mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kerne
 ignored: attention weights (``output_attentions``), position biases, attention sinks
 (``s_aux``), packed variable-length batches (``cu_seq_lens_q/k``), softcap together with a
 mask. Attention dropout (``dropout``, which models pass only while training) runs in the
-kernels.
+kernels. A decode step (one query row, no mask: the whole cache is visible) runs
+``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
 flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``). That is what flash_tile
@@ -66,6 +67,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   "kernel, which cu_seq_lens_q/k ask for (continuous "
                                   "batching, packed training); use attn_implementation='sdpa'")
     q_len = query.shape[2]
+    if q_len == 1 and attention_mask is None and dropout == 0.0:
+        # A decode step against the whole cache (no padding to mask): the decode kernel, which
+        # packs the GQA group into one tile and splits long caches over the SMs.
+        out = flash_tile.flash_attn_with_kvcache(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0)
+        return out, None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and q_len > 1 and attention_mask is None
     if is_causal and key.shape[2] > q_len:
