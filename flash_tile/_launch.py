@@ -15,7 +15,9 @@ import torch
 
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import attention_bwd_dkdv, attention_bwd_dq
-from flash_tile.kernels.attention_decode import attention_decode, cache_append, decode_combine
+from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
+                                                 cache_append, cache_append_int64,
+                                                 decode_combine)
 from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
 from flash_tile.variants import DecodeConfig, TileConfig, tile_width
 
@@ -310,14 +312,18 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
 
 def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
                   sms: int, config: DecodeConfig) -> int:
-    """The split count: ``num_splits`` when given (> 0); else enough splits that the grid
-    fills ``config.ctas_per_sm`` waves of the GPU's SMs, each split keeping at least
-    ``config.min_tiles_per_split`` key tiles, at most ``config.max_splits``."""
+    """The split count: ``num_splits`` when given (> 0), capped at the key tiles and at
+    ``config.max_splits``; else enough splits that the grid fills ``config.ctas_per_sm``
+    programs per SM, each split keeping at least ``config.min_tiles_per_split`` key tiles, at
+    most ``config.max_splits``, rounded down to a power of two: the count is a compile-time
+    constant of the kernels, and a cache that grows through a generation then compiles at
+    most seven decode kernels, not one per count."""
     if num_splits > 0:
-        return min(num_splits, max(key_tiles, 1))
+        return max(1, min(num_splits, key_tiles, config.max_splits))
     programs = batch * kv_heads * q_tiles
     want = -(-sms * config.ctas_per_sm // programs)
-    return max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
+    splits = max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
+    return 1 << (splits.bit_length() - 1)
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -364,7 +370,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             float(softcap), int(window[0]), int(window[1]), int(new_len), *spec.constants())
     stream = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
-        ct.launch(stream, (splits * q_tiles, kv_heads, batch), _decode_kernel(config), args)
+        ct.launch(stream, (splits * q_tiles, kv_heads, batch),
+                  _decode_kernel(config, needs_int64_index(k_cache, v_cache)), args)
         if splits > 1:
             ct.launch(stream, (q_len, heads, batch), decode_combine,
                       (out_split, lse_split, out, _fill_unused(q.device, (lse, 3))[0],
@@ -386,12 +393,14 @@ def launch_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch
                         batch_idx: torch.Tensor | None,
                         block_table: torch.Tensor | None) -> None:
     """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
-    ``launch_decode``) at position cache_seqlens[b] of each sequence b, on q's stream."""
+    ``launch_decode``) at position cache_seqlens[b] of each sequence b, on the current stream
+    of their device."""
     batch, new_len, kv_heads, head_dim = k_new.shape
     batch_idx_arg, table = _fill_unused(k_new.device, (batch_idx, 1), (block_table, 2))
     with torch.cuda.device(k_new.device):
         ct.launch(torch.cuda.current_stream(k_new.device), (new_len, kv_heads, batch),
-                  cache_append, (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg,
+                  cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
+                  (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg,
                                  table, tile_width(head_dim), tile_width(v_new.shape[3]),
                                  block_table is not None, batch_idx is not None))
 
@@ -402,6 +411,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.cache
-def _decode_kernel(config: DecodeConfig):
-    """The decode entry point with ``config``'s compiler hints, made once per config."""
-    return _with_hints(attention_decode, tuple(config.hints().items()))
+def _decode_kernel(config: DecodeConfig, int64_index: bool = False):
+    """The decode entry point (32- or 64-bit indexing of the caches) with ``config``'s
+    compiler hints, made once per pair."""
+    kernel = attention_decode_int64 if int64_index else attention_decode
+    return _with_hints(kernel, tuple(config.hints().items()))

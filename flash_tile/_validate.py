@@ -278,9 +278,9 @@ def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
         raise ValueError("block_table must be an int32 tensor [batch, max_blocks], got "
                          f"{getattr(block_table, 'shape', type(block_table).__name__)}")
     check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), device)
-    if page_size % 16:
-        raise ValueError(f"page_size (the paged cache's dim 1) must be a multiple of 16, got "
-                         f"{page_size}")
+    if page_size <= 0 or page_size % 16:
+        raise ValueError(f"page_size (the paged cache's dim 1) must be a positive multiple "
+                         f"of 16, got {page_size}")
 
 
 def check_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, batch: int,
@@ -306,6 +306,15 @@ def check_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, batch: int,
     if k.shape[1] > capacity:
         raise ValueError(f"{k.shape[1]} new rows do not fit a cache of {capacity}")
     return k.shape[1]
+
+
+def check_decode_index(*tensors: torch.Tensor) -> None:
+    """The decode kernels index the caches in 64 bits where they need it (their _int64
+    entry points), every other array in 32: q, the new k/v (and so the output) must stay
+    below 2**31 elements."""
+    if needs_int64_index(*tensors):
+        raise NotImplementedError("flash_attn_with_kvcache with q or new k/v of 2**31 "
+                                  "elements or more is not supported: split the batch")
 
 
 def check_num_splits(num_splits) -> int:

@@ -23,7 +23,9 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 from flash_tile import variants
 from flash_tile._launch import (MASK_KINDS, DecodeSpec, decode_tiles, forward_spec,
                                 hinted_backward_kernels, hinted_kernel, kernel_mask)
-from flash_tile.kernels.attention_decode import attention_decode, cache_append, decode_combine
+from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
+                                                 cache_append, cache_append_int64,
+                                                 decode_combine)
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
@@ -204,11 +206,12 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                    page_size: int | None = None, causal: bool = True,
                    window: tuple[int, int] = (-1, -1), softcap: bool = False,
                    alibi: bool = False, batch_idx: bool = False, splits: int = 4,
-                   store_lse: bool = True,
-                   config: variants.DecodeConfig | None = None) -> dict[str, bytes]:
+                   store_lse: bool = True, config: variants.DecodeConfig | None = None,
+                   int64_index: bool = False) -> dict[str, bytes]:
     """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
     ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
-    ``page_size`` (None: contiguous); other arguments as ``compile_forward``."""
+    ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
+    elements or more; other arguments as ``compile_forward``."""
     v_head_dim = v_head_dim or head_dim
     config = config or variants.default_decode_config(variants.capability_of(arch),
                                                       max(head_dim, v_head_dim))
@@ -218,12 +221,16 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
                       alibi, page_size is not None, batch_idx, store_lse)
     qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
-    k, v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
+    index = ct.int64 if int64_index else ct.int32
+    k, v = (_array(DTYPES[dtype], 4, d, index) for d in (head_dim, v_head_dim))
+    new_k, new_v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
+    decode, append = ((attention_decode_int64, cache_append_int64) if int64_index else
+                      (attention_decode, cache_append))
     f32 = _array(ct.float32, 4)
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)] + \
         [ScalarConstraint(ct.int32)] * 3
     cc = CallingConvention.cutile_python_v1()
-    cubins = {"decode": _export(attention_decode.replace_hints(**config.hints()), KernelSignature(
+    cubins = {"decode": _export(decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
          _index_array(1), _index_array(2), _array(ct.float32, 3), *scalars,
          *spec.constants()], cc), arch)}
@@ -232,8 +239,8 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
              _array(ct.float32, 3), 1 << (splits - 1).bit_length(),
              variants.tile_width(v_head_dim), store_lse], cc), arch)
-    cubins["append"] = _export(cache_append, KernelSignature(
-        [k, v, k, v, _index_array(1), _index_array(1), _index_array(2),
+    cubins["append"] = _export(append, KernelSignature(
+        [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2),
          variants.tile_width(head_dim), variants.tile_width(v_head_dim),
          page_size is not None, batch_idx], cc), arch)
     return cubins

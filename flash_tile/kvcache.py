@@ -6,10 +6,12 @@ The call validates everything checkable without a device sync, then launches (th
 kernels on the current stream (``kernels/attention_decode.py``): the append of the new
 rows, the split-KV decode, and the combine of the splits. It reads nothing back to the host
 and allocates only its outputs and the split workspace (torch's caching allocator), so a step
-captures in a CUDA graph and replays with new ``cache_seqlens``.
+captures in a CUDA graph and replays with new values in a ``cache_seqlens`` tensor (an int
+length is made into a tensor at the call, and so is fixed in a captured graph).
 """
 
 import math
+import operator
 
 import torch
 
@@ -18,16 +20,19 @@ from flash_tile._interop import accepts_cupy
 from flash_tile._ops import kvcache_attention
 
 
-def _seqlens(cache_seqlens, batch: int, capacity: int, device) -> torch.Tensor:
+def _seqlens(cache_seqlens, batch: int, capacity: int, new_len: int, device) -> torch.Tensor:
     """cache_seqlens as an int32 [B] tensor on ``device``: an int is broadcast (one small
-    fill), None means every sequence fills the cache's capacity."""
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        length = capacity if cache_seqlens is None else cache_seqlens
-        if not 0 <= length <= capacity:
-            raise ValueError(f"cache_seqlens={length} is outside the cache's capacity "
-                             f"[0, {capacity}]")
-        return torch.full((batch,), length, dtype=torch.int32, device=device)
-    return _validate.check_index_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
+    fill) after checking that it and the ``new_len`` appended rows fit the capacity; None
+    means every sequence fills the cache's capacity."""
+    if isinstance(cache_seqlens, torch.Tensor):
+        return _validate.check_index_tensor(cache_seqlens, "cache_seqlens", (batch,), device)
+    if isinstance(cache_seqlens, bool):
+        raise ValueError("cache_seqlens must be an int or an int32 tensor, got a bool")
+    length = capacity if cache_seqlens is None else operator.index(cache_seqlens)
+    if not 0 <= length <= capacity - new_len:
+        raise ValueError(f"cache_seqlens={length} with {new_len} new rows does not fit the "
+                         f"cache's capacity of {capacity}")
+    return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
 @accepts_cupy
@@ -56,7 +61,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             caches only).
         block_table: optional [B, max_blocks] int32: sequence b's key p lives in page
             block_table[b, p // page_size] at row p % page_size. Pages need not be contiguous
-            or ordered; page_size must be a multiple of 16.
+            or ordered; page_size must be a positive multiple of 16 (16 itself is slow: 16-key
+            steps).
         softmax_scale: default 1 / sqrt(D).
         causal, window_size: aligned bottom-right per sequence, as flash-attn: with k_len =
             cache_seqlens[b] + L_new, query row i sees key j iff
@@ -65,7 +71,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         alibi_slopes: [H] or [B, H] float32, bias -slope * |i + k_len - Lq - j|.
         num_splits: 0 picks the number of key splits from B, H_kv, Lq and the cache's
             capacity so that the GPU's SMs fill (``_launch.decode_splits``); 1 disables
-            splitting; any count gives the same result within rounding.
+            splitting; a count is capped at the key tiles and at 64; any count gives the
+            same result within rounding.
         return_softmax_lse: also return the LSE.
 
     Returns:
@@ -73,9 +80,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         [B, H, Lq] float32, natural log, +inf (and out 0) for rows that see no key.
 
     Not checked (checking would need a device sync): that every block_table entry a sequence
-    uses is a valid page, that cache_batch_idx entries are valid rows, and that
-    cache_seqlens[b] + L_new fits the capacity. Violating them reads or writes outside the
-    cache (an illegal-address error, or another sequence's keys). Forward only: no gradients.
+    uses is a valid page, that cache_batch_idx entries are valid rows, and that the entries
+    of a cache_seqlens tensor plus L_new fit the capacity (an int is checked). Violating them
+    reads or writes outside the cache (an illegal-address error, or another sequence's
+    keys). Forward only: no gradients; inputs are not cast under ``torch.autocast`` (a cache
+    is written in place, so it cannot be a cast copy). Caches of 2**31 elements or more are
+    indexed in 64 bits; q or new k/v that large raise NotImplementedError.
     """
     if rotary_cos is not None or rotary_sin is not None:
         raise NotImplementedError("rotary_cos/rotary_sin: the fused rotary embedding is not "
@@ -92,6 +102,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q_len == 0:
         raise ValueError("q has seqlen 0: give at least one query row")
     new = (k, v) if k is not None or v is not None else ()
+    if new and (k is None or v is None):
+        raise ValueError("pass both k and v (the new keys and values), or neither")
     _validate.check_dtypes(q, k_cache, v_cache, *new)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree but for the head dim, got "
@@ -123,12 +135,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences for a batch of "
                              f"{batch}: pass cache_batch_idx or a larger cache")
         capacity = k_cache.shape[1]
-    seqlens = _seqlens(cache_seqlens, batch, capacity, device)
     new_len = 0
     if new:
         new_len = _validate.check_new_kv(k, v, batch, k_cache, v_cache, capacity,
                                          cache_seqlens is not None)
+    seqlens = _seqlens(cache_seqlens, batch, capacity, new_len, device)
     num_splits = _validate.check_num_splits(num_splits)
+    _validate.check_decode_index(q, *new)
 
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,

@@ -199,6 +199,24 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
 
 
 @ct.kernel
+def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
+                           OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                           qk_scale: float, softcap: float, window_left: int,
+                           window_right: int, new_len: int, NUM_SPLITS: ConstInt,
+                           TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
+                           TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                           MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                           PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
+                           STORE_LSE: ConstBool):
+    """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
+    elements or more (the launcher picks it); the same body."""
+    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ,
+                 TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
+                 BATCH_IDX, SPLIT, STORE_LSE)
+
+
+@ct.kernel
 def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: ConstInt,
                    STORE_LSE: ConstBool):
     """Grid (Lq, H, B): merge the NUM_SPLITS partial outputs of query row bid(0) of head bid(1)
@@ -224,12 +242,9 @@ def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: Cons
         ct.store(Lse, index=(batch, head, row), tile=lse.reshape((1, 1, 1)))
 
 
-@ct.kernel
-def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
+def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
                  TILE_DV: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool):
-    """Grid (L_new, H_kv, B): row bid(0) of KNew/VNew [B, L_new, H_kv, D / Dv] into the cache
-    (flash-attn's layout: [Bc, L_cache, H_kv, D], or pages [num_blocks, page_size, H_kv, D]
-    under PAGED) at position CacheSeqLens[b] + bid(0) of sequence b."""
+    """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache."""
     i = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)
@@ -243,3 +258,22 @@ def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: C
     ct.store(K, index=(row, pos, kv_head, 0), tile=k)
     v = ct.load(VNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_DV), padding_mode=ZERO)
     ct.store(V, index=(row, pos, kv_head, 0), tile=v)
+
+
+@ct.kernel
+def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
+                 TILE_DV: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool):
+    """Grid (L_new, H_kv, B): row bid(0) of KNew/VNew [B, L_new, H_kv, D / Dv] into the cache
+    (flash-attn's layout: [Bc, L_cache, H_kv, D], or pages [num_blocks, page_size, H_kv, D]
+    under PAGED) at position CacheSeqLens[b] + bid(0) of sequence b."""
+    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D, TILE_DV, PAGED,
+                 BATCH_IDX)
+
+
+@ct.kernel
+def cache_append_int64(KNew, VNew, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64,
+                       CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt, TILE_DV: ConstInt,
+                       PAGED: ConstBool, BATCH_IDX: ConstBool):
+    """``cache_append`` with 64-bit shapes and strides for the caches; the same body."""
+    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D, TILE_DV, PAGED,
+                 BATCH_IDX)

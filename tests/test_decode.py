@@ -86,13 +86,15 @@ def test_tiles_pack_the_group_and_fit_the_pages():
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
     config = variants.DECODE_DEFAULT
-    # B = 1, 8 KV heads, a 128k cache: 33 splits make 264 programs for 132 SMs at 2 a SM.
-    assert _launch.decode_splits(0, 1, 8, 1, 1024, 132, config) == 33
+    # B = 1, 8 KV heads, a 128k cache: 33 splits would make 264 programs for 132 SMs at 2 a
+    # SM; rounded down to a power of two (one compile per power, as a cache grows).
+    assert _launch.decode_splits(0, 1, 8, 1, 1024, 132, config) == 32
     assert _launch.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
-    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 3  # >= 2 key tiles a split
+    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 2  # >= 2 key tiles a split
     assert _launch.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
     assert _launch.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
     assert _launch.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
+    assert _launch.decode_splits(1000, 1, 8, 1, 10**6, 132, config) == config.max_splits
 
 
 def _q(*shape, dtype=torch.bfloat16):
@@ -124,6 +126,8 @@ def test_bad_shapes_and_dtypes_raise_before_launch():
         flash_tile.flash_attn_with_kvcache(_q(2, 1, 5, 64), k, k)
     with pytest.raises(ValueError, match="agree"):
         flash_tile.flash_attn_with_kvcache(q, k, k[:, :16])
+    with pytest.raises(ValueError, match="both k and v"):
+        flash_tile.flash_attn_with_kvcache(q, k, k, k=_q(2, 1, 2, 64))
     with pytest.raises(ValueError, match="CUDA tensors"):
         flash_tile.flash_attn_with_kvcache(q, k, k)
 
@@ -145,8 +149,14 @@ def test_index_checks():
     with pytest.raises(ValueError, match=r"shape \[2, 4\]"):
         _validate.check_block_table(table, 2, 64, None, dev)
     with pytest.raises(ValueError, match="capacity"):
-        kvcache._seqlens(65, 3, 64, dev)
-    assert kvcache._seqlens(None, 3, 64, dev).tolist() == [64, 64, 64]
+        kvcache._seqlens(65, 3, 64, 0, dev)
+    with pytest.raises(ValueError, match="3 new rows"):  # 62 + 3 rows overflow 64
+        kvcache._seqlens(62, 3, 64, 3, dev)
+    with pytest.raises(ValueError, match="bool"):
+        kvcache._seqlens(True, 3, 64, 0, dev)
+    assert kvcache._seqlens(None, 3, 64, 0, dev).tolist() == [64, 64, 64]
+    with pytest.raises(ValueError, match="positive multiple"):
+        _validate.check_block_table(table, 3, 0, None, dev)
     with pytest.raises(ValueError, match="num_splits"):
         _validate.check_num_splits(-1)
 
@@ -262,3 +272,15 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
     assert [name for name, _ in calls] == ["decode"]
     assert calls[0][1][5].tolist() == [7, 7] and calls[0][1][4] is None  # no LSE asked
+
+
+@pytest.mark.parametrize("arch,page_size", [("sm_90", None), ("sm_90", 64), ("sm_80", None)])
+def test_int64_entry_points_compile(arch, page_size):
+    """Caches of 2**31 elements or more take the _int64 decode and append kernels (64-bit
+    shapes and strides of K and V); the launcher's choice is ``needs_int64_index``."""
+    cubins = aot.compile_decode(arch, page_size=page_size, splits=2, int64_index=True)
+    sass = aot.summarize(aot.disassemble(cubins["decode"]))
+    assert sass["tensor_core"] > 0, sass
+    assert set(cubins) == {"decode", "combine", "append"}
+    big = torch.empty(2**31 + 1, dtype=torch.bfloat16, device="meta")
+    assert _launch.needs_int64_index(big.view(1, -1, 1, 1))

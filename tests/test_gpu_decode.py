@@ -63,8 +63,8 @@ def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
         low = reference.attention_dense(qb, k, v, **args)
         report = reference.check_error(out[b:b + 1].transpose(1, 2), ref, low)
         assert report["ok"], (b, report)
-        if lse is not None:
-            assert reference.check_error(lse[b:b + 1], ref_lse, ref_lse.to(q.dtype))["ok"]
+        if lse is not None:  # fp32 against the fp32 reference's, +inf where no key is seen
+            torch.testing.assert_close(lse[b:b + 1], ref_lse, rtol=1e-4, atol=1e-4)
 
 
 def _run(batch=3, q_len=1, heads=8, kv_heads=2, head_dim=128, v_head_dim=None, capacity=300,
@@ -105,7 +105,7 @@ def test_head_dims(head_dim, dtype):
     _run(head_dim=head_dim, dtype=dtype, q_len=3, causal=True)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
 def test_every_split_count_agrees(num_splits):
     _run(batch=2, capacity=2000, seqlens=[1999, 113], num_splits=num_splits, q_len=2,
          causal=True)
@@ -209,3 +209,19 @@ def test_torch_compile_matches_eager():
     assert torch.equal(compiled, expected)
     assert torch.equal(k_cache.nan_to_num(), eager_caches[0].nan_to_num())
     assert torch.equal(v_cache.nan_to_num(), eager_caches[1].nan_to_num())
+
+
+def test_group_of_six_heads_append_with_batch_idx_and_an_int_length():
+    """6 query heads per KV head (the tile pads the group to 8), new rows appended into the
+    cache rows cache_batch_idx names, at one length given as an int."""
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    k_cache, v_cache, _ = _cache(3, 256, 2, 64, 64, torch.bfloat16, None, [40, 40, 40], gen)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 2, 12, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    k_new, v_new = (torch.randn(2, 2, 2, 64, generator=gen, device="cuda").to(torch.bfloat16)
+                    for _ in range(2))
+    out, lse = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                  cache_seqlens=40, cache_batch_idx=idx,
+                                                  causal=True, return_softmax_lse=True)
+    assert torch.equal(k_cache[2, 40:42], k_new[0]) and torch.equal(v_cache[0, 40:42], v_new[1])
+    _check(q, k_cache, v_cache, out, lse, [42, 42], (-1, 0), batch_idx=idx)

@@ -116,7 +116,7 @@ def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
 
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
     monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", recording_kvcache)
-    model = _model("llama", "sdpa")
+    model = _model("llama", "sdpa", dtype=torch.bfloat16)  # the decode kernel's dtypes
     ids, _ = _batch()
     with torch.no_grad():
         ref = model.generate(ids[:1], max_new_tokens=5, do_sample=False)
@@ -177,3 +177,19 @@ def test_attention_dropout_is_passed_to_the_kernels(monkeypatch):
     q = torch.randn(1, 4, 3, 16)
     flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, dropout=0.1)
     assert calls[0]["dropout_p"] == 0.1
+
+
+def test_a_decode_step_in_float32_takes_the_sdpa_path(monkeypatch):
+    """One query row with no mask takes the KV-cache kernel only in fp16/bf16 with one dtype
+    throughout: fp32 (or mixed, under autocast) goes where torch's casting rules apply."""
+    calls = []
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append("sdpa") or torch.zeros_like(q))
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache",
+                        lambda *a, **k: calls.append("kvcache") or _torch_kvcache(*a, **k))
+    q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16)
+    flash_tile_hf.attention_forward(torch.nn.Module(), q, kv, kv, None)
+    flash_tile_hf.attention_forward(torch.nn.Module(), q.bfloat16(), kv.bfloat16(),
+                                    kv.bfloat16(), None)
+    flash_tile_hf.attention_forward(torch.nn.Module(), q, kv.bfloat16(), kv.bfloat16(), None)
+    assert calls == ["sdpa", "kvcache", "sdpa"]

@@ -67,9 +67,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   "kernel, which cu_seq_lens_q/k ask for (continuous "
                                   "batching, packed training); use attn_implementation='sdpa'")
     q_len = query.shape[2]
-    if q_len == 1 and attention_mask is None and dropout == 0.0:
+    if q_len == 1 and attention_mask is None and dropout == 0.0 and \
+            query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
         # A decode step against the whole cache (no padding to mask): the decode kernel, which
-        # packs the GQA group into one tile and splits long caches over the SMs.
+        # packs the GQA group into one tile and splits long caches over the SMs. Mixed dtypes
+        # (fp32 weights under autocast) take the SDPA path below, which casts as torch does.
         out = flash_tile.flash_attn_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0)
