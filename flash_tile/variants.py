@@ -455,6 +455,7 @@ class DecodeConfig:
 DECODE_DEFAULT = DecodeConfig()
 
 
+@functools.cache
 def default_decode_config(capability: tuple[int, int], head_dim: int = 128) -> DecodeConfig:
     """The decode config for a GPU and head dim: 64-key steps at D > 128 (the K and V tiles
     of a step stay at 64 KiB in bf16), 128-key steps below."""
