@@ -290,10 +290,6 @@ class DecodeSpec:
                 self.paged, self.batch_idx, self.num_splits > 1, self.store_lse)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @functools.cache
 def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig
                  ) -> tuple[int, int, int]:
@@ -301,8 +297,8 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
     rows with them as make ``config.rows`` packed rows (at least 16: the smallest tensor-core
     tile), and ``config.tile_n`` keys a step, fewer where a page is smaller: a key tile must
     lie in one page (the largest power of two that divides the page size)."""
-    tile_g = _pow2_at_least(group)
-    tile_lq = min(_pow2_at_least(q_len), max(config.rows // tile_g, 1))
+    tile_g = tile_width(group, 1)
+    tile_lq = min(tile_width(q_len, 1), max(config.rows // tile_g, 1))
     tile_lq = max(tile_lq, 16 // min(tile_g, 16))
     tile_n = config.tile_n
     if page_size is not None:
@@ -375,7 +371,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if splits > 1:
             ct.launch(stream, (q_len, heads, batch), decode_combine,
                       (out_split, lse_split, out, _fill_unused(q.device, (lse, 3))[0],
-                       _pow2_at_least(splits), tile_width(v_cache.shape[3]), lse is not None))
+                       tile_width(splits, 1), tile_width(v_cache.shape[3]), lse is not None))
     return splits
 
 

@@ -237,7 +237,7 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
     if splits > 1:
         cubins["combine"] = _export(decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
-             _array(ct.float32, 3), 1 << (splits - 1).bit_length(),
+             _array(ct.float32, 3), variants.tile_width(splits, 1),
              variants.tile_width(v_head_dim), store_lse], cc), arch)
     cubins["append"] = _export(append, KernelSignature(
         [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2),
