@@ -8,7 +8,7 @@ indexing on the arrays it really gets.
 """
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.tile as ct
 import torch
@@ -38,15 +38,17 @@ class ForwardSpec:
     attn_mask: int  # NO_MASK, BOOL_MASK or ADDITIVE_MASK
     store_lse: bool  # the forward's alone
     dropout: bool
-    latency_k: int  # the forward's alone, as latency_v
+    latency_k: int  # the forward's alone, as latency_v and varlen
     latency_v: int
+    varlen: bool = False  # packed sequences bounded by cumulative lengths
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
                 self.mask_right, self.even_n, self.softcap, self.alibi, self.attn_mask)
 
     def constants(self) -> tuple:
-        return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v)
+        return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
+                self.varlen)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -60,6 +62,17 @@ class ForwardSpec:
         """The dK/dV kernel's: the backward's switches, then the GQA group size and loop
         order."""
         return (*self._backward_shared(), group, group_inner)
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+    of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grid covers
+    ``max_seqlen_q`` rows for every sequence (the caller's bound: it is never read back)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,12 @@ def _placeholder(device: torch.device, rank: int) -> torch.Tensor:
     return torch.empty((1,) * rank, dtype=torch.float32, device=device)
 
 
+@functools.cache
+def _lengths_placeholder(device: torch.device) -> torch.Tensor:
+    # The cumulative-lengths parameters' int32 stand-in where the launch is not varlen.
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
 def _fill_unused(device, *arrays):
     """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
     rank for each None: the kernels never touch Lse without STORE_LSE, dLse without LSE_GRAD,
@@ -187,7 +206,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
-                   dropout: Dropout = NO_DROPOUT) -> tuple:
+                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None) -> tuple:
     """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
@@ -196,7 +215,12 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                         dropout.p > 0.0)
     lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
                                           (kernel_mask(attn_mask), 4))
-    args = (q, k, v, out, lse, slopes, attn_mask, float(scale), float(softcap),
+    cu_q = cu_k = _lengths_placeholder(q.device)  # read only under VARLEN
+    if varlen is not None:  # ragged ends everywhere: no EVEN_N
+        spec = replace(spec, even_n=False, varlen=True)
+        cu_q, cu_k, q_len = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q
+        batch = cu_q.shape[0] - 1
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, float(scale), float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
     kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
@@ -207,7 +231,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
-                   dropout: Dropout = NO_DROPOUT) -> None:
+                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
@@ -217,9 +241,13 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     means none. Row i sees key j iff i + diag_offset - left <= j <= i + diag_offset + right
     for window = (left, right), -1 leaving that side unbounded (causal: right = 0).
     ``dropout`` (p > 0) drops attention probabilities after the softmax (the LSE is unchanged).
+    With ``varlen`` the arrays are packed sequences: q [1, H, total_q, D], k and v
+    [1, H_kv, total_k, D / Dv], out [1, H, total_q, Dv], lse [1, H, total_q], alibi_slopes
+    [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
+    read) and attn_mask must be None.
     """
     grid, kernel, args = forward_launch(q, k, v, out, lse, alibi_slopes, attn_mask, scale,
-                                        softcap, diag_offset, window, config, dropout)
+                                        softcap, diag_offset, window, config, dropout, varlen)
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
 

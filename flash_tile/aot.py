@@ -7,6 +7,7 @@ constants ``flash_tile._launch`` would launch, for arrays laid out as the torch 
 kernel runs on tensor cores, loads through TMA, and how many exp2 and barriers it issues.
 """
 
+import dataclasses
 import io
 import math
 import re
@@ -107,14 +108,18 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
                       softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                       store_lse: bool, config: variants.TileConfig,
                       int64_index: bool = False, dropout: bool = False,
-                      aligned: bool = False) -> KernelSignature:
+                      aligned: bool = False, varlen: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
-    ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read)."""
+    ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read); ``varlen`` the
+    VARLEN switch (packed sequences, as ``_launch.forward_launch`` sets it)."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
         ct.int64 if int64_index else ct.int32, dropout, aligned)
-    params = [qk, qk, vo, vo, rows, slopes, mask, *scalars, *spec.constants()]
+    if varlen:
+        spec = dataclasses.replace(spec, even_n=False, varlen=True)
+    params = [qk, qk, vo, vo, rows, slopes, mask, _index_array(1), _index_array(1), *scalars,
+              *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -157,7 +162,8 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
                     int64_index: bool = False, dropout: bool = False,
-                    output_format: str = "cubin", aligned: bool = False) -> bytes:
+                    output_format: str = "cubin", aligned: bool = False,
+                    varlen: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
@@ -168,7 +174,8 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
     config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                            attn_mask, even_n, store_lse, config, int64_index, dropout, aligned)
+                            attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
+                            varlen)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 

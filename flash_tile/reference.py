@@ -279,6 +279,34 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
 
 
+def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, scale: float | None = None,
+                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                 alibi_slopes: torch.Tensor | None = None, tile_m: int = 64,
+                 tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's VARLEN switch in float64: each packed sequence through
+    ``attention_tiles`` on its own rows, its band aligned bottom-right (diag_offset =
+    k_len - q_len, flash-attn's varlen rule). q [total_q, H, D], k [total_k, H_kv, D], v
+    [total_k, H_kv, Dv], cu_seqlens [B + 1]; alibi_slopes [B, H] or None. Returns
+    (out [total_q, H, Dv], lse [H, total_q]) in float64, as flash_attn_varlen_func lays them
+    out; +inf LSE and zero rows for queries that see no key."""
+    heads = q.shape[1]
+    out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((heads, q.shape[0]), math.inf, dtype=torch.float64)
+    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:], cu_seqlens_k.tolist(),
+                 cu_seqlens_k.tolist()[1:])
+    for b, (q0, q1, k0, k1) in enumerate(bounds):
+        if q1 == q0 or k1 == k0:
+            continue  # no rows, or rows that see no key: zeros and +inf
+        seq = [t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
+        o, l_ = attention_tiles(*seq, scale, (k1 - k0) - (q1 - q0), window, softcap, slopes,
+                                tile_m=tile_m, tile_n=tile_n)
+        out[q0:q1] = o[0].transpose(0, 1)
+        lse[:, q0:q1] = l_[0]
+    return out, lse
+
+
 def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                     batch_idx: torch.Tensor | None = None,
                     block_table: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:

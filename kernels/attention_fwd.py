@@ -65,17 +65,22 @@ from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, hea
                      log2_scores, query_rows, tile_runs)
 
 
-def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band, drop, TILES,
-                    MASKED: ConstBool, FEATURES):
+def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
+                    drop, TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V)."""
+    TILE_DV, LATENCY_K, LATENCY_V, VARLEN); under VARLEN the sequence's keys start at row
+    ``k_start`` of K."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
-    # K^T tile straight from K's [.., Lk, D] layout through the permuted load order.
-    k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
-                  order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
+    if VARLEN:  # a tile at any row: the view steps one row at a time
+        k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
+                                      traversal_steps=(1, 1, 1, TILE_D)).load(
+            (0, kv_head, k_start + j * TILE_N, 0), latency=LATENCY_K), (0, 1, 3, 2))
+    else:  # K^T straight from K's [.., Lk, D] layout through the permuted load order
+        k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
+                      order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
     s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
     s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)  # [TILE_M, TILE_N] raw scores q . k
 
@@ -96,8 +101,13 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
-    v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
-                padding_mode=ZERO, latency=LATENCY_V)
+    if VARLEN:
+        v = V.tiled_view((1, 1, TILE_N, TILE_DV), padding_mode=ZERO,
+                         traversal_steps=(1, 1, 1, TILE_DV)).load(
+            (0, kv_head, k_start + j * TILE_N, 0), latency=LATENCY_V)
+    else:
+        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
+                    padding_mode=ZERO, latency=LATENCY_V)
     v = v.reshape((TILE_N, TILE_DV))
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
@@ -105,29 +115,50 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc, band
     return m_new, l_i, acc
 
 
-def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right, dropout_seed, dropout_threshold,
-                        dropout_scale,
+def _sequence(CuSeqQ, CuSeqK):
+    """(q_start, q_len, k_start, k_len) of sequence bid(2), from the cumulative lengths."""
+    seq = ct.bid(2)
+    q_start = ct.load(CuSeqQ, (seq,), shape=()).item()
+    k_start = ct.load(CuSeqK, (seq,), shape=()).item()
+    return (q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start,
+            ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start)
+
+
+def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt):
-    """The forward for query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
-    tile_m = heaviest_first(Q.shape[2], TILE_M)
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool):
+    """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
+    VARLEN, sequence) bid(2)."""
+    q_start, q_len, k_start, k_len = 0, Q.shape[2], 0, K.shape[2]
+    if VARLEN:  # sequence bid(2) of the packed [1, H, total, D] arrays
+        q_start, q_len, k_start, k_len = _sequence(CuSeqQ, CuSeqK)
+        diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
+    tile_m = heaviest_first(q_len, TILE_M)
+    if VARLEN:
+        if tile_m < 0:  # the grid covers the longest sequence: this one is shorter
+            return
     head = ct.bid(1)
-    batch = ct.bid(2)
+    batch = ct.bid(2)  # the sequence under VARLEN: its ALiBi slopes and dropout hash
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
-    k_len = K.shape[2]
     m_start = tile_m * TILE_M
 
     # Loaded once, reused by every key tile.
-    q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
-                padding_mode=ZERO).reshape((TILE_M, TILE_D))
+    if VARLEN:  # the sequence's rows start anywhere: a view that steps one row at a time
+        q = Q.tiled_view((1, 1, TILE_M, TILE_D), padding_mode=ZERO,
+                         traversal_steps=(1, 1, 1, TILE_D)).load((0, head, q_start + m_start, 0))
+    else:
+        q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
+                    padding_mode=ZERO)
+    q = q.reshape((TILE_M, TILE_D))
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -141,14 +172,14 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
         MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for j in range(n_start, n_inner):
-            m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i,
-                                            acc, band, drop, TILES, True, FEATURES)
+            m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j,
+                                            m_i, l_i, acc, band, drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
-                                        band, drop, TILES, False, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
+                                        l_i, acc, band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, tile_m, j, m_i, l_i, acc,
-                                        band, drop, TILES, True, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
+                                        l_i, acc, band, drop, TILES, True, FEATURES)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
     empty = l_i == 0.0
@@ -156,48 +187,62 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag
     if DROPOUT:
         inv_l = inv_l * dropout_scale
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
-    ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+    if VARLEN:  # stores clipped at the sequence's last row, not at the packed tensor's
+        Out.slice(axis=2, start=q_start, stop=q_start + q_len).tiled_view(
+            (1, 1, TILE_M, TILE_DV)).store((0, head, tile_m, 0), out)
+    else:
+        ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
     if STORE_LSE:
         lse = ct.where(empty, math.inf, m_i * LN_2 + ct.log(l_i))  # [TILE_M, 1]
-        ct.store(Lse, index=(batch, head, tile_m), tile=lse.reshape((1, 1, TILE_M)))
+        lse = lse.reshape((1, 1, TILE_M))
+        if VARLEN:
+            Lse.slice(axis=2, start=q_start, stop=q_start + q_len).tiled_view(
+                (1, 1, TILE_M)).store((0, head, tile_m), lse)
+        else:
+            ct.store(Lse, index=(batch, head, tile_m), tile=lse)
 
 
 @ct.kernel
-def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, qk_scale: float, softcap: float,
+def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale: float,
+                  softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
                   TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt):
+                  LATENCY_V: ConstInt, VARLEN: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
     DROPOUT. LATENCY_K and LATENCY_V (1-10) are the DRAM-latency hints of the K and V tile
-    loads, which set how far ahead tileiras issues them. Shapes and strides are 32-bit."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right, dropout_seed, dropout_threshold,
-                        dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V)
+    loads, which set how far ahead tileiras issues them. Under VARLEN Q, K, V, Out are packed
+    [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
+    sequences' cumulative lengths (read only then), the grid (cdiv(max_seqlen_q, TILE_M), H,
+    B). Shapes and strides are 32-bit."""
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        qk_scale: float, softcap: float, diag_offset: int, window_left: int,
-                        window_right: int, dropout_seed: int, dropout_threshold: int,
-                        dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
+                        CuSeqQ, CuSeqK, qk_scale: float, softcap: float, diag_offset: int,
+                        window_left: int, window_right: int, dropout_seed: int,
+                        dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
                         TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
-                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt):
+                        DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
+                        VARLEN: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, qk_scale, softcap, diag_offset,
-                        window_left, window_right, dropout_seed, dropout_threshold,
-                        dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                        EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K,
-                        LATENCY_V)
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN)
