@@ -94,17 +94,19 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "q_len": q_len, "gbps": {}, "skipped": {}, "max_err": {}}
-    # Reference: the first sequence (all of them share the shape and the code path).
-    k0, v0, q0 = (t[:1].transpose(1, 2) for t in (k, v, q))
-    ref = reference.attention_dense(q0.float(), k0.float(), v0.float(),
-                                    diag_offset=length - q_len, window=(-1, 0))
-    low = reference.attention_dense(q0, k0, v0, diag_offset=length - q_len, window=(-1, 0))
+    # Reference: the first and the last sequence (they share the shape and the code path;
+    # the last sits at the cache's highest offsets, past 2**31 elements in the largest rows).
+    ends = [0, batch - 1] if batch > 1 else [0]
+    seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
+    ref = reference.attention_dense(*(t.float() for t in seqs), diag_offset=length - q_len,
+                                    window=(-1, 0))
+    low = reference.attention_dense(*seqs, diag_offset=length - q_len, window=(-1, 0))
     nbytes = batch * length * kv_heads * head_dim * 2 * 2
 
     def measure(name, call):
         try:
             out = call()
-            report = reference.check_error(out[:1].transpose(1, 2), ref, low)
+            report = reference.check_error(out[ends].transpose(1, 2), ref, low)
             row["max_err"][name] = report["max_err"]
             if not report["ok"]:
                 row["skipped"][name] = f"wrong result: {report}"
