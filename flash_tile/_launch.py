@@ -182,16 +182,12 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
 
 
 @functools.cache
-def _placeholder(device: torch.device, rank: int) -> torch.Tensor:
-    # One per device and rank for the process: never read nor written, so it is safe on any
-    # stream; cached as the view itself, because indexing a view out costs microseconds a call.
-    return torch.empty((1,) * rank, dtype=torch.float32, device=device)
-
-
-@functools.cache
-def _lengths_placeholder(device: torch.device) -> torch.Tensor:
-    # The cumulative-lengths parameters' int32 stand-in where the launch is not varlen.
-    return torch.zeros(2, dtype=torch.int32, device=device)
+def _placeholder(device: torch.device, rank: int,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # One per device, rank and dtype for the process: never read nor written, so it is safe on
+    # any stream; cached as the view itself, because indexing a view out costs microseconds a
+    # call.
+    return torch.empty((1,) * rank, dtype=dtype, device=device)
 
 
 def _fill_unused(device, *arrays):
@@ -215,7 +211,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                         dropout.p > 0.0)
     lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
                                           (kernel_mask(attn_mask), 4))
-    cu_q = cu_k = _lengths_placeholder(q.device)  # read only under VARLEN
+    cu_q = cu_k = _placeholder(q.device, 1, torch.int32)  # read only under VARLEN
     if varlen is not None:  # ragged ends everywhere: no EVEN_N
         spec = replace(spec, even_n=False, varlen=True)
         cu_q, cu_k, q_len = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q

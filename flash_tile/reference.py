@@ -293,18 +293,27 @@ def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
     heads = q.shape[1]
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=torch.float64)
-    bounds = zip(cu_seqlens_q.tolist(), cu_seqlens_q.tolist()[1:], cu_seqlens_k.tolist(),
-                 cu_seqlens_k.tolist()[1:])
-    for b, (q0, q1, k0, k1) in enumerate(bounds):
-        if q1 == q0 or k1 == k0:
-            continue  # no rows, or rows that see no key: zeros and +inf
-        seq = [t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
+    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        if seq[1].shape[2] == 0:
+            continue  # rows that see no key: zeros and +inf
         slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
-        o, l_ = attention_tiles(*seq, scale, (k1 - k0) - (q1 - q0), window, softcap, slopes,
+        o, l_ = attention_tiles(*seq, scale, diag_offset, window, softcap, slopes,
                                 tile_m=tile_m, tile_n=tile_n)
-        out[q0:q1] = o[0].transpose(0, 1)
-        lse[:, q0:q1] = l_[0]
+        out[rows] = o[0].transpose(0, 1)
+        lse[:, rows] = l_[0]
     return out, lse
+
+
+def varlen_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(b, rows, (q_b, k_b, v_b), diag_offset) for each packed sequence b with a query row:
+    ``rows`` the slice of its rows in q (and in the output), the three as [1, H, L, D] views
+    (k_b and v_b empty where it has no key), diag_offset = k_len - q_len (bottom-right)."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
+        if q1 > q0:
+            seq = tuple(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+            yield b, slice(q0, q1), seq, (k1 - k0) - (q1 - q0)
 
 
 def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,

@@ -37,22 +37,18 @@ def test_against_each_sequence(lengths, causal, window, dtype):
                                           max(lengths[1]), causal=causal, window_size=window,
                                           return_lse=True)
     eff = (window[0], 0) if causal else window
-    for b in range(len(lengths[0])):
-        q0, q1, k0, k1 = (int(x) for x in (cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]))
-        if q1 == q0:
+    for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
+        if seq[1].shape[2] == 0:  # no key: zeros and +inf, as flash-attn
+            assert torch.equal(out[rows], torch.zeros_like(out[rows]))
+            assert bool((lse[:, rows] == math.inf).all())
             continue
-        if k1 == k0:
-            assert torch.equal(out[q0:q1], torch.zeros_like(out[q0:q1]))
-            assert bool((lse[:, q0:q1] == math.inf).all())
-            continue
-        seq = [t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1])]
-        args = dict(diag_offset=(k1 - k0) - (q1 - q0), window=eff)
+        args = dict(diag_offset=diag, window=eff)
         ref, ref_lse = reference.attention_dense(*(t.float() for t in seq), return_lse=True,
                                                  **args)
         low = reference.attention_dense(*seq, **args)
-        report = reference.check_error(out[q0:q1][None].transpose(1, 2), ref, low)
+        report = reference.check_error(out[rows][None].transpose(1, 2), ref, low)
         assert report["ok"], (b, report)
-        torch.testing.assert_close(lse[:, q0:q1], ref_lse[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-4, atol=1e-4)
 
 
 def test_features_and_head_dims():
@@ -66,11 +62,10 @@ def test_features_and_head_dims():
         with torch.no_grad():
             out = flash_attn_varlen_func(q, k, v, cu, cu, 203, 203, causal=True, softcap=20.0,
                                          alibi_slopes=slopes)
-        for b in range(len(lengths)):
-            r0, r1 = int(cu[b]), int(cu[b + 1])
-            seq = [t[None].transpose(1, 2) for t in (q[r0:r1], k[r0:r1], v[r0:r1])]
-            args = dict(window=(-1, 0), softcap=20.0, alibi_slopes=slopes[b:b + 1])
+        for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu, cu):
+            args = dict(diag_offset=diag, window=(-1, 0), softcap=20.0,
+                        alibi_slopes=slopes[b:b + 1])
             ref = reference.attention_dense(*(t.float() for t in seq), **args)
             low = reference.attention_dense(*seq, **args)
-            report = reference.check_error(out[r0:r1][None].transpose(1, 2), ref, low)
+            report = reference.check_error(out[rows][None].transpose(1, 2), ref, low)
             assert report["ok"], (dim, b, report)
