@@ -2,14 +2,19 @@
 
 ``flash_attn_func`` takes flash-attn's [B, L, H, D] layout and bottom-right causal alignment;
 ``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment;
-``flash_attn_with_kvcache`` attends against a contiguous or paged KV cache (decode).
+``flash_attn_varlen_func`` (and its packed forms) attends over packed sequences of different
+lengths; ``flash_attn_with_kvcache`` attends against a contiguous or paged KV cache (decode).
 """
 
 from flash_tile.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
                             scaled_dot_product_attention)
 from flash_tile.kvcache import flash_attn_with_kvcache
+from flash_tile.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                               flash_attn_varlen_qkvpacked_func)
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
-           "flash_attn_with_kvcache", "scaled_dot_product_attention", "__version__"]
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+           "scaled_dot_product_attention", "__version__"]

@@ -55,24 +55,34 @@ class ForwardSpec:
         return (*self._shared(), self.dropout)
 
     def dq_constants(self, lse_grad: bool) -> tuple:
-        """The dQ kernel's: the backward's switches, then whether it reads dLSE for Delta."""
-        return (*self._backward_shared(), lse_grad)
+        """The dQ kernel's: the backward's switches, whether it reads dLSE for Delta, VARLEN."""
+        return (*self._backward_shared(), lse_grad, self.varlen)
 
     def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
-        """The dK/dV kernel's: the backward's switches, then the GQA group size and loop
-        order."""
-        return (*self._backward_shared(), group, group_inner)
+        """The dK/dV kernel's: the backward's switches, the GQA group size and loop order,
+        VARLEN."""
+        return (*self._backward_shared(), group, group_inner, self.varlen)
 
 
 @dataclass(frozen=True)
 class Varlen:
     """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
-    of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grid covers
-    ``max_seqlen_q`` rows for every sequence (the caller's bound: it is never read back)."""
+    of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids cover
+    ``max_seqlen_q`` query rows (and the dK/dV grid ``max_seqlen_k`` keys) for every sequence
+    (the caller's bounds: nothing is read back)."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+    def spec(self, spec: ForwardSpec) -> ForwardSpec:
+        """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N."""
+        return replace(spec, even_n=False, varlen=True)
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,14 @@ def _placeholder(device: torch.device, rank: int,
     return torch.empty((1,) * rank, dtype=dtype, device=device)
 
 
+def _cu_seqlens(device: torch.device, varlen: "Varlen | None") -> tuple:
+    """(CuSeqQ, CuSeqK) for a launch: the cumulative lengths, or placeholders (the kernels read
+    them only under VARLEN)."""
+    if varlen is None:
+        return (_placeholder(device, 1, torch.int32),) * 2
+    return varlen.cu_seqlens_q, varlen.cu_seqlens_k
+
+
 def _fill_unused(device, *arrays):
     """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
     rank for each None: the kernels never touch Lse without STORE_LSE, dLse without LSE_GRAD,
@@ -211,11 +229,9 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                         dropout.p > 0.0)
     lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
                                           (kernel_mask(attn_mask), 4))
-    cu_q = cu_k = _placeholder(q.device, 1, torch.int32)  # read only under VARLEN
-    if varlen is not None:  # ragged ends everywhere: no EVEN_N
-        spec = replace(spec, even_n=False, varlen=True)
-        cu_q, cu_k, q_len = varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.max_seqlen_q
-        batch = cu_q.shape[0] - 1
+    cu_q, cu_k = _cu_seqlens(q.device, varlen)
+    if varlen is not None:
+        spec, q_len, batch = varlen.spec(spec), varlen.max_seqlen_q, varlen.batch
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, float(scale), float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -253,7 +269,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     dv: torch.Tensor, dlse: torch.Tensor | None,
                     alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                     scale: float, softcap: float, diag_offset: int, window: tuple[int, int],
-                    config: TileConfig, dropout: Dropout = NO_DROPOUT) -> None:
+                    config: TileConfig, dropout: Dropout = NO_DROPOUT,
+                    varlen: Varlen | None = None) -> None:
     """Launch the backward (dQ, then dK/dV) on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
@@ -262,7 +279,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype;
     deterministic (no atomics). 32-bit indexing only. The dK/dV kernel runs on ``config``'s
     tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel also stores
-    Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads.
+    Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads. With ``varlen`` the arrays
+    are packed as ``launch_forward``'s (dlse [1, H, total_q]).
     """
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):
@@ -270,23 +288,27 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   "elements or more reached them; split the batch")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
+    delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
     dq_config = config.dq_kernel()
     spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0) for c in (config, dq_config))
+    if varlen is not None:
+        spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
+        q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
-    delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
+    cu_q, cu_k = _cu_seqlens(q.device, varlen)
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
     dq_kernel, dkdv = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
         ct.launch(stream, forward_grid(q_len, heads, batch, dq_config), dq_kernel,
-                  (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, *scalars,
-                   *dq_spec.dq_constants(dlse is not None)))
+                  (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q, cu_k,
+                   *scalars, *dq_spec.dq_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
-                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, *scalars,
+                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
 
 

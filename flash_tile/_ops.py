@@ -1,7 +1,8 @@
 """The forward and backward as torch custom ops, with fake kernels and autograd, so that
 torch.compile, fake tensors and autograd each see one opaque call; and the eager path to the
 same implementation. ``kvcache_attention`` is the KV-cache decode's op (forward only; it
-mutates the caches it appends to), reached the same way.
+mutates the caches it appends to), and ``varlen_attention`` the packed sequences' forward and
+backward ops (``flash_tile::varlen_forward`` / ``varlen_backward``), reached the same way.
 
 ``attention_forward`` is what the public functions call: the custom op
 ``flash_tile::attention_forward`` where something traces the call (torch.compile, export,
@@ -27,8 +28,8 @@ device's architecture and head dim, or their default with ``FLASH_TILE_AUTOTUNE=
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import (NO_DROPOUT, Dropout, launch_backward, launch_cache_append,
-                                launch_decode, launch_forward, mask_name)
+from flash_tile._launch import (NO_DROPOUT, Dropout, Varlen, launch_backward,
+                                launch_cache_append, launch_decode, launch_forward, mask_name)
 from flash_tile._validate import device_properties
 
 
@@ -202,18 +203,24 @@ def _op_backward(ctx, dout, dlse):
 forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The forward op's body and autograd, without the custom op's dispatch (eager mode)."""
+def _eager_function(forward_impl, setup_context, backward, backward_impl):
+    """A ``torch.autograd.Function`` with a forward op's body, context and backward (run by
+    ``backward_impl``, the backward op's body), without the custom op's dispatch: what eager
+    mode runs where a gradient is needed."""
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward_impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            return backward(ctx, dout, dlse, backward_impl)
+    return Eager
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, _backward_impl)
+
+_EagerAttention = _eager_function(_forward_impl, _setup_context, _backward, _backward_impl)
 
 
 def _seen_by_a_tracer(*tensors: torch.Tensor) -> bool:
@@ -233,11 +240,146 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_off
     v needs its gradient, and the body alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
             window_right, return_lse, dropout_p, dropout_seed)
+    return _dispatch(forward_op, _EagerAttention, _forward_impl, args)
+
+
+def _dispatch(op, eager, impl, args):
+    """Run a forward op on ``args`` (q, k, v first): the op where something traces the call
+    (``_seen_by_a_tracer``: a graph needs the op, its fake and its registered autograd), else
+    the same body through the ``eager`` Function where q, k or v needs its gradient, and the
+    body alone where none does (inference)."""
+    q, k, v = args[:3]
     if _seen_by_a_tracer(q, k, v):
-        return forward_op(*args)
+        return op(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(*args)
-    return _forward_impl(*args)  # nothing to differentiate: no autograd node to build
+        return eager.apply(*args)
+    return impl(*args)  # nothing to differentiate: no autograd node to build
+
+
+# Varlen: packed sequences of flash_attn_varlen_func, q [total_q, H, D], k [total_k, H_kv, D],
+# v [total_k, H_kv, Dv], out [total_q, H, Dv], LSE [H, total_q]; the kernels see them as
+# [1, H, total, D] views. The variants are the architecture's defaults (not tuned: a
+# problem class of packed lengths has no one length to time).
+
+def _packed(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """[total, H, D] tensors as the kernels' [1, H, total, D] views (no copies)."""
+    return [t.transpose(0, 1)[None] for t in tensors]
+
+
+def _varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+    """(out [total_q, H, Dv] in q's dtype, lse [H, total_q] fp32 or an empty tensor)."""
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+
+
+def _varlen_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Uninitialised (dq, dk, dv) in the packed inputs' shapes."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int,
+                         alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                         window_left: int, window_right: int, return_lse: bool,
+                         dropout_p: float = 0.0,
+                         dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen forward op's body: allocate, launch the forward's VARLEN switch."""
+    out, lse = _varlen_outputs(q, v, return_lse)
+    config = variants.default_config(device_properties(q.device)[0],
+                                     max(q.shape[-1], v.shape[-1]))
+    launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None, alibi_slopes,
+                   None, scale, softcap, 0, (window_left, window_right), config,
+                   Dropout(dropout_p, dropout_seed),
+                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return out, lse
+
+
+varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varlen_forward_impl,
+                                            mutates_args=(), device_types="cuda")
+
+
+@varlen_forward_op.register_fake
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+                         dropout_p=0.0, dropout_seed=0):
+    return _varlen_outputs(q, v, return_lse)
+
+
+def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                          dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                          window_left: int, window_right: int, dropout_p: float = 0.0,
+                          dropout_seed: int = 0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen backward op's body: dq, dk, dv in the inputs' shapes, by the backward's
+    VARLEN switch. Rows that no sequence covers are left unwritten."""
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dlse = None if dlse is None else dlse.float().contiguous()[None]
+    dq, dk, dv = _varlen_gradients(q, k, v)
+    plain = variants.is_plain(softcap > 0.0, alibi_slopes is not None, None, dropout_p > 0.0)
+    config = variants.default_backward_config(device_properties(q.device)[0],
+                                              max(q.shape[-1], v.shape[-1]), plain)
+    launch_backward(*_packed(dout, q, k, v, out), lse[None], *_packed(dq, dk, dv), dlse,
+                    alibi_slopes, None, scale, softcap, 0, (window_left, window_right), config,
+                    Dropout(dropout_p, dropout_seed),
+                    Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return dq, dk, dv
+
+
+varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
+                                             _varlen_backward_impl, mutates_args=(),
+                                             device_types="cuda")
+
+
+@varlen_backward_op.register_fake
+def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k, alibi_slopes, scale, softcap,
+                          window_left, window_right, dropout_p=0.0, dropout_seed=0):
+    return _varlen_gradients(q, k, v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, softcap, left, right, _,
+     dropout_p, dropout_seed) = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes)
+    ctx.lengths, ctx.scale, ctx.softcap = (max_q, max_k), scale, softcap
+    ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, dout, dlse, run_backward):
+    """The gradients of the varlen forward's 15 inputs (q, k, v's; None for the rest)."""
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    if dout is None:  # only the LSE reaches the loss
+        dout = torch.zeros_like(out)
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths,
+                              alibi_slopes, ctx.scale, ctx.softcap, *ctx.window, *ctx.dropout)
+    return (dq, dk, dv) + (None,) * 12
+
+
+def _varlen_op_backward(ctx, dout, dlse):
+    return _varlen_backward(ctx, dout, dlse, varlen_backward_op)
+
+
+varlen_forward_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
+_EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _varlen_backward,
+                               _varlen_backward_impl)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+                     dropout_p=0.0, dropout_seed=0):
+    """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
+    ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
+    function asks for it then); dispatched as ``attention_forward``."""
+    return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
+                     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+                      dropout_p, dropout_seed))
 
 
 def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):

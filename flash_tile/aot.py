@@ -127,18 +127,24 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                         config: variants.TileConfig, group: int = 1,
                         lse_grad: bool = False, dropout: bool = False,
-                        aligned: bool = False) -> tuple[KernelSignature, ...]:
+                        aligned: bool = False, varlen: bool = False
+                        ) -> tuple[KernelSignature, ...]:
     """Signatures of (dQ, dK/dV) for one variant, in ``launch_backward``'s order (dK/dV on
     ``config``'s tiles, dQ on ``config.dq_kernel()``'s);
-    ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE."""
+    ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE;
+    ``varlen`` the VARLEN switch."""
     (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
         _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
                          even_n, True, c, ct.int32, dropout, aligned)
         for c in (config, config.dq_kernel()))
+    if varlen:
+        spec, dq_spec = (dataclasses.replace(s, even_n=False, varlen=True)
+                         for s in (spec, dq_spec))
     cc = CallingConvention.cutile_python_v1()
+    cu = (_index_array(1), _index_array(1))
     return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
-                             mask, *scalars, *dq_spec.dq_constants(lse_grad)], cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *scalars,
+                             mask, *cu, *scalars, *dq_spec.dq_constants(lse_grad)], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *cu, *scalars,
                              *spec.dkdv_constants(group, config.group_inner)], cc))
 
 
@@ -185,7 +191,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      alibi: bool = False, attn_mask: str | None = None, even_n: bool = False,
                      config: variants.TileConfig | None = None, group: int = 1,
                      lse_grad: bool = False, dropout: bool = False,
-                     aligned: bool = False) -> dict[str, bytes]:
+                     aligned: bool = False, varlen: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("dq", "dkdv") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default for
@@ -195,7 +201,8 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     config = config or _default_config(arch, head_dim, v_head_dim, True, plain)
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
-                               attn_mask, even_n, config, group, lse_grad, dropout, aligned)
+                               attn_mask, even_n, config, group, lse_grad, dropout, aligned,
+                               varlen)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
             zip(("dq", "dkdv"), hinted_backward_kernels(config), sigs)}
 

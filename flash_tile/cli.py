@@ -9,7 +9,7 @@
     flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
                                        tileiras), which variant it gets, and a smoke test
     flash-tile tune [--backward]       pre-tune a grid of shapes into the autotune cache
-    flash-tile bench [forward|backward|decode|features|launch|variants] [ARGS]
+    flash-tile bench [forward|backward|decode|features|launch|variants|varlen] [ARGS]
                                        the benchmarks of the source tree's bench/ (table, JSON,
                                        plot); ARGS go to the script (--help lists them)
 
@@ -140,7 +140,8 @@ def inspect(args):
 
 BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
               "backward": "bench_backward.py", "launch": "bench_launch.py",
-              "variants": "bench_variants.py", "decode": "bench_decode.py"}
+              "variants": "bench_variants.py", "decode": "bench_decode.py",
+              "varlen": "bench_varlen.py"}
 
 
 def bench(args):

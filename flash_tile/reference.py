@@ -73,14 +73,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_keep(p: float, seed: int, batch: int, heads: int, q_len: int, k_len: int,
-                 device: str | torch.device = "cpu") -> torch.Tensor:
+                 device: str | torch.device = "cpu", first_batch: int = 0) -> torch.Tensor:
     """The kernels' dropout keep bits, bool [B, H, Lq, Lk] on ``device``: score (b, h, i, j) is
     kept iff its hash (``kernels/_tiles.py``) clears the threshold of ``p``. A pure function of
-    the indices: every tiling, forward or backward, sees the same bits."""
+    the indices: every tiling, forward or backward, sees the same bits. ``first_batch`` shifts
+    the batch index (b + first_batch is hashed): a packed sequence of a varlen batch hashes
+    its own index with its own rows and columns."""
     def ar(n, shape):
         return torch.arange(n, device=device, dtype=torch.int64).view(shape)
 
-    bh = ar(batch * heads, (batch, heads, 1, 1))
+    bh = ar(batch * heads, (batch, heads, 1, 1)) + first_batch * heads
     rows = _mix32(_mix32((ar(q_len, (1, 1, q_len, 1)) + _mul32(bh, ROW_MULT)) & _M32) ^ seed)
     hashed = _mul32(rows ^ _mul32(ar(k_len, (1, 1, 1, k_len)), COL_MULT), MIX_MULT_1)
     hashed = _mul32(hashed ^ (hashed >> 16), MIX_MULT_2)
@@ -146,8 +148,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
-                    tile_n: int = 64, dropout_p: float = 0.0,
-                    dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
+                    dropout_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
@@ -156,7 +158,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     diag_offset = 0. ``softcap`` > 0 caps the scaled scores with tanh; ``alibi_slopes`` [B, H]
     subtracts slope * |i + diag_offset - j|; ``attn_mask``, broadcastable to [B, H, Lq, Lk],
     hides keys where False (bool) or is added to the scores (float). ``dropout_p`` > 0 drops
-    probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed``.
+    probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed`` (batch
+    indices shifted by ``dropout_batch``).
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -166,8 +169,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     k_len = k.shape[2]
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
-    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len) \
-        if dropout_p > 0.0 else None
+    keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len,
+                        first_batch=dropout_batch) if dropout_p > 0.0 else None
 
     for m_start in range(0, q_len, tile_m):
         q_tile = q[:, :, m_start:m_start + tile_m]  # [B, H, rows, D], rows <= TILE_M
@@ -206,7 +209,7 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              attn_mask: torch.Tensor | None = None, tile_m: int = 64,
                              tile_n: int = 64, dlse: torch.Tensor | None = None,
                              dropout_p: float = 0.0, dropout_seed: int = 0,
-                             dq_tile_m: int | None = None,
+                             dropout_batch: int = 0, dq_tile_m: int | None = None,
                              dq_tile_n: int | None = None) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
@@ -233,7 +236,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # The keep bits scaled by 1 / (1 - p), or None without dropout.
     zr = None
     if dropout_p > 0.0:
-        keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len)
+        keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len,
+                            first_batch=dropout_batch)
         zr = keep.to(torch.float64) / (1 - dropout_p)
 
     def dropped(x, rows, cols):
@@ -283,10 +287,12 @@ def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
                  cu_seqlens_k: torch.Tensor, scale: float | None = None,
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None, tile_m: int = 64,
-                 tile_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile_n: int = 64, dropout_p: float = 0.0,
+                 dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles`` on its own rows, its band aligned bottom-right (diag_offset =
-    k_len - q_len, flash-attn's varlen rule). q [total_q, H, D], k [total_k, H_kv, D], v
+    k_len - q_len, flash-attn's varlen rule), its dropout bits those of batch index b with
+    the sequence's own rows and columns. q [total_q, H, D], k [total_k, H_kv, D], v
     [total_k, H_kv, Dv], cu_seqlens [B + 1]; alibi_slopes [B, H] or None. Returns
     (out [total_q, H, Dv], lse [H, total_q]) in float64, as flash_attn_varlen_func lays them
     out; +inf LSE and zero rows for queries that see no key."""
@@ -298,10 +304,42 @@ def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
             continue  # rows that see no key: zeros and +inf
         slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
         o, l_ = attention_tiles(*seq, scale, diag_offset, window, softcap, slopes,
-                                tile_m=tile_m, tile_n=tile_n)
+                                tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed, dropout_batch=b)
         out[rows] = o[0].transpose(0, 1)
         lse[:, rows] = l_[0]
     return out, lse
+
+
+def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          scale: float | None = None, window: tuple[int, int] = (-1, -1),
+                          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                          tile_m: int = 64, tile_n: int = 64, dropout_p: float = 0.0,
+                          dropout_seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The backward's VARLEN switch in float64: each packed sequence through
+    ``attention_tiles_backward`` on its own rows (bottom-right band, its own dropout bits:
+    the hash sees the sequence's index as the batch and its own rows and columns). Packed
+    layouts as ``varlen_tiles`` (out, dout [total_q, H, Dv], lse [H, total_q]); returns
+    (dq, dk, dv) in float64, zero for keys no query sees."""
+    dq = torch.zeros(q.shape, dtype=torch.float64)
+    dk = torch.zeros(k.shape, dtype=torch.float64)
+    dv = torch.zeros(v.shape, dtype=torch.float64)
+    cu_k = cu_seqlens_k.tolist()
+    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        if seq[1].shape[2] == 0:
+            continue  # no key: nothing flows anywhere
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
+        out_b, dout_b = (t[rows][None].transpose(1, 2) for t in (out, dout))
+        grads = attention_tiles_backward(
+            *seq, out_b, lse[None, :, rows], dout_b, scale, diag_offset, window, softcap, slopes,
+            tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_batch=b)
+        keys = slice(cu_k[b], cu_k[b + 1])
+        for grad, packed, where in zip(grads, (dq, dk, dv), (rows, keys, keys)):
+            packed[where] = grad[0].transpose(0, 1)
+    return dq, dk, dv
 
 
 def varlen_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -394,8 +432,8 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, return_lse: bool = False,
-                    dropout_p: float = 0.0,
-                    dropout_seed: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    dropout_p: float = 0.0, dropout_seed: int = 0,
+                    dropout_batch: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
     ``attention_tiles`` with the same layout and conventions; rows that see no key return 0.
     With ``return_lse`` also the natural-log LSE [B, H, Lq] (+inf where no key is seen), which
@@ -420,7 +458,7 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
     if dropout_p > 0.0:
         keep = dropout_keep(dropout_p, dropout_seed, q.shape[0], q.shape[1], q_len, k_len,
-                            q.device)
+                            q.device, dropout_batch)
         p = p * keep / (1 - dropout_p)
     out = p.to(v.dtype) @ v
     if not return_lse:

@@ -1,18 +1,18 @@
-"""``flash_attn_varlen_func``: attention over packed sequences of different lengths, the
-forward's VARLEN switch (``kernels/attention_fwd.py``).
-
-Not exported from ``flash_tile`` yet: the kernel switch and this entry point are CPU-tested
-(the float64 twin, ahead-of-time compiles whose sm_90 SASS keeps the forward's TMA loads and
-wgmma) but have not run on a GPU, and the backward has no VARLEN switch yet. Until both land,
-a call that needs a gradient, dropout or ``seqused_k`` raises NotImplementedError.
+"""``flash_attn_varlen_func`` and its packed forms: attention over packed sequences of
+different lengths, forward and backward, through the VARLEN switch of the forward and backward
+kernels (``kernels/attention_fwd.py``, ``kernels/attention_bwd.py``): each program reads its
+sequence's bounds from the cumulative lengths, so nothing is padded and nothing is read back
+on the host.
 """
 
 import math
 
 import torch
 
-from flash_tile import _validate, variants
-from flash_tile._launch import Varlen, launch_forward
+from flash_tile import _validate
+from flash_tile._interop import accepts_cupy
+from flash_tile._ops import varlen_attention
+from flash_tile.api import _autocast, _dropout_seed
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -27,58 +27,22 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
         raise NotImplementedError(f"{total} packed rows: 2**31 or more is not supported")
 
 
-def _outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
-    """(out [total_q, H, Dv] in q's dtype, lse [H, total_q] fp32 or None), uninitialised."""
-    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) \
-        if return_lse else None
-    return out, lse
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False,
-                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, seqused_k=None,
-                           return_lse=False):
-    """Attention over packed sequences, flash-attn 2.8's ``flash_attn_varlen_func`` (forward).
-
-    Args:
-        q: [total_q, H, D] float16 or bfloat16 CUDA tensor, the sequences' queries one after
-            another; k: [total_k, H_kv, D] and v: [total_k, H_kv, Dv] likewise (GQA: H a
-            multiple of H_kv). Unit last stride.
-        cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
-            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
-            consecutive offsets are a sequence of length 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints >= 1, from the
-            caller, as flash-attn: nothing is read back from the device). A sequence longer
-            than max_seqlen_q keeps its first rows unwritten (the grid covers max_seqlen_q
-            rows, counted from each sequence's last).
-        causal, window_size: aligned bottom-right per sequence, as flash-attn: row i of a
-            sequence with q_len queries and k_len keys sees key j iff
-            i + k_len - q_len - left <= j <= i + k_len - q_len + right (causal: right = 0).
-        softmax_scale, softcap, alibi_slopes ([H] or [B, H] fp32): as ``flash_attn_func``.
-        dropout_p, seqused_k, gradients: not supported yet (NotImplementedError).
-
-    Returns:
-        out [total_q, H, Dv] in q's dtype; with ``return_lse`` (out, lse [H, total_q] fp32,
-        natural log, +inf for rows that see no key).
-
-    Not checked (it would need a device sync): that the offsets are monotone, start at 0 and
-    end at total_q / total_k. Offsets past the ends read padding or other sequences' rows.
-    """
+def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+            seqused_k, return_lse):
+    """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones)."""
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
     if seqused_k is not None:
-        raise NotImplementedError("seqused_k is not supported yet")
-    if _validate.check_dropout(dropout_p) > 0.0:
-        raise NotImplementedError("dropout under varlen is not supported yet")
+        raise NotImplementedError("seqused_k is not supported yet: pass cu_seqlens_k of the "
+                                  "keys in use")
+    dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [total, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit last stride")
+    q, k, v = _autocast(q, k, v)
     _validate.check_dtypes(q, k, v)
     _validate.check_lengths(k.shape[0], v.shape[0])
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
@@ -99,16 +63,96 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, q.shape[1])
         _validate.check_device(q, alibi_slopes)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise NotImplementedError("the varlen backward is not written yet: call under "
-                                  "torch.no_grad() or detach the inputs")
-
-    out, lse = _outputs(q, v, return_lse)
-    config = variants.default_config(_validate.device_properties(device)[0],
-                                     max(q.shape[2], v.shape[2]))
-    # [total, H, D] as [1, H, total, D] views: the kernel's packed layout.
-    views = [t.transpose(0, 1)[None] for t in (q, k, v, out)]
-    launch_forward(*views, None if lse is None else lse[None], alibi_slopes, None, scale,
-                   softcap, 0, (left, right), config,
-                   varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
+    # The kernels' tiles read rows of D contiguous elements; flash-attn copies here too.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    needs_grad = _validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                      alibi_slopes=alibi_slopes)
+    # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, alibi_slopes, scale, softcap, left, right,
+                                return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p))
     return (out, lse) if return_lse else out
+
+
+@accepts_cupy
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, *, seqused_k=None,
+                           return_lse=False):
+    """Attention over packed sequences; a drop-in for flash-attn 2.8's
+    ``flash_attn_varlen_func``, forward and backward.
+
+    Args:
+        q: [total_q, H, D] float16 or bfloat16 CUDA tensor, the sequences' queries one after
+            another, D from 1 to 256; k: [total_k, H_kv, D] and v: [total_k, H_kv, Dv]
+            likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
+        cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
+            cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
+            consecutive offsets are a sequence of length 0.
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints >= 1, from the
+            caller, as flash-attn: nothing is read back from the device).
+        dropout_p: as ``flash_attn_func``; the pattern is keyed by each sequence's own
+            (sequence, head, row, column), so it does not depend on the packing's offsets.
+        causal, window_size: aligned bottom-right per sequence, as flash-attn: row i of a
+            sequence with q_len queries and k_len keys sees key j iff
+            i + k_len - q_len - left <= j <= i + k_len - q_len + right (causal: right = 0).
+        softmax_scale, softcap: as ``flash_attn_func``; alibi_slopes [H] or [B, H] fp32 (one
+            row per sequence).
+        deterministic: accepted for compatibility; the backward is deterministic either way.
+        seqused_k: not supported yet (NotImplementedError).
+        return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
+
+    Gradients flow to q, k and v (not alibi_slopes) through the backward's VARLEN switch.
+
+    Returns:
+        out [total_q, H, Dv] in q's dtype; with ``return_lse`` (out, lse [H, total_q] fp32,
+        natural log, +inf for rows that see no key).
+
+    Not checked (it would need a device sync): that the offsets are monotone, start at 0 and
+    end at total_q / total_k, and that no sequence is longer than max_seqlen_q /
+    max_seqlen_k. Offsets past the ends read padding or other sequences' rows; a sequence
+    longer than max_seqlen_q keeps its first query rows (and, in the backward, one longer
+    than max_seqlen_k its last key rows) unwritten, as do rows no sequence covers.
+    """
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, seqused_k, return_lse)
+
+
+@accepts_cupy
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, return_lse=False):
+    """``flash_attn_varlen_func`` on a packed qkv [total, 3, H, D] (fp16 or bf16), read in
+    place (its gradient comes back in the same layout), with one cu_seqlens int32 [B + 1] and
+    max_seqlen for queries and keys; the output is [total, H, D]. Causal and windows align
+    bottom-right per sequence (here the same as top-left: Lq = Lk). Other arguments and the
+    results as ``flash_attn_varlen_func``."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be [total, 3, heads, head_dim], got shape "
+                         f"{tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, None, return_lse)
+
+
+@accepts_cupy
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False, *, return_lse=False):
+    """``flash_attn_varlen_func`` on q [total_q, H, D] and a packed kv [total_k, 2, H_kv, D]
+    (fp16 or bf16), read in place, with cu_seqlens_q / cu_seqlens_k int32 [B + 1]; the output
+    is [total_q, H, D]. Causal and windows align bottom-right per sequence. Other arguments
+    and the results as ``flash_attn_varlen_func``."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must be [total, 2, heads, head_dim], got shape "
+                         f"{tuple(kv.shape)}")
+    k, v = kv.unbind(1)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, None, return_lse)

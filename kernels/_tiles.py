@@ -179,10 +179,66 @@ def alibi_bias_log2(offs_q, offs_k, diag_offset, slope):
     return (slope * -LOG2_E) * distance.astype(ct.float32)
 
 
-def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt):
-    """The [ROWS, COLS] tile ``index`` of rows of A[batch, head] ([B, H, L, C]), zero-padded."""
-    tile = ct.load(A, index=(batch, head, index, 0), shape=(1, 1, ROWS, COLS), padding_mode=ZERO)
+def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt, latency=None):
+    """The [ROWS, COLS] tile ``index`` of rows of A[batch, head] ([B, H, L, C]), zero-padded;
+    ``latency`` the load's DRAM-latency hint (None: tileiras's choice)."""
+    tile = ct.load(A, index=(batch, head, index, 0), shape=(1, 1, ROWS, COLS), padding_mode=ZERO,
+                   latency=latency)
     return tile.reshape((ROWS, COLS))
+
+
+def sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN: ConstBool):
+    """(q_start, q_len, k_start, k_len) of this program's sequence: the whole of axis 2 of Q
+    and K, or under VARLEN sequence bid(2) of the packed arrays, read from the cumulative
+    lengths CuSeqQ, CuSeqK [B + 1] int32."""
+    if VARLEN:
+        seq = ct.bid(2)
+        q_start = ct.load(CuSeqQ, (seq,), shape=()).item()
+        k_start = ct.load(CuSeqK, (seq,), shape=()).item()
+        return (q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start,
+                ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start)
+    return 0, Q.shape[2], 0, K.shape[2]
+
+
+def load_seq_rows(A, batch, head, start, index, ROWS: ConstInt, COLS: ConstInt,
+                  VARLEN: ConstBool, latency=None):
+    """``load_rows`` of one sequence: under VARLEN the tile ``index`` of the rows of the packed
+    A[0, head] from row ``start`` on (a sequence starts at any row: the view steps one row at a
+    time, which keeps the TMA load; rows past the sequence are the next one's)."""
+    if VARLEN:
+        tile = A.tiled_view((1, 1, ROWS, COLS), padding_mode=ZERO,
+                            traversal_steps=(1, 1, 1, COLS)).load(
+            (0, head, start + index * ROWS, 0), latency=latency)
+        return tile.reshape((ROWS, COLS))
+    return load_rows(A, batch, head, index, ROWS, COLS, latency)
+
+
+def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLEN: ConstBool):
+    """The [1, 1, ROWS] tile ``index`` of an fp32 [B, H, L] row vector (LSE, Delta), padded
+    with ``padding``; under VARLEN counted from row ``start`` of the packed A[0, head]."""
+    if VARLEN:
+        return A.tiled_view((1, 1, ROWS), padding_mode=padding,
+                            traversal_steps=(1, 1, 1)).load((0, head, start + index * ROWS))
+    return ct.load(A, index=(batch, head, index), shape=(1, 1, ROWS), padding_mode=padding)
+
+
+def store_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
+    """Store the [1, 1, ROWS, COLS] ``tile`` as tile ``index`` of A[batch, head]; under VARLEN
+    into rows start .. start + length of the packed A, clipped at the sequence's last row."""
+    if VARLEN:
+        A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
+            (0, head, index, 0), tile)
+    else:
+        ct.store(A, index=(batch, head, index, 0), tile=tile)
+
+
+def store_seq_vector(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
+    """``store_seq_rows`` for a [1, 1, ROWS] tile of an fp32 [B, H, L] row vector."""
+    if VARLEN:
+        A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
+            (0, head, index), tile)
+    else:
+        ct.store(A, index=(batch, head, index), tile=tile)
 
 
 def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,

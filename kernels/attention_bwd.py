@@ -43,13 +43,21 @@ so the light ones fill the tail of the launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
-[B, H, Lq, Lk]. Any strides, as in the forward.
+[B, H, Lq, Lk]. Any strides, as in the forward. Under VARLEN the arrays are packed as the
+forward's (batch 1, the sequences one after another, CuSeqQ and CuSeqK their offsets) and
+both passes work per sequence as the forward does: bounds from the offsets, row-granular tile
+views, stores clipped to the sequence, diag_offset = k_len - q_len, early exit past the
+sequence's end. A query tile of the dK/dV pass that runs past its sequence holds the next
+one's rows: they get lse = +inf and Delta = 0, so their p, dS and contributions are 0.
 """
+
+import math
 
 import cuda.tile as ct
 
 from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep,
-                     heaviest_first, load_rows, log2_scores, query_rows, tile_runs)
+                     heaviest_first, load_seq_rows, load_seq_vector, log2_scores, query_rows,
+                     sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -71,30 +79,37 @@ def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstI
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
-def _delta(Out, do, dLse, Delta, batch, head, tile_m, TILE_M: ConstInt, TILE_DV: ConstInt,
-           LSE_GRAD: ConstBool):
+def _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M: ConstInt,
+           TILE_DV: ConstInt, LSE_GRAD: ConstBool, VARLEN: ConstBool):
     """Delta of query tile tile_m, stored for the dK/dV pass and returned as [TILE_M, 1]."""
-    o = load_rows(Out, batch, head, tile_m, TILE_M, TILE_DV)
+    q_start, q_len, _ = seq
+    o = load_seq_rows(Out, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
     delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
     if LSE_GRAD:
-        dlse = ct.load(dLse, index=(batch, head, tile_m), shape=(1, 1, TILE_M),
-                       padding_mode=ZERO)
+        dlse = load_seq_vector(dLse, batch, head, q_start, tile_m, TILE_M, ZERO, VARLEN)
         delta = delta - dlse.reshape((TILE_M,))
-    ct.store(Delta, index=(batch, head, tile_m), tile=delta.reshape((1, 1, TILE_M)))
+    store_seq_vector(Delta, batch, head, q_start, q_len, tile_m,
+                     delta.reshape((1, 1, TILE_M)), VARLEN)
     return delta.reshape((TILE_M, 1))
 
 
-def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, offs_k, band,
-               drop, TILES, MASKED: ConstBool, FEATURES):
+def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, seq, i, dk, dv, offs_k,
+               band, drop, TILES, MASKED: ConstBool, FEATURES):
     """Query tile i of one query head against this program's key tile; the new (dk, dv).
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV); the rest as in ``_tiles``."""
-    TILE_M, TILE_N, TILE_D, TILE_DV = TILES
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN), seq = (q_start, q_len, k_start); the
+    rest as in ``_tiles``."""
+    TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN = TILES
     DROPOUT = FEATURES[6]
-    q = load_rows(Q, batch, head, i, TILE_M, TILE_D)
-    do = load_rows(dOut, batch, head, i, TILE_M, TILE_DV)
-    lse = ct.load(Lse, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=POS_INF)
-    delta = ct.load(Delta, index=(batch, head, i), shape=(1, 1, TILE_M), padding_mode=ZERO)
+    q_start, q_len, _ = seq
+    q = load_seq_rows(Q, batch, head, q_start, i, TILE_M, TILE_D, VARLEN)
+    do = load_seq_rows(dOut, batch, head, q_start, i, TILE_M, TILE_DV, VARLEN)
+    lse = load_seq_vector(Lse, batch, head, q_start, i, TILE_M, POS_INF, VARLEN)
+    delta = load_seq_vector(Delta, batch, head, q_start, i, TILE_M, ZERO, VARLEN)
     offs_q = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]  # [1, TILE_M]
+    if VARLEN:  # rows past the sequence are the next one's: give them p = 0, as padding does
+        inside = offs_q.reshape((1, 1, TILE_M)) < q_len
+        lse = ct.where(inside, lse, math.inf)
+        delta = ct.where(inside, delta, 0.0)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
 
     s_t = ct.mma(k, ct.transpose(q), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
@@ -115,45 +130,46 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, i, dk, dv, 
     return dk, dv
 
 
-def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, i, dk,
-                dv, offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES, GROUP: ConstInt,
-                HEADS: ConstInt):
+def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, seq, i,
+                dk, dv, offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES,
+                GROUP: ConstInt, HEADS: ConstInt):
     """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
     for h in range(HEADS):
         dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
-                            kv_head * GROUP + g_first + h, i, dk, dv, offs_k, band, drop, TILES,
-                            MASKED, FEATURES)
+                            kv_head * GROUP + g_first + h, seq, i, dk, dv, offs_k, band, drop,
+                            TILES, MASKED, FEATURES)
     return dk, dv
 
 
-def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, runs, dk,
-               dv, offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
+def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, seq, runs,
+               dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
     """The query tiles the band lets through (masked edges, unmasked middle), each for the
     HEADS query heads from group member g_first on; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
-                             g_first, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
+                             g_first, seq, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     for i in range(i_inner, i_outer):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
-                             g_first, i, dk, dv, offs_k, band, drop, TILES, False, FEATURES,
+                             g_first, seq, i, dk, dv, offs_k, band, drop, TILES, False, FEATURES,
                              GROUP, HEADS)
     for i in range(i_outer, i_end):
         dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
-                             g_first, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
+                             g_first, seq, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     return dk, dv
 
 
-def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
-               diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
-               dropout_scale,
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
+               softcap, diag_offset, window_left, window_right, dropout_seed,
+               dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-               GROUP: ConstInt, GROUP_INNER: ConstBool):
-    """dK, dV of key tile bid(0) of key/value head bid(1) of batch bid(2).
+               GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool):
+    """dK, dV of key tile bid(0) of key/value head bid(1) of batch (under VARLEN, sequence)
+    bid(2).
 
     The GROUP query heads sharing the key/value head are summed in place, either head by head
     (each walking the query tiles) or, with GROUP_INNER, all heads per query tile. The two
@@ -164,14 +180,19 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
     tile_n = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)
-    q_len = Q.shape[2]
     n_start = tile_n * TILE_N
-    band = (K.shape[2], qk_scale, softcap, diag_offset, window_left, window_right)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
+    if VARLEN:
+        diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
+        if n_start >= k_len:  # the grid covers the longest sequence: this one is shorter
+            return
+    seq = (q_start, q_len, k_start)
+    band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
-    k = load_rows(K, batch, kv_head, tile_n, TILE_N, TILE_D)
-    v = load_rows(V, batch, kv_head, tile_n, TILE_N, TILE_DV)
+    k = load_seq_rows(K, batch, kv_head, k_start, tile_n, TILE_N, TILE_D, VARLEN)
+    v = load_seq_rows(V, batch, kv_head, k_start, tile_n, TILE_N, TILE_DV, VARLEN)
     offs_k = n_start + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # [TILE_N, 1]
     dk = ct.zeros((TILE_N, TILE_D), dtype=ct.float32)
     dv = ct.zeros((TILE_N, TILE_DV), dtype=ct.float32)
@@ -181,27 +202,29 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softca
     runs = tile_runs(n_start, q_len, -diag_offset - window_right, window_left - diag_offset,
                      TILE_N, TILE_M, MASK_RIGHT, MASK_LEFT)
     if GROUP_INNER:
-        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, runs,
-                            dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, GROUP)
+        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, seq,
+                            runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, GROUP)
     else:
         for g in range(GROUP):
             dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g,
-                                runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, 1)
+                                seq, runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP,
+                                1)
     if not SOFTCAP:  # ds/dx is the scale for every score: once here, not per score
         dk = dk * qk_scale
-    ct.store(dK, index=(batch, kv_head, tile_n, 0),
-             tile=dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)))
-    ct.store(dV, index=(batch, kv_head, tile_n, 0),
-             tile=dv.astype(dV.dtype).reshape((1, 1, TILE_N, TILE_DV)))
+    store_seq_rows(dK, batch, kv_head, k_start, k_len, tile_n,
+                   dk.astype(dK.dtype).reshape((1, 1, TILE_N, TILE_D)), VARLEN)
+    store_seq_rows(dV, batch, kv_head, k_start, k_len, tile_n,
+                   dv.astype(dV.dtype).reshape((1, 1, TILE_N, TILE_DV)), VARLEN)
 
 
-def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band, drop,
-             TILES, MASKED: ConstBool, FEATURES):
-    """Key tile j against this program's query tile; returns the new dq."""
-    TILE_M, TILE_N, TILE_D, TILE_DV = TILES
+def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m, j, dq, band,
+             drop, TILES, MASKED: ConstBool, FEATURES):
+    """Key tile j against this program's query tile; returns the new dq. Under VARLEN the
+    sequence's keys start at row ``k_start`` of K and V."""
+    TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN = TILES
     batch = rows[0]
-    k = load_rows(K, batch, kv_head, j, TILE_N, TILE_D)
-    v = load_rows(V, batch, kv_head, j, TILE_N, TILE_DV)
+    k = load_seq_rows(K, batch, kv_head, k_start, j, TILE_N, TILE_D, VARLEN)
+    v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN)
     offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
     s = ct.mma(q, ct.transpose(k), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
     p, dscore = _probs(s, rows, offs_k, lse_log2, Mask, tile_m, j, band, TILE_M, TILE_N, MASKED,
@@ -216,28 +239,36 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, b
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
-def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, softcap,
-             diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
+def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
+             softcap, diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
              dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
              TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
              SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-             LSE_GRAD: ConstBool):
-    """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch bid(2)."""
-    tile_m = heaviest_first(Q.shape[2], TILE_M)
+             LSE_GRAD: ConstBool, VARLEN: ConstBool):
+    """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch (under VARLEN,
+    sequence) bid(2)."""
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
+    if VARLEN:
+        diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
+    tile_m = heaviest_first(q_len, TILE_M)
+    if VARLEN:
+        if tile_m < 0:  # the grid covers the longest sequence: this one is shorter
+            return
     head = ct.bid(1)
     batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])
-    k_len = K.shape[2]
     m_start = tile_m * TILE_M
+    seq = (q_start, q_len, k_start)
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
-    q = load_rows(Q, batch, head, tile_m, TILE_M, TILE_D)
-    do = load_rows(dOut, batch, head, tile_m, TILE_M, TILE_DV)
-    lse = ct.load(Lse, index=(batch, head, tile_m), shape=(1, 1, TILE_M), padding_mode=POS_INF)
+    q = load_seq_rows(Q, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
+    do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
+    lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
     lse_log2 = lse.reshape((TILE_M, 1)) * LOG2_E
-    delta = _delta(Out, do, dLse, Delta, batch, head, tile_m, TILE_M, TILE_DV, LSE_GRAD)
+    delta = _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M, TILE_DV, LSE_GRAD,
+                   VARLEN)
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
@@ -246,47 +277,52 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, s
         m_start, k_len, diag_offset - window_left, diag_offset + window_right, TILE_M, TILE_N,
         MASK_LEFT, MASK_RIGHT)
     for j in range(n_start, n_inner):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
-                      drop, TILES, True, FEATURES)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m, j, dq,
+                      band, drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
-                      drop, TILES, False, FEATURES)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m, j, dq,
+                      band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, tile_m, j, dq, band,
-                      drop, TILES, True, FEATURES)
+        dq = _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m, j, dq,
+                      band, drop, TILES, True, FEATURES)
     if not SOFTCAP:  # ds/dx is the scale for every score: once here, not per score
         dq = dq * qk_scale
-    ct.store(dQ, index=(batch, head, tile_m, 0),
-             tile=dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)))
+    store_seq_rows(dQ, batch, head, q_start, q_len, tile_m,
+                   dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)), VARLEN)
 
 
 @ct.kernel
-def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale: float,
-                       softcap: float, diag_offset: int, window_left: int, window_right: int,
-                       dropout_seed: int, dropout_threshold: int, dropout_scale: float,
-                       TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                       MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-                       SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                       DROPOUT: ConstBool, GROUP: ConstInt, GROUP_INNER: ConstBool):
+def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK,
+                       qk_scale: float, softcap: float, diag_offset: int, window_left: int,
+                       window_right: int, dropout_seed: int, dropout_threshold: int,
+                       dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
+                       TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                       MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
+                       ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
+                       GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool):
     """dK and dV, reading the Delta the dQ kernel stored. Grid (cdiv(Lk, TILE_N), H_kv, B);
-    GROUP = H / H_kv."""
-    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, qk_scale, softcap,
-               diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
-               dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
-               SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER)
+    GROUP = H / H_kv. Under VARLEN the arrays are packed as the forward's, CuSeqQ and CuSeqK
+    the sequences' cumulative lengths, the grid (cdiv(max_seqlen_k, TILE_N), H_kv, B)."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
+               softcap, diag_offset, window_left, window_right, dropout_seed,
+               dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
+               MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER,
+               VARLEN)
 
 
 @ct.kernel
-def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale: float,
-                     softcap: float, diag_offset: int, window_left: int, window_right: int,
-                     dropout_seed: int, dropout_threshold: int, dropout_scale: float,
-                     TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                     MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-                     SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-                     DROPOUT: ConstBool, LSE_GRAD: ConstBool):
+def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK,
+                     qk_scale: float, softcap: float, diag_offset: int, window_left: int,
+                     window_right: int, dropout_seed: int, dropout_threshold: int,
+                     dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
+                     TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                     MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
+                     ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
+                     LSE_GRAD: ConstBool, VARLEN: ConstBool):
     """dQ, and Delta = rowsum(dO * O) (- dLse under LSE_GRAD) for the dK/dV kernel, which
-    must run after it. Grid (cdiv(Lq, TILE_M), H, B)."""
-    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, qk_scale, softcap,
-             diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
+    must run after it. Grid (cdiv(Lq, TILE_M), H, B); under VARLEN (cdiv(max_seqlen_q,
+    TILE_M), H, B) over packed arrays, as the forward."""
+    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
+             softcap, diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
              dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
-             SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD)
+             SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN)

@@ -39,6 +39,16 @@ and Dv need not be powers of two: the tiles are TILE_D >= D and TILE_DV >= Dv wi
 zero-padded by the loads, so the padding adds 0 to every dot product and the padded output
 columns are never stored.
 
+Varlen (VARLEN). The sequences of a batch packed one after another: Q, Out [1, H, total_q,
+D], K, V [1, H_kv, total_k, D], Lse [1, H, total_q], and CuSeqQ, CuSeqK int32 [B + 1] their
+cumulative lengths. Program (tile, head, b) reads sequence b's bounds from them (scalar
+loads), loads its tiles through views that step one row at a time (a sequence starts at any
+row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores through
+``Array.slice`` views clipped to its rows; diag_offset = k_len - q_len per sequence
+(flash-attn's varlen rule: bottom-right). The grid covers max_seqlen_q for every sequence;
+programs past their sequence's last tile return at once. ALiBi slopes and the dropout hash
+take b as the batch index and the sequence's own rows and columns.
+
 Masking. Row i sees key j iff
 
     i + diag_offset - window_left <= j        (when MASK_LEFT)
@@ -62,7 +72,8 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
-                     log2_scores, query_rows, tile_runs)
+                     load_seq_rows, log2_scores, query_rows, sequence_bounds, store_seq_rows,
+                     store_seq_vector, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
@@ -101,27 +112,11 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
-    if VARLEN:
-        v = V.tiled_view((1, 1, TILE_N, TILE_DV), padding_mode=ZERO,
-                         traversal_steps=(1, 1, 1, TILE_DV)).load(
-            (0, kv_head, k_start + j * TILE_N, 0), latency=LATENCY_V)
-    else:
-        v = ct.load(V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, TILE_DV),
-                    padding_mode=ZERO, latency=LATENCY_V)
-    v = v.reshape((TILE_N, TILE_DV))
+    v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
-
-
-def _sequence(CuSeqQ, CuSeqK):
-    """(q_start, q_len, k_start, k_len) of sequence bid(2), from the cumulative lengths."""
-    seq = ct.bid(2)
-    q_start = ct.load(CuSeqQ, (seq,), shape=()).item()
-    k_start = ct.load(CuSeqK, (seq,), shape=()).item()
-    return (q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start,
-            ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start)
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
@@ -134,9 +129,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
     VARLEN, sequence) bid(2)."""
-    q_start, q_len, k_start, k_len = 0, Q.shape[2], 0, K.shape[2]
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
     if VARLEN:  # sequence bid(2) of the packed [1, H, total, D] arrays
-        q_start, q_len, k_start, k_len = _sequence(CuSeqQ, CuSeqK)
         diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
     tile_m = heaviest_first(q_len, TILE_M)
     if VARLEN:
@@ -148,13 +142,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
     m_start = tile_m * TILE_M
 
     # Loaded once, reused by every key tile.
-    if VARLEN:  # the sequence's rows start anywhere: a view that steps one row at a time
-        q = Q.tiled_view((1, 1, TILE_M, TILE_D), padding_mode=ZERO,
-                         traversal_steps=(1, 1, 1, TILE_D)).load((0, head, q_start + m_start, 0))
-    else:
-        q = ct.load(Q, index=(batch, head, tile_m, 0), shape=(1, 1, TILE_M, TILE_D),
-                    padding_mode=ZERO)
-    q = q.reshape((TILE_M, TILE_D))
+    q = load_seq_rows(Q, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
@@ -187,19 +175,12 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
     if DROPOUT:
         inv_l = inv_l * dropout_scale
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
-    if VARLEN:  # stores clipped at the sequence's last row, not at the packed tensor's
-        Out.slice(axis=2, start=q_start, stop=q_start + q_len).tiled_view(
-            (1, 1, TILE_M, TILE_DV)).store((0, head, tile_m, 0), out)
-    else:
-        ct.store(Out, index=(batch, head, tile_m, 0), tile=out)
+    # Under VARLEN clipped at the sequence's last row, not at the packed tensor's.
+    store_seq_rows(Out, batch, head, q_start, q_len, tile_m, out, VARLEN)
     if STORE_LSE:
         lse = ct.where(empty, math.inf, m_i * LN_2 + ct.log(l_i))  # [TILE_M, 1]
-        lse = lse.reshape((1, 1, TILE_M))
-        if VARLEN:
-            Lse.slice(axis=2, start=q_start, stop=q_start + q_len).tiled_view(
-                (1, 1, TILE_M)).store((0, head, tile_m), lse)
-        else:
-            ct.store(Lse, index=(batch, head, tile_m), tile=lse)
+        store_seq_vector(Lse, batch, head, q_start, q_len, tile_m, lse.reshape((1, 1, TILE_M)),
+                         VARLEN)
 
 
 @ct.kernel
@@ -233,8 +214,8 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
                         CuSeqQ, CuSeqK, qk_scale: float, softcap: float, diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
-                        dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
-                        TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                        dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
+                        TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,

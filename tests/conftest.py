@@ -44,7 +44,7 @@ def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""
     if not request.node.get_closest_marker("gpu"):
         return
-    from flash_tile import _launch, _ops, varlen
+    from flash_tile import _launch, _ops
 
     def poisoned(allocate):
         def allocate_nan(*args):
@@ -59,4 +59,5 @@ def poisoned_outputs(request, monkeypatch):
     monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     monkeypatch.setattr(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
     monkeypatch.setattr(_launch, "decode_workspace", poisoned(_launch.decode_workspace))
-    monkeypatch.setattr(varlen, "_outputs", poisoned(varlen._outputs))
+    monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
+    monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))

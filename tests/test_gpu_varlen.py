@@ -1,15 +1,19 @@
-"""flash_attn_varlen_func's forward on the GPU against an fp32 reference per sequence, with
-flash-attn's 2x rule (the varlen entry point is not exported until these have passed)."""
+"""flash_attn_varlen_func on the GPU, forward and backward, against an fp32 reference computed
+per sequence with flash-attn's rules (2x output, 3x gradients), each sequence checked on its
+own rows; the packed forms, dropout, the custom op's contract, torch.compile and CUDA-graph
+capture."""
 
 import math
 
 import pytest
 import torch
 
-from flash_tile import reference
-from flash_tile.varlen import flash_attn_varlen_func
+import flash_tile
+from flash_tile import reference, varlen
 
 pytestmark = pytest.mark.gpu
+
+SEED = 515151
 
 
 def _packed(lengths, heads, dim, dtype, gen):
@@ -19,53 +23,212 @@ def _packed(lengths, heads, dim, dtype, gen):
     return rows, cu
 
 
-@pytest.mark.parametrize("lengths", [
+def _inputs(lengths_q, lengths_k, heads, kv_heads, dim, v_dim, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, cu_q = _packed(lengths_q, heads, dim, dtype, gen)
+    k, cu_k = _packed(lengths_k, kv_heads, dim, dtype, gen)
+    v, _ = _packed(lengths_k, kv_heads, v_dim, dtype, gen)
+    dout, _ = _packed(lengths_q, heads, v_dim, dtype, gen)
+    return q, k, v, dout, cu_q, cu_k
+
+
+def _reference(q, k, v, dout, cu_q, cu_k, dtype, features):
+    """Packed (out, dq, dk, dv) of ``attention_dense`` run on each sequence alone in
+    ``dtype``, by autograd; ``features(b)`` gives sequence b's keyword arguments."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=dtype, device="cuda")
+    loss = 0.0
+    for b, rows, seq, diag in reference.varlen_sequences(*leaves, cu_q, cu_k):
+        if seq[1].shape[2] == 0:
+            continue  # no key: zero output and gradients
+        o = reference.attention_dense(*seq, diag_offset=diag, **features(b))[0].transpose(0, 1)
+        out[rows] = o.detach()
+        loss = loss + (o * dout[rows].to(dtype)).sum()
+    if torch.is_tensor(loss):
+        loss.backward()
+    return (out, *(torch.zeros_like(t) if t.grad is None else t.grad for t in leaves))
+
+
+def _ours(q, k, v, dout, cu_q, cu_k, max_q, max_k, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = flash_tile.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, **kwargs)
+    out.backward(dout)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def _check_per_sequence(got, ref, low, cu_q, cu_k):
+    """Each sequence's output rows and gradient rows under the 2x/3x rule; keys that no
+    query sees must get exactly zero gradients, queries that see no key zero rows."""
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        for i, (name, where, factor) in enumerate((("out", rows, 2), ("dq", rows, 3),
+                                                   ("dk", keys, 3), ("dv", keys, 3))):
+            g, r = got[i][where], ref[i][where]
+            if cu_q[b + 1] == cu_q[b] or cu_k[b + 1] == cu_k[b]:
+                assert torch.equal(g, torch.zeros_like(g)), (b, name)
+                continue
+            report = reference.check_error(g, r, low[i][where], factor)
+            assert report["ok"], (b, name, report)
+
+
+def _features(causal, window, softcap=0.0, slopes=None, dropout_p=0.0):
+    window = (window[0], 0) if causal else window
+
+    def features(b):
+        return dict(window=window, softcap=softcap,
+                    alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                    dropout_p=dropout_p, dropout_seed=SEED, dropout_batch=b)
+    return features
+
+
+LENGTHS = [
     ([0, 1, 17, 113, 203, 1023, 4097], [0, 1, 17, 113, 203, 1023, 4097]),  # Lq = Lk
-    ([5, 1, 40, 113, 130], [3, 60, 40, 250, 0]),                             # Lq != Lk, 0 keys
-    ([300], [300]),                                                          # batch 1
-])
+    ([5, 1, 40, 113, 130, 0], [3, 60, 40, 250, 0, 70]),  # Lq != Lk; no key; no query
+    ([300], [300]),                                      # batch 1
+]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["mixed", "ragged", "one"])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
-                                            (True, (64, -1)), (False, (20, 9))])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_against_each_sequence(lengths, causal, window, dtype):
-    gen = torch.Generator(device="cuda").manual_seed(len(lengths[0]))
-    q, cu_q = _packed(lengths[0], 8, 128, dtype, gen)
-    k, cu_k = _packed(lengths[1], 2, 128, dtype, gen)
-    v, _ = _packed(lengths[1], 2, 128, dtype, gen)
+                                            (True, (64, -1)), (False, (20, 9))],
+                         ids=["full", "causal", "causal-window", "window"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_forward_and_backward_against_each_sequence(lengths, causal, window, dtype):
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 8, 2, 128, 128, dtype, len(lengths[0]))
+    max_q, max_k = max(lengths[0]), max(lengths[1])
+    got = _ours(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window)
+    features = _features(causal, window)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, dtype, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+def test_lse_and_rows_without_keys():
+    q, k, v, _, cu_q, cu_k = _inputs(*LENGTHS[1], 4, 4, 64, 64, torch.bfloat16, 1)
     with torch.no_grad():
-        out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths[0]),
-                                          max(lengths[1]), causal=causal, window_size=window,
-                                          return_lse=True)
-    eff = (window[0], 0) if causal else window
+        out, lse = flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 250,
+                                                     causal=True, return_lse=True)
+    assert lse.shape == (4, q.shape[0]) and lse.dtype == torch.float32
     for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
-        if seq[1].shape[2] == 0:  # no key: zeros and +inf, as flash-attn
+        if seq[1].shape[2] == 0:
             assert torch.equal(out[rows], torch.zeros_like(out[rows]))
             assert bool((lse[:, rows] == math.inf).all())
             continue
-        args = dict(diag_offset=diag, window=eff)
-        ref, ref_lse = reference.attention_dense(*(t.float() for t in seq), return_lse=True,
-                                                 **args)
-        low = reference.attention_dense(*seq, **args)
-        report = reference.check_error(out[rows][None].transpose(1, 2), ref, low)
-        assert report["ok"], (b, report)
+        _, ref_lse = reference.attention_dense(*(t.float() for t in seq), diag_offset=diag,
+                                               window=(-1, 0), return_lse=True)
         torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-4, atol=1e-4)
 
 
-def test_features_and_head_dims():
-    gen = torch.Generator(device="cuda").manual_seed(3)
+@pytest.mark.parametrize("dim,v_dim,heads,kv_heads", [(64, 64, 8, 1), (80, 48, 4, 4),
+                                                      (256, 256, 4, 2), (16, 16, 6, 3)])
+def test_softcap_alibi_head_dims_and_groups(dim, v_dim, heads, kv_heads):
+    lengths = ([17, 203, 64, 1], [40, 203, 64, 9])
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, heads, kv_heads, dim, v_dim,
+                                        torch.bfloat16, dim)
+    slopes = torch.rand(len(lengths[0]), heads, device="cuda") * 0.3
+    got = _ours(q, k, v, dout, cu_q, cu_k, 203, 203, causal=True, softcap=20.0,
+                alibi_slopes=slopes)
+    features = _features(True, (-1, -1), 20.0, slopes)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+def test_many_sequences():
+    gen = torch.Generator().manual_seed(64)
+    lengths_q = torch.randint(0, 300, (64,), generator=gen).tolist()
+    lengths_k = torch.randint(1, 400, (64,), generator=gen).tolist()
+    q, k, v, dout, cu_q, cu_k = _inputs(lengths_q, lengths_k, 4, 2, 64, 64, torch.bfloat16, 2)
+    got = _ours(q, k, v, dout, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    features = _features(True, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_keys_each_sequence_by_its_own_index(causal, monkeypatch):
+    monkeypatch.setattr(varlen, "_dropout_seed", lambda dropout_p: SEED)
+    lengths = ([113, 1, 203, 40], [150, 77, 203, 40])
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 4, 2, 64, 64, torch.bfloat16, 3)
+    got = _ours(q, k, v, dout, cu_q, cu_k, 203, 203, causal=causal, dropout_p=0.2)
+    features = _features(causal, (-1, -1), dropout_p=0.2)
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+def test_packed_forms_equal_the_unpacked_call():
     lengths = [17, 203, 64]
-    for dim, v_dim in ((64, 64), (80, 48), (256, 256)):
-        q, cu = _packed(lengths, 4, dim, torch.bfloat16, gen)
-        k, _ = _packed(lengths, 4, dim, torch.bfloat16, gen)
-        v, _ = _packed(lengths, 4, v_dim, torch.bfloat16, gen)
-        slopes = torch.rand(len(lengths), 4, device="cuda")
-        with torch.no_grad():
-            out = flash_attn_varlen_func(q, k, v, cu, cu, 203, 203, causal=True, softcap=20.0,
-                                         alibi_slopes=slopes)
-        for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu, cu):
-            args = dict(diag_offset=diag, window=(-1, 0), softcap=20.0,
-                        alibi_slopes=slopes[b:b + 1])
-            ref = reference.attention_dense(*(t.float() for t in seq), **args)
-            low = reference.attention_dense(*seq, **args)
-            report = reference.check_error(out[rows][None].transpose(1, 2), ref, low)
-            assert report["ok"], (dim, b, report)
+    q, _, _, dout, cu, _ = _inputs(lengths, lengths, 4, 4, 64, 64, torch.float16, 4)
+    qkv = torch.randn(q.shape[0], 3, 4, 64, device="cuda", dtype=torch.float16)
+    want = _ours(*qkv.unbind(1), dout, cu, cu, 203, 203, causal=True)
+    leaf = qkv.clone().requires_grad_()
+    out = flash_tile.flash_attn_varlen_qkvpacked_func(leaf, cu, 203, causal=True)
+    out.backward(dout)
+    assert torch.equal(out, want[0])
+    assert torch.equal(leaf.grad, torch.stack(want[1:], 1))
+    leaves = qkv[:, 0].clone().requires_grad_(), qkv[:, 1:].clone().requires_grad_()
+    out = flash_tile.flash_attn_varlen_kvpacked_func(*leaves, cu, cu, 203, 203, causal=True)
+    out.backward(dout)
+    assert torch.equal(out, want[0]) and torch.equal(leaves[0].grad, want[1])
+    assert torch.equal(leaves[1].grad, torch.stack(want[2:], 1))
+
+
+def test_backward_is_deterministic():
+    q, k, v, dout, cu_q, cu_k = _inputs(*LENGTHS[0], 8, 2, 128, 128, torch.bfloat16, 5)
+    runs = [_ours(q, k, v, dout, cu_q, cu_k, 4097, 4097, causal=True) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    q, k, v, _, cu_q, cu_k = _inputs([17, 40], [30, 50], 2, 2, 64, 64, torch.float16, 6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flash_tile.varlen_forward,
+                          (q, k, v, cu_q, cu_k, 40, 50, None, 0.125, 0.0, -1, 0, True))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    q, k, v, dout, cu_q, cu_k = _inputs(*LENGTHS[1], 4, 2, 64, 64, torch.bfloat16, 7)
+
+    def step(q, k, v, cu_q, cu_k):
+        return flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 250, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu_q, cu_k)
+        out.backward(dout)
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_replays_new_lengths():
+    """Captured once, replayed after the inputs and the cumulative lengths change in place
+    (same totals and bounds): the launch reads cu_seqlens on the device, never on the host."""
+    first = _inputs([100, 28, 0, 72], [64, 100, 30, 56], 4, 2, 64, 64, torch.bfloat16, 8)
+    second = _inputs([50, 50, 90, 10], [150, 50, 25, 25], 4, 2, 64, 64, torch.bfloat16, 9)
+    static = [t.clone() for t in first]
+
+    def call():
+        q, k, v, _, cu_q, cu_k = static
+        return flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 150, causal=True)
+
+    with torch.no_grad():
+        call()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for inputs in (second, first):
+            for dst, src in zip(static, inputs):
+                dst.copy_(src)
+            graph.replay()
+            q, k, v, _, cu_q, cu_k = inputs
+            want = flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 150,
+                                                     causal=True)
+            assert torch.equal(out, want)

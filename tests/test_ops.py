@@ -159,11 +159,12 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
     (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
     assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
     assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
-    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 11 arrays and 8
-    # scalars for dQ (10 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
-    # and not of dK/dV's 128-key tiles. dQ's last constant is LSE_GRAD.
-    assert q_args[19:26] == (128, 64, 64, 64, False, True, True) and q_args[-1] is True
-    assert kv_args[18:25] == (64, 128, 64, 64, False, True, False)
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 13 arrays and 8
+    # scalars for dQ (12 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
+    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD and VARLEN.
+    assert q_args[21:28] == (128, 64, 64, 64, False, True, True) and q_args[-2:] == (True,
+                                                                                     False)
+    assert kv_args[20:27] == (64, 128, 64, 64, False, True, False) and kv_args[-1] is False
     assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
     delta = q_args[7]  # written by dQ, read by dK/dV
     assert delta.shape == (2, 8, 300) and delta.dtype == torch.float32 and kv_args[5] is delta

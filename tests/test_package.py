@@ -41,11 +41,13 @@ def test_kernel_modules_import_only_cuda_tile_and_math():
 
 
 def test_public_api():
-    """The exported functions are flash-attn's four and torch's SDPA, and each documents its
+    """The exported functions are flash-attn's seven and torch's SDPA, and each documents its
     layout and causal alignment."""
     functions = [name for name in flash_tile.__all__ if name != "__version__"]
     assert sorted(functions) == ["flash_attn_func", "flash_attn_kvpacked_func",
-                                 "flash_attn_qkvpacked_func", "flash_attn_with_kvcache",
+                                 "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+                                 "flash_attn_varlen_kvpacked_func",
+                                 "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
                                  "scaled_dot_product_attention"]
     for name in functions:
         doc = getattr(flash_tile, name).__doc__

@@ -1,11 +1,12 @@
-"""Packed variable-length sequences on the CPU: the float64 twin of the forward's VARLEN
-switch against plain attention per sequence, the entry point's checks and its wiring to the
-launch, and ahead-of-time compiles of the switch for every architecture."""
+"""Packed variable-length sequences on the CPU: the float64 twins of the forward's and the
+backward's VARLEN switches against plain attention (and its autograd) per sequence, the entry
+points' checks and their wiring to the launches, and ahead-of-time compiles of the switches
+for every architecture."""
 
 import pytest
 import torch
 
-from flash_tile import _launch, _validate, aot, reference, variants, varlen
+from flash_tile import _launch, _ops, _validate, aot, reference, variants, varlen
 
 LENGTHS_Q = [0, 1, 17, 113, 203, 5]
 LENGTHS_K = [3, 1, 40, 113, 150, 0]  # Lq != Lk per sequence; 0 keys: rows see nothing
@@ -48,7 +49,7 @@ def _args(dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("change,error,match", [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p"),
     (dict(seqused_k=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "seqused_k"),
     (dict(return_attn_probs=True), NotImplementedError, "return_lse"),
     (dict(max_seqlen_q=0), ValueError, "max_seqlen_q"),
@@ -75,26 +76,100 @@ def test_bad_shapes_raise_before_launch(monkeypatch):
         varlen.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, max_q, max_k)
     with pytest.raises(ValueError, match=r"shape \[3\]"):
         varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:2], max_q, max_k)
-    with pytest.raises(NotImplementedError, match="backward"):
-        varlen.flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, max_q, max_k)
+    with pytest.raises(ValueError, match="qkv"):
+        varlen.flash_attn_varlen_qkvpacked_func(q, cu_q, max_q)
+    with pytest.raises(ValueError, match="kv"):
+        varlen.flash_attn_varlen_kvpacked_func(q, k, cu_q, cu_k, max_q, max_k)
 
 
 def test_the_call_reaches_the_launch_as_packed_views(monkeypatch):
     calls = []
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(varlen, "launch_forward", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: calls.append(a))
+    monkeypatch.setattr(varlen, "_dropout_seed", lambda p: 77)  # no CUDA to ask about capture
     q, k, v, cu_q, cu_k, max_q, max_k = _args()
     out, lse = varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                                             window_size=(8, -1), softcap=5.0, return_lse=True)
-    (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config), kw = calls[0]
+                                             window_size=(8, -1), softcap=5.0, return_lse=True,
+                                             dropout_p=0.25)
+    (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config, drop,
+     packing) = calls[0]
     assert qv.shape == (1, 4, 20, 64) and kv.shape == (1, 2, 30, 64)
     assert outv.shape == (1, 4, 20, 64) and outv.data_ptr() == out.data_ptr()
     assert lsev.shape == (1, 4, 20) and lsev.data_ptr() == lse.data_ptr()
     assert (slopes, mask, scale, softcap, window) == (None, None, 0.125, 5.0, (8, 0))
     assert config == variants.default_config((9, 0), 64)
-    assert kw["varlen"] == _launch.Varlen(cu_q, cu_k, max_q)
+    assert drop == _launch.Dropout(0.25, 77)
+    assert packing == _launch.Varlen(cu_q, cu_k, max_q, max_k)
     assert out.shape == (20, 4, 64) and lse.shape == (4, 20)
+
+
+def test_the_gradient_reaches_the_backward_launch(monkeypatch):
+    """With a gradient the forward keeps its LSE, and the backward launches the VARLEN switch
+    on the packed views with the forward's arguments; the gradients come back packed."""
+    calls = []
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: None)
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a: calls.append(a))
+    q, k, v, cu_q, cu_k, max_q, max_k = _args()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    out.backward(torch.ones_like(out))
+    args = calls[0]
+    dout, qv, _, _, _, lsev, dqv, dkv, dvv = args[:9]
+    assert dout.shape == (1, 4, 20, 64) and lsev.shape == (1, 4, 20)
+    assert dqv.shape == (1, 4, 20, 64) and dkv.shape == dvv.shape == (1, 2, 30, 64)
+    assert args[-1] == _launch.Varlen(cu_q, cu_k, max_q, max_k)
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (9, 3)])
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16)])
+def test_backward_twin_equals_autograd_per_sequence(window, tiles):
+    q, cu_q = _packed(LENGTHS_Q, 4, 16, 3)
+    k, cu_k = _packed(LENGTHS_K, 2, 16, 4)
+    v, _ = _packed(LENGTHS_K, 2, 8, 5)
+    dout, _ = _packed(LENGTHS_Q, 4, 8, 6)
+    slopes = torch.rand(len(LENGTHS_Q), 4, dtype=torch.float64)
+    args = (None, window, 3.0, slopes, *tiles)
+    out, lse = reference.varlen_tiles(q, k, v, cu_q, cu_k, *args)
+    dq, dk, dv = reference.varlen_tiles_backward(q, k, v, out, lse, dout, cu_q, cu_k, *args)
+    seen = torch.zeros(k.shape[0], dtype=torch.bool)
+    for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
+        leaves = [t.clone().requires_grad_() for t in seq]
+        ref = reference.attention_dense(*leaves, diag_offset=diag, window=window, softcap=3.0,
+                                        alibi_slopes=slopes[b:b + 1])
+        ref.backward(dout[rows][None].transpose(1, 2))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        seen[keys] = True
+        for got, leaf in zip((dq[rows], dk[keys], dv[keys]), leaves):
+            assert torch.allclose(got, leaf.grad[0].transpose(0, 1), atol=1e-11)
+    # Keys of sequences without a query get zero gradients.
+    assert torch.equal(dk[~seen], torch.zeros_like(dk[~seen]))
+
+
+def test_dropout_twin_keys_each_sequence_by_its_own_index():
+    """Dropout under VARLEN: sequence b draws the bits of batch index b of a dense call with
+    its own rows and columns, in the forward and the backward twins alike."""
+    q, cu_q = _packed(LENGTHS_Q, 2, 16, 7)
+    k, cu_k = _packed(LENGTHS_K, 2, 16, 8)
+    v, _ = _packed(LENGTHS_K, 2, 16, 9)
+    dout, _ = _packed(LENGTHS_Q, 2, 16, 10)
+    drop = dict(dropout_p=0.3, dropout_seed=1234)
+    out, lse = reference.varlen_tiles(q, k, v, cu_q, cu_k, tile_m=16, tile_n=16, **drop)
+    dq, dk, dv = reference.varlen_tiles_backward(q, k, v, out, lse, dout, cu_q, cu_k,
+                                                 tile_m=16, tile_n=16, **drop)
+    for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
+        if seq[1].shape[2] == 0:
+            continue
+        leaves = [t.clone().requires_grad_() for t in seq]
+        ref = reference.attention_dense(*leaves, diag_offset=diag, dropout_batch=b, **drop)
+        ref.backward(dout[rows][None].transpose(1, 2))
+        assert torch.allclose(out[rows], ref[0].detach().transpose(0, 1), atol=1e-12)
+        assert torch.allclose(dq[rows], leaves[0].grad[0].transpose(0, 1), atol=1e-11)
+        other = reference.attention_dense(*seq, diag_offset=diag, dropout_batch=b + 1, **drop)
+        assert not torch.allclose(out[rows], other[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("arch", variants.ARCHS)
@@ -105,3 +180,13 @@ def test_varlen_switch_compiles_with_tensor_cores(arch):
         arch, dtype="bfloat16", head_dim=128, causal=True, varlen=True)))
     assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, sass
     assert (sass["tma_load"] > 0) == (arch in aot.TMA_ARCHS), sass
+
+
+@pytest.mark.parametrize("arch", variants.ARCHS)
+def test_varlen_backward_compiles_with_tensor_cores(arch):
+    """The backward's VARLEN switch (dQ and dK/dV kernels) for every architecture: tensor
+    cores and no spills (GQA, causal: the loops of the group and of the band both run)."""
+    for name, cubin in aot.compile_backward(arch, dtype="bfloat16", head_dim=128, causal=True,
+                                            group=4, varlen=True).items():
+        sass = aot.summarize(aot.disassemble(cubin))
+        assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, (name, sass)

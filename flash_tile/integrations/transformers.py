@@ -12,9 +12,10 @@ mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kerne
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
 ignored: attention weights (``output_attentions``), position biases, attention sinks
-(``s_aux``), packed variable-length batches (``cu_seq_lens_q/k``), softcap together with a
-mask. Attention dropout (``dropout``, which models pass only while training) runs in the
-kernels. A decode step (one query row, no mask: the whole cache is visible) runs
+(``s_aux``), softcap together with a mask. Packed variable-length batches (``cu_seq_lens_q/k``
+with ``max_length_q/k``, as ``DataCollatorWithFlattening`` passes them) run
+``flash_attn_varlen_func``. Attention dropout (``dropout``, which models pass only while
+training) runs in the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
 ``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
@@ -62,10 +63,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("flash_tile does not take attention sinks (s_aux, e.g. "
                                   "gpt-oss); use attn_implementation='eager'")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        raise NotImplementedError("flash_tile has no variable-length (packed sequences) "
-                                  "kernel, which cu_seq_lens_q/k ask for (continuous "
-                                  "batching, packed training); use attn_implementation='sdpa'")
+        return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
+                               kwargs), None
     q_len = query.shape[2]
     if q_len == 1 and attention_mask is None and dropout == 0.0 and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
@@ -76,7 +77,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0)
         return out, None
-    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(is_causal) and q_len > 1 and attention_mask is None
     if is_causal and key.shape[2] > q_len:
         # transformers' SDPA path: a causal call without a mask covers the first Lq keys.
@@ -93,6 +93,35 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
+
+
+def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    dropout: float, scaling: float | None, is_causal: bool,
+                    softcap: float | None, kwargs: dict) -> torch.Tensor:
+    """Packed sequences (padding-free training, ``DataCollatorWithFlattening``): query
+    [1, H, total_q, D] and key/value [1, H_kv, total_k, D] holding the sequences one after
+    another, ``cu_seq_lens_q/k`` int32 [B + 1] and ``max_length_q/k`` as transformers passes
+    them to flash-attn, through ``flash_attn_varlen_func`` (causal bottom-right per sequence;
+    ``sliding_window`` w sees the w most recent keys, as transformers' masks). The mask
+    transformers may also build for the packing is not read: the offsets say the same.
+    Returns [1, total_q, H, Dv]."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        raise ValueError("packed sequences need cu_seq_lens_q, cu_seq_lens_k, max_length_q "
+                         "and max_length_k together")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed sequences come as one row of tokens (batch 1), got batch "
+                         f"{query.shape[0]}")
+    sliding = kwargs.get("sliding_window")
+    window = (sliding - 1, -1) if sliding else (-1, -1)
+    # ints as the collator gives them; a tensor bound is read back (one sync), as flash-attn
+    # does with it.
+    out = flash_tile.flash_attn_varlen_func(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), dropout, scaling,
+        is_causal, window, softcap or 0.0)
+    return out[None]
 
 
 def skip_preload_for_flash_tile(loader: Callable) -> Callable:
