@@ -41,6 +41,7 @@ class ForwardSpec:
     latency_k: int  # the forward's alone, as latency_v and varlen
     latency_v: int
     varlen: bool = False  # packed sequences bounded by cumulative lengths
+    sinks: bool = False  # a learnt sink logit per head joins each row's softmax
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -48,15 +49,16 @@ class ForwardSpec:
 
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.varlen)
+                self.varlen, self.sinks)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
         return (*self._shared(), self.dropout)
 
     def dq_constants(self, lse_grad: bool) -> tuple:
-        """The dQ kernel's: the backward's switches, whether it reads dLSE for Delta, VARLEN."""
-        return (*self._backward_shared(), lse_grad, self.varlen)
+        """The dQ kernel's: the backward's switches, whether it reads dLSE for Delta, VARLEN,
+        SINKS (the dQ kernel forms the sinks' gradient)."""
+        return (*self._backward_shared(), lse_grad, self.varlen, self.sinks)
 
     def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
         """The dK/dV kernel's: the backward's switches, the GQA group size and loop order,
@@ -136,7 +138,7 @@ def kernel_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
 @functools.cache
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
-                 store_lse: bool, dropout: bool) -> ForwardSpec:
+                 store_lse: bool, dropout: bool, sinks: bool = False) -> ForwardSpec:
     """The kernel instance ``config`` gives for these dims, key length and features.
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
@@ -146,7 +148,7 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
     return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim),
                        tile_width(v_head_dim), left >= 0, right >= 0,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
-                       dropout, config.latency_k, config.latency_v)
+                       dropout, config.latency_k, config.latency_v, sinks=sinks)
 
 
 @functools.cache
@@ -220,19 +222,21 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
-                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None) -> tuple:
+                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
+                   sinks: torch.Tensor | None = None) -> tuple:
     """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
     spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
-                        dropout.p > 0.0)
-    lse, slopes, attn_mask = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
-                                          (kernel_mask(attn_mask), 4))
+                        dropout.p > 0.0, sinks is not None)
+    lse, slopes, attn_mask, sinks = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
+                                                 (kernel_mask(attn_mask), 4), (sinks, 1))
     cu_q, cu_k = _cu_seqlens(q.device, varlen)
     if varlen is not None:
         spec, q_len, batch = varlen.spec(spec), varlen.max_seqlen_q, varlen.batch
-    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, float(scale), float(softcap),
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, float(scale),
+            float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
     kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
@@ -243,7 +247,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
-                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None) -> None:
+                   dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
+                   sinks: torch.Tensor | None = None) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
@@ -256,10 +261,12 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     With ``varlen`` the arrays are packed sequences: q [1, H, total_q, D], k and v
     [1, H_kv, total_k, D / Dv], out [1, H, total_q, Dv], lse [1, H, total_q], alibi_slopes
     [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
-    read) and attn_mask must be None.
+    read) and attn_mask must be None. ``sinks`` [H] fp32 (or None) is each head's sink logit,
+    which joins every row's softmax without a value; the LSE then includes it.
     """
     grid, kernel, args = forward_launch(q, k, v, out, lse, alibi_slopes, attn_mask, scale,
-                                        softcap, diag_offset, window, config, dropout, varlen)
+                                        softcap, diag_offset, window, config, dropout, varlen,
+                                        sinks)
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
 
@@ -270,7 +277,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                     scale: float, softcap: float, diag_offset: int, window: tuple[int, int],
                     config: TileConfig, dropout: Dropout = NO_DROPOUT,
-                    varlen: Varlen | None = None) -> None:
+                    varlen: Varlen | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Launch the backward (dQ, then dK/dV) on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
@@ -280,7 +288,9 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     deterministic (no atomics). 32-bit indexing only. The dK/dV kernel runs on ``config``'s
     tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel also stores
     Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads. With ``varlen`` the arrays
-    are packed as ``launch_forward``'s (dlse [1, H, total_q]).
+    are packed as ``launch_forward``'s (dlse [1, H, total_q]). With ``sinks`` (the forward's)
+    returns their gradient [H] fp32: the dQ kernel's per-tile shares summed here in a fixed
+    order (deterministic); else None.
     """
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):
@@ -292,13 +302,19 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dq_config = config.dq_kernel()
     spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
-                                  dropout.p > 0.0) for c in (config, dq_config))
+                                  dropout.p > 0.0, sinks is not None)
+                     for c in (config, dq_config))
     if varlen is not None:
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
         q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
     cu_q, cu_k = _cu_seqlens(q.device, varlen)
+    dsinks = None
+    if sinks is not None:  # zeros: under VARLEN the programs past a sequence store nothing
+        dsinks = torch.zeros((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
+                             dtype=torch.float32, device=q.device)
+    sinks_arg, dsinks_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
     dq_kernel, dkdv = hinted_backward_kernels(config)
@@ -306,10 +322,11 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     with torch.cuda.device(q.device):
         ct.launch(stream, forward_grid(q_len, heads, batch, dq_config), dq_kernel,
                   (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q, cu_k,
-                   *scalars, *dq_spec.dq_constants(dlse is not None)))
+                   sinks_arg, dsinks_arg, *scalars, *dq_spec.dq_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
+    return None if dsinks is None else dsinks.sum((0, 2))
 
 
 @dataclass(frozen=True)

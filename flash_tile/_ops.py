@@ -60,26 +60,32 @@ def _backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
-                   return_lse, dropout=NO_DROPOUT):
+                   return_lse, dropout=NO_DROPOUT, sinks=None):
     """``run(config)``: fresh outputs (out, and the LSE or an empty tensor), one forward launch
     with ``config``; what the op launches and the autotuner times. Arguments as the op's."""
     def run(config):
         out, lse = _forward_outputs(q, v, return_lse)
         launch_forward(q, k, v, out, lse if return_lse else None, alibi_slopes, attn_mask,
-                       scale, softcap, diag_offset, window, config, dropout)
+                       scale, softcap, diag_offset, window, config, dropout, sinks=sinks)
         return out, lse
     return run
 
 
+def _no_sinks(device: torch.device) -> torch.Tensor:
+    """The sinks' gradient of a call without sinks: an empty tensor (an op returns tensors)."""
+    return torch.empty((0,), dtype=torch.float32, device=device)
+
+
 def backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale, softcap,
-                    diag_offset, window, dropout=NO_DROPOUT):
-    """``run(config)``: fresh (dq, dk, dv), one backward launch with ``config``, as
-    ``forward_runner``."""
+                    diag_offset, window, dropout=NO_DROPOUT, sinks=None):
+    """``run(config)``: fresh (dq, dk, dv) and the sinks' gradient (empty without sinks), one
+    backward launch with ``config``, as ``forward_runner``."""
     def run(config):
         dq, dk, dv = _backward_outputs(q, k, v)
-        launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes, attn_mask,
-                        scale, softcap, diag_offset, window, config, dropout)
-        return dq, dk, dv
+        dsinks = launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, alibi_slopes,
+                                 attn_mask, scale, softcap, diag_offset, window, config,
+                                 dropout, sinks=sinks)
+        return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
     return run
 
 
@@ -126,11 +132,12 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                   scale: float, softcap: float, diag_offset: int, window_left: int,
                   window_right: int, return_lse: bool, dropout_p: float = 0.0,
-                  dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  dropout_seed: int = 0, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward op's body: choose the variant, allocate, launch."""
     window = (window_left, window_right)
     run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
-                         return_lse, Dropout(dropout_p, dropout_seed))
+                         return_lse, Dropout(dropout_p, dropout_seed), sinks)
     return run(_choose(False, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run))
 
 
@@ -141,7 +148,7 @@ forward_op = torch.library.custom_op("flash_tile::attention_forward", _forward_i
 @forward_op.register_fake
 def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
                             window_left, window_right, return_lse, dropout_p=0.0,
-                            dropout_seed=0):
+                            dropout_seed=0, sinks=None):
     return _forward_outputs(q, v, return_lse)
 
 
@@ -150,14 +157,15 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window_left: int, window_right: int,
-                   dropout_p: float = 0.0, dropout_seed: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward op's body: choose the variant, allocate, launch."""
+                   dropout_p: float = 0.0, dropout_seed: int = 0,
+                   sinks: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward op's body: choose the variant, allocate, launch; (dq, dk, dv, dsinks)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
     run = backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
-                          softcap, diag_offset, window, Dropout(dropout_p, dropout_seed))
+                          softcap, diag_offset, window, Dropout(dropout_p, dropout_seed), sinks)
     return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run))
 
 
@@ -168,32 +176,34 @@ backward_op = torch.library.custom_op("flash_tile::attention_backward", _backwar
 @backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
                              softcap, diag_offset, window_left, window_right, dropout_p=0.0,
-                             dropout_seed=0):
-    return _backward_outputs(q, k, v)
+                             dropout_seed=0, sinks=None):
+    return (*_backward_outputs(q, k, v),
+            _no_sinks(q.device) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, left, right, _, dropout_p,
-     dropout_seed) = inputs
+     dropout_seed, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask, sinks)
     ctx.scale, ctx.softcap, ctx.diag_offset = scale, softcap, diag_offset
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse, run_backward):
-    """The gradients of the forward's 13 inputs (q, k, v's; None for the rest), by
-    ``run_backward``: the backward op under torch.compile, its body in eager mode."""
-    q, k, v, out, lse, alibi_slopes, attn_mask = ctx.saved_tensors
+    """The gradients of the forward's 14 inputs (q, k, v's and the sinks'; None for the
+    rest), by ``run_backward``: the backward op under torch.compile, its body in eager mode."""
+    q, k, v, out, lse, alibi_slopes, attn_mask, sinks = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
     if lse.numel() == 0:
         raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
                            "call it through flash_tile's public functions")
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, ctx.scale,
-                              ctx.softcap, ctx.diag_offset, *ctx.window, *ctx.dropout)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask,
+                                      ctx.scale, ctx.softcap, ctx.diag_offset, *ctx.window,
+                                      *ctx.dropout, sinks)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
 
 
 def _op_backward(ctx, dout, dlse):
@@ -233,25 +243,27 @@ def _seen_by_a_tracer(*tensors: torch.Tensor) -> bool:
 
 
 def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
-                      window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0):
+                      window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0,
+                      sinks=None):
     """(out, lse) with autograd, arguments as the ``flash_tile::attention_forward`` op's: the
     op where something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake
     and its registered autograd), else the same body through ``_EagerAttention`` where q, k or
     v needs its gradient, and the body alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
-            window_right, return_lse, dropout_p, dropout_seed)
+            window_right, return_lse, dropout_p, dropout_seed, sinks)
     return _dispatch(forward_op, _EagerAttention, _forward_impl, args)
 
 
 def _dispatch(op, eager, impl, args):
-    """Run a forward op on ``args`` (q, k, v first): the op where something traces the call
-    (``_seen_by_a_tracer``: a graph needs the op, its fake and its registered autograd), else
-    the same body through the ``eager`` Function where q, k or v needs its gradient, and the
-    body alone where none does (inference)."""
+    """Run a forward op on ``args`` (q, k, v first, the sinks or None last): the op where
+    something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake and its
+    registered autograd), else the same body through the ``eager`` Function where q, k, v or
+    the sinks need a gradient, and the body alone where none does (inference)."""
     q, k, v = args[:3]
     if _seen_by_a_tracer(q, k, v):
         return op(*args)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    differentiable = (q, k, v) if args[-1] is None else (q, k, v, args[-1])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
         return eager.apply(*args)
     return impl(*args)  # nothing to differentiate: no autograd node to build
 
@@ -283,8 +295,8 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int,
                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                          window_left: int, window_right: int, return_lse: bool,
-                         dropout_p: float = 0.0,
-                         dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         dropout_p: float = 0.0, dropout_seed: int = 0,
+                         sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The varlen forward op's body: allocate, launch the forward's VARLEN switch."""
     out, lse = _varlen_outputs(q, v, return_lse)
     config = variants.default_config(device_properties(q.device)[0],
@@ -292,7 +304,7 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None, alibi_slopes,
                    None, scale, softcap, 0, (window_left, window_right), config,
                    Dropout(dropout_p, dropout_seed),
-                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), sinks)
     return out, lse
 
 
@@ -303,7 +315,7 @@ varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varle
 @varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                         dropout_p=0.0, dropout_seed=0):
+                         dropout_p=0.0, dropout_seed=0, sinks=None):
     return _varlen_outputs(q, v, return_lse)
 
 
@@ -313,21 +325,24 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                           window_left: int, window_right: int, dropout_p: float = 0.0,
-                          dropout_seed: int = 0
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The varlen backward op's body: dq, dk, dv in the inputs' shapes, by the backward's
-    VARLEN switch. Rows that no sequence covers are left unwritten."""
+                          dropout_seed: int = 0, sinks: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen backward op's body: dq, dk, dv in the inputs' shapes and the sinks'
+    gradient (empty without sinks), by the backward's VARLEN switch. Rows that no sequence
+    covers are left unwritten."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     dq, dk, dv = _varlen_gradients(q, k, v)
     plain = variants.is_plain(softcap > 0.0, alibi_slopes is not None, None, dropout_p > 0.0)
     config = variants.default_backward_config(device_properties(q.device)[0],
                                               max(q.shape[-1], v.shape[-1]), plain)
-    launch_backward(*_packed(dout, q, k, v, out), lse[None], *_packed(dq, dk, dv), dlse,
-                    alibi_slopes, None, scale, softcap, 0, (window_left, window_right), config,
-                    Dropout(dropout_p, dropout_seed),
-                    Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return dq, dk, dv
+    dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None], *_packed(dq, dk, dv),
+                             dlse, alibi_slopes, None, scale, softcap, 0,
+                             (window_left, window_right), config,
+                             Dropout(dropout_p, dropout_seed),
+                             Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                             sinks)
+    return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
 
 
 varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
@@ -338,27 +353,31 @@ varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
 @varlen_backward_op.register_fake
 def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, alibi_slopes, scale, softcap,
-                          window_left, window_right, dropout_p=0.0, dropout_seed=0):
-    return _varlen_gradients(q, k, v)
+                          window_left, window_right, dropout_p=0.0, dropout_seed=0,
+                          sinks=None):
+    return (*_varlen_gradients(q, k, v),
+            _no_sinks(q.device) if sinks is None else torch.empty_like(sinks))
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, softcap, left, right, _,
-     dropout_p, dropout_seed) = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes)
+     dropout_p, dropout_seed, sinks) = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks)
     ctx.lengths, ctx.scale, ctx.softcap = (max_q, max_k), scale, softcap
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, dout, dlse, run_backward):
-    """The gradients of the varlen forward's 15 inputs (q, k, v's; None for the rest)."""
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    """The gradients of the varlen forward's 16 inputs (q, k, v's and the sinks'; None for
+    the rest)."""
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths,
-                              alibi_slopes, ctx.scale, ctx.softcap, *ctx.window, *ctx.dropout)
-    return (dq, dk, dv) + (None,) * 12
+    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths,
+                                      alibi_slopes, ctx.scale, ctx.softcap, *ctx.window,
+                                      *ctx.dropout, sinks)
+    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,)
 
 
 def _varlen_op_backward(ctx, dout, dlse):
@@ -372,14 +391,14 @@ _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _var
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                     dropout_p=0.0, dropout_seed=0):
+                     dropout_p=0.0, dropout_seed=0, sinks=None):
     """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
     ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
     function asks for it then); dispatched as ``attention_forward``."""
     return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
                      (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                      dropout_p, dropout_seed))
+                      dropout_p, dropout_seed, sinks))
 
 
 def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):

@@ -101,6 +101,20 @@ def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads: int) -> torch.Te
     return slopes.expand(batch, heads).contiguous()
 
 
+def check_sinks(sinks, heads: int, device: torch.device) -> torch.Tensor:
+    """float32 [H] sink logits, one per query head, on the inputs' device; returned
+    contiguous (a differentiable copy where they are not)."""
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+        raise ValueError("sinks must be a float32 tensor of shape [heads], got "
+                         f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape [{heads}] (one logit per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on {device} with q, got {sinks.device}")
+    return sinks.contiguous()
+
+
 def check_lengths(k_len: int, v_len: int) -> None:
     """k and v have the same, nonzero, number of keys."""
     if k_len != v_len:

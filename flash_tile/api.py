@@ -56,8 +56,14 @@ def _dropout_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**31 - 1, ()).item())
 
 
+def _needs_grad(needs_grad: bool, sinks: torch.Tensor | None) -> bool:
+    """Whether a backward is needed: for q, k or v (``check_grad``'s answer) or the sinks."""
+    return needs_grad or (sinks is not None and sinks.requires_grad and
+                          torch.is_grad_enabled())
+
+
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                return_attn_probs, return_lse):
+                return_attn_probs, return_lse, sinks=None):
     """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones)."""
     dropout_p = _validate.check_dropout(dropout_p)
     if return_attn_probs:
@@ -78,14 +84,16 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[1])
     extra = () if alibi_slopes is None else (alibi_slopes,)
-    _validate.check_device(q, k, v, *extra)
-    needs_grad = _validate.check_grad(q, k, v, alibi_slopes=alibi_slopes)
+    device = _validate.check_device(q, k, v, *extra)
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, q.shape[1], device)
+    needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
                                  k.shape[2] - q.shape[2], left, right, return_lse or needs_grad,
-                                 dropout_p, _dropout_seed(dropout_p))
+                                 dropout_p, _dropout_seed(dropout_p), sinks)
     out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
 
@@ -93,7 +101,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
 @accepts_cupy
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_lse=False):
+                    return_attn_probs=False, *, return_lse=False, sinks=None):
     """Attention in flash-attn's layout; a drop-in for ``flash_attn.flash_attn_func``.
 
     Args:
@@ -118,13 +126,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         return_attn_probs: must be False (probabilities are not returned).
         return_lse: also return the row log-sum-exp of the final scores; gradients flow
             through it too (as ring attention needs when it merges partial results).
+        sinks: [H] float32 learnt sink logits (gpt-oss's attention sinks), or None: head h's
+            sink joins every row's softmax as one more score with no value,
+            softmax([s_i1 .. s_iLk, sinks[h]]), so the output sums the keys' weights only
+            (less than 1). The LSE returned includes the sink's term; a row that sees no key
+            gets an output of 0 and an LSE of sinks[h].
 
-    Gradients flow to q, k and v (not to alibi_slopes) when they require grad: the backward
+    Gradients flow to q, k, v and the sinks (not to alibi_slopes) when they require grad:
+    dsinks[h] = -sum over batch and rows of p_sink * (dO . O - dLSE). The backward
     is flash_tile's cuTile kernels, deterministic (no atomics), recomputing the attention
     matrix from the saved LSE.
 
     Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
-    an output of 0 and an LSE of +inf, as in flash-attn.
+    an output of 0 and an LSE of +inf, as in flash-attn (without sinks).
 
     Returns:
         out [B, Lq, H, Dv] (contiguous, q's dtype); with ``return_lse`` the tuple
@@ -135,14 +149,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         before anything is launched.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse)
+                       alibi_slopes, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
-                              return_lse=False):
+                              return_lse=False, sinks=None):
     """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D] (fp16 or bf16), read in
     place; the output is [B, L, H, D]. Arguments and results as ``flash_attn_func``: with
     Lq = Lk the causal mask is the usual lower triangle.
@@ -152,14 +166,14 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse)
+                       alibi_slopes, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
-                             return_lse=False):
+                             return_lse=False, sinks=None):
     """``flash_attn_func`` on q [B, Lq, H, D] and a packed kv of shape [B, Lk, 2, H_kv, D]
     (fp16 or bf16), read in place; the output is [B, Lq, H, D]. Arguments and results as
     ``flash_attn_func``: causal aligns the mask to the bottom-right corner (query i sees keys
@@ -170,7 +184,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse)
+                       alibi_slopes, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
@@ -201,6 +215,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         the autocast dtype first, as torch does. Gradients flow to query, key and value (not
         to attn_mask) through flash_tile's backward kernels.
     """
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=None):
+    """``scaled_dot_product_attention``'s body, with ``flash_attn_func``'s ``sinks`` [H]
+    (which torch's function has not): for integrations (Transformers' gpt-oss) that pass a
+    mask and sinks together."""
     dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 3:
@@ -226,11 +247,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
         mask = None if attn_mask is None else attn_mask.reshape(-1, *attn_mask.shape[-3:])
     scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
-    _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
-    needs_grad = _validate.check_grad(q, k, v, attn_mask=mask)
+    device = _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, q.shape[1], device)
+    needs_grad = _needs_grad(_validate.check_grad(q, k, v, attn_mask=mask), sinks)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     right = 0 if is_causal else -1
     out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad,
-                               dropout_p, _dropout_seed(dropout_p))
+                               dropout_p, _dropout_seed(dropout_p), sinks)
     return out.reshape(*lead, *out.shape[-2:])

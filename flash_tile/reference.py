@@ -149,7 +149,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
                     tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
-                    dropout_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    dropout_batch: int = 0,
+                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
@@ -159,7 +160,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     subtracts slope * |i + diag_offset - j|; ``attn_mask``, broadcastable to [B, H, Lq, Lk],
     hides keys where False (bool) or is added to the scores (float). ``dropout_p`` > 0 drops
     probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed`` (batch
-    indices shifted by ``dropout_batch``).
+    indices shifted by ``dropout_batch``). ``sinks`` [H] starts each row's running max and sum
+    from head h's sink (m = sink * log2(e), l = 1), as the kernel's SINKS switch does.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -177,6 +179,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         rows = q_tile.shape[2]
         m_i = torch.full((batch, heads, rows, 1), -math.inf, dtype=torch.float64)
         l_i = torch.zeros(batch, heads, rows, 1, dtype=torch.float64)
+        if sinks is not None:
+            sink = sinks.detach().to("cpu", torch.float64).view(1, heads, 1, 1) * LOG2_E
+            m_i, l_i = torch.zeros_like(m_i) + sink, l_i + 1.0
         acc = torch.zeros(batch, heads, rows, v.shape[3], dtype=torch.float64)
         n_start, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
                                                         diag_offset, window)
@@ -210,7 +215,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              tile_n: int = 64, dlse: torch.Tensor | None = None,
                              dropout_p: float = 0.0, dropout_seed: int = 0,
                              dropout_batch: int = 0, dq_tile_m: int | None = None,
-                             dq_tile_n: int | None = None) -> tuple[torch.Tensor, ...]:
+                             dq_tile_n: int | None = None,
+                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
 
@@ -222,7 +228,9 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
     group, on ``tile_m`` x ``tile_n`` (a key tile of tile_n rows, query steps of tile_m); dQ
     per query tile over ``kv_tile_runs``, on ``dq_tile_m`` x ``dq_tile_n`` when given (as
-    ``TileConfig``'s, None taking tile_m / tile_n).
+    ``TileConfig``'s, None taking tile_m / tile_n). With ``sinks`` [H] (the forward's, its LSE
+    including them) also returns dsinks [H] = -sum over batch and rows of
+    exp(sink - lse) * Delta, as the dQ kernel's shares sum.
     """
     q, k, v, scale, slopes, attn_mask, group = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
     out, lse, dout = (t.detach().to("cpu", torch.float64) for t in (out, lse, dout))
@@ -280,32 +288,39 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dq, dk = dq * scale, dk * scale
     # Each key/value head's gradient is the sum over the query heads of its group.
     kv_shape = (batch, heads // group, group, k_len)
-    return dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
+    grads = dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
+    if sinks is None:
+        return grads
+    sink = sinks.detach().to("cpu", torch.float64).view(1, heads, 1)
+    return (*grads, -(torch.exp(sink - lse) * delta).sum((0, 2)))
 
 
 def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, scale: float | None = None,
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None, tile_m: int = 64,
-                 tile_n: int = 64, dropout_p: float = 0.0,
-                 dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles`` on its own rows, its band aligned bottom-right (diag_offset =
     k_len - q_len, flash-attn's varlen rule), its dropout bits those of batch index b with
     the sequence's own rows and columns. q [total_q, H, D], k [total_k, H_kv, D], v
-    [total_k, H_kv, Dv], cu_seqlens [B + 1]; alibi_slopes [B, H] or None. Returns
-    (out [total_q, H, Dv], lse [H, total_q]) in float64, as flash_attn_varlen_func lays them
-    out; +inf LSE and zero rows for queries that see no key."""
+    [total_k, H_kv, Dv], cu_seqlens [B + 1]; alibi_slopes [B, H] or None; ``sinks`` [H] as
+    ``attention_tiles``'. Returns (out [total_q, H, Dv], lse [H, total_q]) in float64, as
+    flash_attn_varlen_func lays them out; zero rows for queries that see no key, with an LSE
+    of +inf (or of the sink)."""
     heads = q.shape[1]
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=torch.float64)
     for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        if seq[1].shape[2] == 0:
-            continue  # rows that see no key: zeros and +inf
+        if seq[1].shape[2] == 0:  # rows that see no key: zeros, +inf or the sink
+            if sinks is not None:
+                lse[:, rows] = sinks.detach().to("cpu", torch.float64)[:, None]
+            continue
         slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
         o, l_ = attention_tiles(*seq, scale, diag_offset, window, softcap, slopes,
                                 tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed, dropout_batch=b)
+                                dropout_seed=dropout_seed, dropout_batch=b, sinks=sinks)
         out[rows] = o[0].transpose(0, 1)
         lse[:, rows] = l_[0]
     return out, lse
@@ -317,15 +332,18 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float | None = None, window: tuple[int, int] = (-1, -1),
                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                           tile_m: int = 64, tile_n: int = 64, dropout_p: float = 0.0,
-                          dropout_seed: int = 0) -> tuple[torch.Tensor, ...]:
+                          dropout_seed: int = 0,
+                          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The backward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles_backward`` on its own rows (bottom-right band, its own dropout bits:
     the hash sees the sequence's index as the batch and its own rows and columns). Packed
     layouts as ``varlen_tiles`` (out, dout [total_q, H, Dv], lse [H, total_q]); returns
-    (dq, dk, dv) in float64, zero for keys no query sees."""
+    (dq, dk, dv) in float64, zero for keys no query sees, and with ``sinks`` dsinks [H]
+    summed over the sequences (rows without keys add nothing: their output is 0)."""
     dq = torch.zeros(q.shape, dtype=torch.float64)
     dk = torch.zeros(k.shape, dtype=torch.float64)
     dv = torch.zeros(v.shape, dtype=torch.float64)
+    dsinks = torch.zeros(q.shape[1], dtype=torch.float64)
     cu_k = cu_seqlens_k.tolist()
     for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
         if seq[1].shape[2] == 0:
@@ -335,11 +353,13 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         grads = attention_tiles_backward(
             *seq, out_b, lse[None, :, rows], dout_b, scale, diag_offset, window, softcap, slopes,
             tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dropout_batch=b)
+            dropout_batch=b, sinks=sinks)
         keys = slice(cu_k[b], cu_k[b + 1])
         for grad, packed, where in zip(grads, (dq, dk, dv), (rows, keys, keys)):
             packed[where] = grad[0].transpose(0, 1)
-    return dq, dk, dv
+        if sinks is not None:
+            dsinks += grads[3]
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)
 
 
 def varlen_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -432,12 +452,14 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     diag_offset: int = 0, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, return_lse: bool = False,
-                    dropout_p: float = 0.0, dropout_seed: int = 0,
-                    dropout_batch: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    dropout_p: float = 0.0, dropout_seed: int = 0, dropout_batch: int = 0,
+                    sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain softmax(S) V in q's dtype and device (the fp32 GPU reference), S as in
     ``attention_tiles`` with the same layout and conventions; rows that see no key return 0.
     With ``return_lse`` also the natural-log LSE [B, H, Lq] (+inf where no key is seen), which
-    autograd differentiates like the kernels' LSE. Dropout as ``attention_tiles``."""
+    autograd differentiates like the kernels' LSE. Dropout as ``attention_tiles``; ``sinks``
+    [H] joins each row's softmax as one more column with no value (differentiable)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -455,7 +477,13 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         visible = visible & attn_mask
     s = s.masked_fill(~visible, -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
+    if sinks is not None:  # the sink's column: in the softmax, not in the output
+        sink = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        scores = torch.cat([s, sink], dim=-1)
+        p = torch.softmax(scores, dim=-1)[..., :-1]
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: NaN -> 0
     if dropout_p > 0.0:
         keep = dropout_keep(dropout_p, dropout_seed, q.shape[0], q.shape[1], q_len, k_len,
                             q.device, dropout_batch)
@@ -463,6 +491,8 @@ def attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     out = p.to(v.dtype) @ v
     if not return_lse:
         return out
+    if sinks is not None:
+        return out, lse
     empty = ~visible.any(dim=-1)  # [B or 1, H or 1, Lq]
     # Zero the empty rows' scores first so that their (unused) LSE has a zero gradient.
     lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)

@@ -12,7 +12,7 @@ import torch
 from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
-from flash_tile.api import _autocast, _dropout_seed
+from flash_tile.api import _autocast, _dropout_seed, _needs_grad
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -29,7 +29,7 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-            seqused_k, return_lse):
+            seqused_k, return_lse, sinks=None):
     """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones)."""
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
@@ -63,14 +63,17 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, q.shape[1])
         _validate.check_device(q, alibi_slopes)
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, q.shape[1], device)
     # The kernels' tiles read rows of D contiguous elements; flash-attn copies here too.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    needs_grad = _validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
-                                      alibi_slopes=alibi_slopes)
+    needs_grad = _needs_grad(_validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
+                                                  alibi_slopes=alibi_slopes), sinks)
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, alibi_slopes, scale, softcap, left, right,
-                                return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p))
+                                return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p),
+                                sinks)
     return (out, lse) if return_lse else out
 
 
@@ -79,7 +82,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, *, seqused_k=None,
-                           return_lse=False):
+                           return_lse=False, sinks=None):
     """Attention over packed sequences; a drop-in for flash-attn 2.8's
     ``flash_attn_varlen_func``, forward and backward.
 
@@ -102,8 +105,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic: accepted for compatibility; the backward is deterministic either way.
         seqused_k: not supported yet (NotImplementedError).
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
+        sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
+            the LSE includes them).
 
-    Gradients flow to q, k and v (not alibi_slopes) through the backward's VARLEN switch.
+    Gradients flow to q, k, v and the sinks (not alibi_slopes) through the backward's
+    VARLEN switch.
 
     Returns:
         out [total_q, H, Dv] in q's dtype; with ``return_lse`` (out, lse [H, total_q] fp32,
@@ -117,17 +123,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, seqused_k, return_lse)
+                   return_attn_probs, seqused_k, return_lse, sinks)
 
 
 @accepts_cupy
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, return_lse=False):
+                                     return_attn_probs=False, *, return_lse=False,
+                                     sinks=None):
     """``flash_attn_varlen_func`` on a packed qkv [total, 3, H, D] (fp16 or bf16), read in
     place (its gradient comes back in the same layout), with one cu_seqlens int32 [B + 1] and
-    max_seqlen for queries and keys; the output is [total, H, D]. Causal and windows align
+    max_seqlen for queries and keys; the output is [total, H, D]. causal and windows align
     bottom-right per sequence (here the same as top-left: Lq = Lk). Other arguments and the
     results as ``flash_attn_varlen_func``."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -136,7 +143,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(1)
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, None, return_lse)
+                   return_attn_probs, None, return_lse, sinks)
 
 
 @accepts_cupy
@@ -144,10 +151,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                                     causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False, *, return_lse=False):
+                                    return_attn_probs=False, *, return_lse=False,
+                                    sinks=None):
     """``flash_attn_varlen_func`` on q [total_q, H, D] and a packed kv [total_k, 2, H_kv, D]
     (fp16 or bf16), read in place, with cu_seqlens_q / cu_seqlens_k int32 [B + 1]; the output
-    is [total_q, H, D]. Causal and windows align bottom-right per sequence. Other arguments
+    is [total_q, H, D]. causal and windows align bottom-right per sequence. Other arguments
     and the results as ``flash_attn_varlen_func``."""
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [total, 2, heads, head_dim], got shape "
@@ -155,4 +163,4 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, None, return_lse)
+                   return_attn_probs, None, return_lse, sinks)

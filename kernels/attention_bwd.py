@@ -49,6 +49,11 @@ both passes work per sequence as the forward does: bounds from the offsets, row-
 views, stores clipped to the sequence, diag_offset = k_len - q_len, early exit past the
 sequence's end. A query tile of the dK/dV pass that runs past its sequence holds the next
 one's rows: they get lse = +inf and Delta = 0, so their p, dS and contributions are 0.
+
+Sinks (SINKS). With the forward's LSE including the sink, P, Delta and every formula above are
+unchanged; the sink's own gradient is dsink_h = sum_i dL/dsink = -sum_i p_i,sink Delta_i with
+p_i,sink = exp(sink_h - lse_i) (the dLSE term is in Delta). The dQ pass, which holds Delta,
+stores each query tile's share; the launcher sums the shares (a fixed order: deterministic).
 """
 
 import math
@@ -91,6 +96,20 @@ def _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M: ConstInt,
     store_seq_vector(Delta, batch, head, q_start, q_len, tile_m,
                      delta.reshape((1, 1, TILE_M)), VARLEN)
     return delta.reshape((TILE_M, 1))
+
+
+def _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, tile_m,
+                 VARLEN: ConstBool):
+    """This query tile's share of dsink_h = -sum_i p_i,sink Delta_i (p_i,sink = exp(sink_h -
+    lse_i), the sink's probability: the LSE includes it), stored at dSinks[batch, head,
+    tile_m] for the host to sum in a fixed order. Rows past the end have lse = +inf (p = 0);
+    under VARLEN the rows past the sequence are the next one's, so they are masked."""
+    sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
+    p_sink = ct.exp2(sink - lse_log2, flush_to_zero=True)  # [TILE_M, 1]
+    if VARLEN:
+        p_sink = ct.where(offs_q < q_len, p_sink, 0.0)
+    share = -ct.sum(p_sink * delta, axis=0, keepdims=True)  # [1, 1]
+    ct.store(dSinks, index=(batch, head, tile_m), tile=share.reshape((1, 1, 1)))
 
 
 def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, seq, i, dk, dv, offs_k,
@@ -239,12 +258,12 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m,
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
-def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
-             softcap, diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
-             dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
-             TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
-             SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-             LSE_GRAD: ConstBool, VARLEN: ConstBool):
+def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
+             dSinks, qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
+             dropout_threshold, dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt,
+             TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
+             DROPOUT: ConstBool, LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
     """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch (under VARLEN,
     sequence) bid(2)."""
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
@@ -270,6 +289,9 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
     delta = _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M, TILE_DV, LSE_GRAD,
                    VARLEN)
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
+    if SINKS:
+        _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, tile_m,
+                     VARLEN)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
 
@@ -312,17 +334,19 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, 
 
 @ct.kernel
 def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK,
+                     Sinks, dSinks,
                      qk_scale: float, softcap: float, diag_offset: int, window_left: int,
                      window_right: int, dropout_seed: int, dropout_threshold: int,
                      dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
                      TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                      MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                      ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-                     LSE_GRAD: ConstBool, VARLEN: ConstBool):
+                     LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
     """dQ, and Delta = rowsum(dO * O) (- dLse under LSE_GRAD) for the dK/dV kernel, which
     must run after it. Grid (cdiv(Lq, TILE_M), H, B); under VARLEN (cdiv(max_seqlen_q,
-    TILE_M), H, B) over packed arrays, as the forward."""
-    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
-             softcap, diag_offset, window_left, window_right, dropout_seed, dropout_threshold,
-             dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N,
-             SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN)
+    TILE_M), H, B) over packed arrays, as the forward. Under SINKS (Sinks [H] fp32) it also
+    stores each tile's share of the sinks' gradient in dSinks [B, H, cdiv(Lq, TILE_M)] fp32."""
+    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
+             dSinks, qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
+             dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
+             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN, SINKS)

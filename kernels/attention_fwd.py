@@ -49,6 +49,11 @@ row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores th
 programs past their sequence's last tile return at once. ALiBi slopes and the dropout hash
 take b as the batch index and the sequence's own rows and columns.
 
+Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
+with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. The running
+max and sum start from it (m_i = sink_h log2(e), l_i = 1) instead of (-inf, 0), so it costs
+nothing in the K-loop; the stored LSE includes it.
+
 Masking. Row i sees key j iff
 
     i + diag_offset - window_left <= j        (when MASK_LEFT)
@@ -71,9 +76,9 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep, heaviest_first,
-                     load_seq_rows, log2_scores, query_rows, sequence_bounds, store_seq_rows,
-                     store_seq_vector, tile_runs)
+from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep,
+                     heaviest_first, load_seq_rows, log2_scores, query_rows, sequence_bounds,
+                     store_seq_rows, store_seq_vector, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
@@ -119,14 +124,16 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     return m_new, l_i, acc
 
 
-def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
+def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
+                        softcap,
                         diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
-                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool):
+                        LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
+                        SINKS: ConstBool):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
     VARLEN, sequence) bid(2)."""
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
@@ -152,6 +159,12 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
+    if SINKS:
+        # The head's sink is a score every row sees, with no value: the running max and sum
+        # start from it (m = sink, l = exp2(0) = 1), once per row and outside the K-loop.
+        sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
+        m_i = ct.zeros((TILE_M, 1), dtype=ct.float32) + sink
+        l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
 
     # Key tiles: row i sees j in [i + diag_offset - left, i + diag_offset + right].
@@ -169,7 +182,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
         m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
                                         l_i, acc, band, drop, TILES, True, FEATURES)
 
-    # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros.
+    # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros (with a sink
+    # they have l_i = 1: the sink took all the weight, and the output is 0 too).
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)  # [TILE_M, 1]
     if DROPOUT:
@@ -184,7 +198,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scal
 
 
 @ct.kernel
-def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale: float,
+def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
@@ -192,7 +206,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale: flo
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, VARLEN: ConstBool):
+                  LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -200,30 +214,32 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale: flo
     loads, which set how far ahead tileiras issues them. Under VARLEN Q, K, V, Out are packed
     [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
     sequences' cumulative lengths (read only then), the grid (cdiv(max_seqlen_q, TILE_M), H,
-    B). Shapes and strides are 32-bit."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
-                        diag_offset, window_left, window_right, dropout_seed,
+    B). Under SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Shapes and
+    strides are 32-bit."""
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
+                        softcap, diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
                         MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN)
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        CuSeqQ, CuSeqK, qk_scale: float, softcap: float, diag_offset: int,
+                        CuSeqQ, CuSeqK, Sinks, qk_scale: float, softcap: float,
+                        diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
                         TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        VARLEN: ConstBool):
+                        VARLEN: ConstBool, SINKS: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale, softcap,
-                        diag_offset, window_left, window_right, dropout_seed,
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
+                        softcap, diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
                         MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN)
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS)

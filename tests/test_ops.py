@@ -34,9 +34,15 @@ def test_fake_backward_shapes():
     with FakeTensorMode():
         q, k, v = _qkv()
         out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-        dq, dk, dv = BWD(out, q, k, v, out, lse, lse, None, None, 0.125, 0.0, 20, -1, 0)
+        dq, dk, dv, dsinks = BWD(out, q, k, v, out, lse, lse, None, None, 0.125, 0.0, 20, -1, 0)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        assert dsinks.shape == (0,)  # no sinks: an empty gradient
+        sinks = torch.zeros(q.shape[1])
+        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.0, 0, sinks)
+        *_, dsinks = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.0, 0,
+                         sinks)
+        assert dsinks.shape == sinks.shape and dsinks.dtype == torch.float32
 
 
 class _BackwardCalls(TorchDispatchMode):
@@ -122,7 +128,7 @@ def test_dropout_arguments_reach_the_backward_op():
     with FakeTensorMode():
         q, k, v = _qkv()
         out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
-        dq, dk, dv = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
+        dq, dk, dv, _ = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
                          12345)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
@@ -159,11 +165,11 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
     (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
     assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
     assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
-    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 13 arrays and 8
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 15 arrays and 8
     # scalars for dQ (12 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
-    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD and VARLEN.
-    assert q_args[21:28] == (128, 64, 64, 64, False, True, True) and q_args[-2:] == (True,
-                                                                                     False)
+    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD, VARLEN and SINKS.
+    assert q_args[23:30] == (128, 64, 64, 64, False, True, True)
+    assert q_args[-3:] == (True, False, False)
     assert kv_args[20:27] == (64, 128, 64, 64, False, True, False) and kv_args[-1] is False
     assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
     delta = q_args[7]  # written by dQ, read by dK/dV
@@ -196,12 +202,12 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
     fwd, dq, dkdv = (args for _, _, args in launched)
-    assert dq[-1] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
+    assert dq[-3] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
     as_uint8 = layout in ("aligned", "broadcast")
     for got in (fwd[6], dq[10], dkdv[9]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
         assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
-    assert fwd[-6] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
+    assert fwd[-7] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
 
 
 class _OpCalls(TorchDispatchMode):
@@ -224,8 +230,8 @@ def _stub_the_launches(monkeypatch, on_forward, on_backward):
     from flash_tile import _ops, variants
 
     monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: on_forward(a))
-    monkeypatch.setattr(_ops, "launch_backward", lambda *a: on_backward(a))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a, sinks=None: on_forward(a))
+    monkeypatch.setattr(_ops, "launch_backward", lambda *a, sinks=None: on_backward(a))
 
 
 @pytest.fixture

@@ -23,6 +23,10 @@ def _model(kind, attn_implementation, device="cpu", dtype=torch.float32):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
+    elif kind == "gpt_oss":  # sinks; a banded and a full layer, as gpt-oss alternates them
+        config = transformers.GptOssConfig(
+            **common, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     else:
         config = transformers.MistralConfig(**common, sliding_window=8)
     torch.manual_seed(0)
@@ -108,7 +112,7 @@ def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softc
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None,
-                  causal=False, window_size=(-1, -1), softcap=0.0):
+                  causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
     """flash_attn_varlen_func by the float64 reference, one sequence at a time."""
     assert dropout_p == 0.0 and softcap == 0.0 and cu_q.dtype == cu_k.dtype == torch.int32
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] -
@@ -116,9 +120,42 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scal
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
     window = (window_size[0], 0) if causal else window_size
     for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
-        o = reference.attention_dense(*seq, softmax_scale, diag, window)
+        o = reference.attention_dense(*seq, softmax_scale, diag, window, sinks=sinks)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _torch_sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                           enable_gqa, sinks):  # noqa: ARG001 - the reference does GQA itself
+    """flash_tile.api._sdpa by the reference: a sink column in the softmax."""
+    assert dropout_p == 0.0 and sinks.dtype == torch.float32
+    window = (-1, 0) if is_causal else (-1, -1)
+    return reference.attention_dense(query, key, value, scale, 0, window, attn_mask=attn_mask,
+                                     sinks=sinks)
+
+
+def test_gpt_oss_sinks_reach_the_kernels_on_cpu(monkeypatch):
+    """gpt-oss passes its sinks as s_aux: they reach flash_tile as fp32 sinks on every layer
+    and step (prompt and decode), and logits and greedy generation equal "eager"'s. (gpt-oss
+    lists its own flash kernels, which replace any "flash*" name: it takes "cutile".)"""
+    name = "cutile"
+    calls = []
+
+    def recording(query, key, value, sinks, **kwargs):
+        calls.append(sinks)
+        return _torch_sdpa_with_sinks(query, key, value, sinks=sinks, **kwargs)
+
+    monkeypatch.setattr(flash_tile.api, "_sdpa", recording)
+    ids, _ = _batch()
+    ours_model, ref_model = _model("gpt_oss", name), _model("gpt_oss", "eager")
+    with torch.no_grad():
+        ours = ours_model(input_ids=ids).logits
+        ref = ref_model(input_ids=ids).logits
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        assert len(calls) == 2 and all(c.dtype == torch.float32 for c in calls)
+        gen_ours = ours_model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+        gen_ref = ref_model.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(gen_ours, gen_ref) and len(calls) == 2 + 2 * 5
 
 
 def _packing(device="cpu"):
@@ -140,8 +177,9 @@ def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, monkeypatch
     included (Mistral's window of 8 is shorter than the sequences)."""
     calls = []
 
-    def recording_varlen(*args):
+    def recording_varlen(*args, sinks):
         calls.append(args)
+        assert sinks is None  # Llama and Mistral have none
         return _torch_varlen(*args)
 
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
@@ -184,8 +222,6 @@ def test_unsupported_requests_raise():
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="position biases"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, position_bias=q)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="max_length_q"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None,
                                         cu_seq_lens_q=torch.tensor([0, 3]),
@@ -247,6 +283,37 @@ def test_packed_training_step_matches_sequences_one_by_one_on_gpu(kind):
     for i, (o, lo, ex) in enumerate(zip(ours, low, exact)):
         err, err_torch = (o - ex).abs().max().item(), (lo - ex).abs().max().item()
         assert err <= 2 * err_torch + 1e-3 * ex.abs().max().item() + 1e-6, (i, err, err_torch)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_training_and_generation_on_gpu():
+    """A tiny gpt-oss in bf16 with attn_implementation="flash_tile" against "eager": logits,
+    loss and every parameter's gradient (the sinks' included) within 2x of eager bf16's error
+    against eager fp32 (plus a floor); greedy generation equal."""
+    ids, _ = _batch("cuda")
+    weights = torch.randn(*ids.shape, 128, device="cuda",
+                          generator=torch.Generator(device="cuda").manual_seed(8))
+
+    def step(implementation, dtype):
+        model = _model("gpt_oss", implementation, "cuda", dtype).train()
+        logits = model(input_ids=ids).logits.float()
+        loss = (logits * weights).sum() / weights.numel()
+        loss.backward()
+        return model, [logits.detach(), loss.detach()] + [p.grad.float() for p in
+                                                          model.parameters()]
+
+    ours_model, ours = step("cutile", torch.bfloat16)  # gpt-oss swaps "flash*" names
+    ref_model, low = step("eager", torch.bfloat16)
+    _, exact = step("eager", torch.float32)
+    sinks = [i for i, (n, _) in enumerate(ours_model.named_parameters()) if "sinks" in n]
+    assert sinks and all(ours[2 + i].abs().max() > 0 for i in sinks)
+    for i, (o, lo, ex) in enumerate(zip(ours, low, exact)):
+        err, err_eager = (o - ex).abs().max().item(), (lo - ex).abs().max().item()
+        assert err <= 2 * err_eager + 1e-3 * ex.abs().max().item() + 1e-6, (i, err, err_eager)
+    with torch.no_grad():
+        gen_ours = ours_model.eval().generate(ids[:1], max_new_tokens=8, do_sample=False)
+        gen_ref = ref_model.eval().generate(ids[:1], max_new_tokens=8, do_sample=False)
+    assert torch.equal(gen_ours, gen_ref)
 
 
 def test_attention_dropout_is_passed_to_the_kernels(monkeypatch):

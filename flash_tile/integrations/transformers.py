@@ -11,8 +11,9 @@ flash_tile reads in place. Calls map as transformers' own SDPA path does: causal
 mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kernel
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
-ignored: attention weights (``output_attentions``), position biases, attention sinks
-(``s_aux``), softcap together with a mask. Packed variable-length batches (``cu_seq_lens_q/k``
+ignored: attention weights (``output_attentions``), position biases, softcap together with a
+mask. Attention sinks (``s_aux``, gpt-oss) run in the kernels' SINKS switch, on every path but
+the decode kernel's (a decode step with sinks takes the forward kernel). Packed variable-length batches (``cu_seq_lens_q/k``
 with ``max_length_q/k``, as ``DataCollatorWithFlattening`` passes them) run
 ``flash_attn_varlen_func``. Attention dropout (``dropout``, which models pass only while
 training) runs in the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
@@ -60,15 +61,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         raise NotImplementedError("flash_tile does not take position biases (T5-style); use "
                                   "attn_implementation='sdpa' or 'eager'")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("flash_tile does not take attention sinks (s_aux, e.g. "
-                                  "gpt-oss); use attn_implementation='eager'")
+    # gpt-oss's sinks, in the model's dtype: the kernels take them as fp32 (a differentiable
+    # cast, so their gradient flows back to the parameter).
+    sinks = kwargs.get("s_aux")
+    sinks = None if sinks is None else sinks.float()
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
-                               kwargs), None
+                               sinks, kwargs), None
     q_len = query.shape[2]
-    if q_len == 1 and attention_mask is None and dropout == 0.0 and \
+    if q_len == 1 and attention_mask is None and dropout == 0.0 and sinks is None and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
         # A decode step against the whole cache (no padding to mask): the decode kernel, which
         # packs the GQA group into one tile and splits long caches over the SMs. Mixed dtypes
@@ -87,17 +89,21 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       "supported by flash_tile")
         out = flash_tile.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), dropout, scaling, is_causal,
-                                         softcap=softcap)
+                                         softcap=softcap, sinks=sinks)
         return out, None
-    out = flash_tile.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
-        scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    sdpa_args = dict(attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
+                     scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    if sinks is None:
+        out = flash_tile.scaled_dot_product_attention(query, key, value, **sdpa_args)
+    else:  # torch's SDPA has no sinks: its body in flash_tile takes them
+        out = flash_tile.api._sdpa(query, key, value, **sdpa_args, sinks=sinks)
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
 
 
 def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     dropout: float, scaling: float | None, is_causal: bool,
-                    softcap: float | None, kwargs: dict) -> torch.Tensor:
+                    softcap: float | None, sinks: torch.Tensor | None,
+                    kwargs: dict) -> torch.Tensor:
     """Packed sequences (padding-free training, ``DataCollatorWithFlattening``): query
     [1, H, total_q, D] and key/value [1, H_kv, total_k, D] holding the sequences one after
     another, ``cu_seq_lens_q/k`` int32 [B + 1] and ``max_length_q/k`` as transformers passes
@@ -120,7 +126,7 @@ def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = flash_tile.flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), dropout, scaling,
-        is_causal, window, softcap or 0.0)
+        is_causal, window, softcap or 0.0, sinks=sinks)
     return out[None]
 
 

@@ -1,0 +1,130 @@
+"""Attention-sink benchmark: what the sinks cost, forward and forward+backward.
+
+gpt-oss's shape: D = 64, GQA 64/8, bf16, B * L = 16k tokens; full causal layers and the
+banded ones (a window of 128 keys). Each row runs ``flash_attn_func`` with and without
+``sinks`` (in training mode: inputs and sinks need gradients), checks the sink run against
+an fp32 reference with a sink column (flash-attn's 2x rule on the output, the first
+sequence), then times both by GPU time (``bench_attention.device_ms``) in interleaved
+rounds; ``sink_cost`` is the time with sinks over the time without, minus 1.
+
+    python bench/bench_sinks.py                        # bench/results/sinks-<gpu>.*
+
+Writes <out>.json (rows with ``ms`` and ``fwd_bwd_ms`` per run, ``sink_cost`` and
+``fwd_bwd_sink_cost``), <out>.md and <out>.png.
+"""
+
+import argparse
+import os
+
+import torch
+from tqdm import tqdm
+
+import flash_tile
+from bench_attention import (device_ms, machine_info, md_table, results_path, save_json,
+                             write_report)
+from flash_tile import reference
+from flash_tile._timing import interleaved_ms
+
+HEADS, KV_HEADS, HEAD_DIM, TOKENS, BAND = 64, 8, 64, 16384, 128
+ROUNDS = 5
+
+
+def bench_row(length, banded):
+    batch = TOKENS // length
+    gen = torch.Generator(device="cuda").manual_seed(length)
+    q = torch.randn(batch, length, HEADS, HEAD_DIM, generator=gen, device="cuda",
+                    dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(batch, length, KV_HEADS, HEAD_DIM, generator=gen, device="cuda",
+                        dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    sinks = torch.randn(HEADS, generator=gen, device="cuda").requires_grad_()
+    dout = torch.randn_like(q)
+    window = (BAND - 1, 0) if banded else (-1, 0)
+
+    def run(with_sinks):
+        return flash_tile.flash_attn_func(q, k, v, causal=True, window_size=window,
+                                          sinks=sinks if with_sinks else None)
+
+    seq = [t[:1].detach().transpose(1, 2) for t in (q, k, v)]
+    ref = reference.attention_dense(*(t.float() for t in seq), window=window,
+                                    sinks=sinks.detach())
+    low = reference.attention_dense(*seq, window=window, sinks=sinks.detach())
+    report = reference.check_error(run(True)[:1].detach().transpose(1, 2), ref, low)
+    row = {"seqlen": length, "batch": batch, "heads": HEADS, "kv_heads": KV_HEADS,
+           "head_dim": HEAD_DIM, "window": list(window), "ok": report["ok"],
+           "max_err": report["max_err"]}
+    if not report["ok"]:
+        return row
+
+    def fwd_bwd(with_sinks):
+        for t in (q, k, v, sinks):
+            t.grad = None
+        run(with_sinks).backward(dout)
+
+    calls = {("fwd", s): (lambda s=s: run(s)) for s in (False, True)}
+    calls.update({("fwd_bwd", s): (lambda s=s: fwd_bwd(s)) for s in (False, True)})
+    ms = interleaved_ms(calls, ROUNDS, device_ms)
+    for key, name in (("fwd", "ms"), ("fwd_bwd", "fwd_bwd_ms")):
+        row[name] = {"no_sinks": round(ms[(key, False)], 4), "sinks": round(ms[(key, True)], 4)}
+    row["sink_cost"] = round(ms[("fwd", True)] / ms[("fwd", False)] - 1, 4)
+    row["fwd_bwd_sink_cost"] = round(ms[("fwd_bwd", True)] / ms[("fwd_bwd", False)] - 1, 4)
+    return row
+
+
+def table(rows):
+    head = ["L", "B", "layer", "fwd ms", "fwd ms, sinks", "cost", "fwd+bwd ms",
+            "fwd+bwd ms, sinks", "cost", "target (<= 2%)"]
+    lines = []
+    for r in rows:
+        if not r["ok"]:
+            lines.append([r["seqlen"], r["batch"], "-", "wrong result", *["-"] * 6])
+            continue
+        met = max(r["sink_cost"], r["fwd_bwd_sink_cost"]) <= 0.02
+        lines.append([r["seqlen"], r["batch"], f"band {BAND}" if r["window"][0] >= 0 else
+                      "causal", r["ms"]["no_sinks"], r["ms"]["sinks"], f"{r['sink_cost']:+.1%}",
+                      r["fwd_bwd_ms"]["no_sinks"], r["fwd_bwd_ms"]["sinks"],
+                      f"{r['fwd_bwd_sink_cost']:+.1%}", "met" if met else "missed"])
+    return (f"GQA {HEADS}/{KV_HEADS}, D = {HEAD_DIM}, bf16, {TOKENS} tokens; GPU ms per call, "
+            f"median of {ROUNDS} interleaved rounds.\n\n" + md_table(head, lines))
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["ok"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"L{r['seqlen']} {'band' if r['window'][0] >= 0 else 'causal'}" for r in done]
+    for i, (key, name) in enumerate((("sink_cost", "forward"),
+                                     ("fwd_bwd_sink_cost", "fwd+bwd"))):
+        ax.bar([x + 0.4 * i for x in range(len(done))], [100 * r[key] for r in done], 0.4,
+               label=name)
+    ax.axhline(2, color="gray", linestyle="--", linewidth=1, label="2% target")
+    ax.set_xticks([x + 0.2 for x in range(len(done))], labels, fontsize=8)
+    ax.set_ylabel("time with sinks, % over without")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8192])
+    parser.add_argument("--out", help="output path prefix (default: bench/results/sinks-<gpu>)")
+    args = parser.parse_args()
+    args.out = args.out or results_path("sinks")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    info = machine_info()
+    rows = []
+    for length, banded in tqdm([(n, b) for n in args.lengths for b in (False, True)],
+                               desc="sinks", unit="row"):
+        rows.append(bench_row(length, banded))
+        save_json(args.out, info, rows=rows)
+    write_report(args.out, "Attention sinks, cost over the same call without", info,
+                 table(rows))
+    plot(rows, args.out + ".png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
