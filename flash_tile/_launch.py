@@ -311,9 +311,9 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                (kernel_mask(attn_mask), 4))
     cu_q, cu_k = _cu_seqlens(q.device, varlen)
     dsinks = None
-    if sinks is not None:  # zeros: under VARLEN the programs past a sequence store nothing
-        dsinks = torch.zeros((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
-                             dtype=torch.float32, device=q.device)
+    if sinks is not None:
+        (dsinks,) = sinks_workspace((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
+                                    varlen is not None, q.device)
     sinks_arg, dsinks_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
@@ -327,6 +327,14 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
     return None if dsinks is None else dsinks.sum((0, 2))
+
+
+def sinks_workspace(shape: tuple[int, int, int], varlen: bool,
+                    device: torch.device) -> tuple[torch.Tensor]:
+    """The dQ kernel's shares of the sinks' gradient, fp32 [B, H, query tiles]: every program
+    stores its share, but under VARLEN those past their sequence's end store nothing, so
+    there it starts as zeros (a memset launch) and elsewhere uninitialised."""
+    return ((torch.zeros if varlen else torch.empty)(shape, dtype=torch.float32, device=device),)
 
 
 @dataclass(frozen=True)

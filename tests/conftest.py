@@ -59,5 +59,9 @@ def poisoned_outputs(request, monkeypatch):
     monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     monkeypatch.setattr(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
     monkeypatch.setattr(_launch, "decode_workspace", poisoned(_launch.decode_workspace))
+    # The sinks' shares: NaN where every program must store (the varlen zeros are meant).
+    workspace = _launch.sinks_workspace
+    monkeypatch.setattr(_launch, "sinks_workspace", lambda shape, varlen, device: (
+        workspace if varlen else poisoned(workspace))(shape, varlen, device))
     monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
     monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
