@@ -354,11 +354,12 @@ class DecodeSpec:
     paged: bool
     batch_idx: bool
     store_lse: bool
+    sinks: bool = False
 
     def constants(self) -> tuple:
         return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
                 self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
-                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse)
+                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse, self.sinks)
 
 
 @functools.cache
@@ -398,7 +399,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                   alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                   window: tuple[int, int], new_len: int, num_splits: int,
-                  config: DecodeConfig) -> int:
+                  config: DecodeConfig, sinks: torch.Tensor | None = None) -> int:
     """Launch the decode (and, with more than one split, the combine) on q's current stream.
 
     q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
@@ -407,7 +408,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seqlens_k[b] + ``new_len`` keys (seqlens_k [B] int32); batch_idx [B] int32 or None;
     alibi_slopes [B, H] fp32 or None. ``window`` (left, right) as ``launch_forward``, aligned
     bottom-right per sequence.
-    ``num_splits`` 0 picks the split count (``decode_splits``). Returns the split count.
+    ``num_splits`` 0 picks the split count (``decode_splits``); ``sinks`` [H] fp32 or None,
+    as ``launch_forward``'s. Returns the split count.
     """
     batch, q_len, heads, head_dim = q.shape
     kv_heads, group = k_cache.shape[2], heads // k_cache.shape[2]
@@ -421,19 +423,20 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
                       tile_width(v_cache.shape[3]), window[0] >= 0, window[1] >= 0,
                       softcap > 0.0, alibi_slopes is not None, paged, batch_idx is not None,
-                      lse is not None)
+                      lse is not None, sinks is not None)
     out_split, lse_split = (decode_workspace(splits, batch, q_len, heads, v_cache.shape[3],
                                              q.device) if splits > 1 else (None, None))
     slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
+    sinks = None if sinks is None else sinks.view(kv_heads, group)
     lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
-    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes = _fill_unused(
+    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks = _fill_unused(
         q.device, (lse_g, 4), (None if out_split is None else
                                out_split.view(splits, batch, q_len, kv_heads, group, -1), 6),
         (None if lse_split is None else lse_split.view(splits, batch, q_len, kv_heads, group),
-         5), (batch_idx, 1), (block_table, 2), (slopes, 3))
+         5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2))
     args = (q.view(batch, q_len, kv_heads, group, head_dim), k_cache.transpose(1, 2),
             v_cache.transpose(1, 2), out.view(batch, q_len, kv_heads, group, -1), lse_g,
-            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, float(scale),
+            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, sinks, float(scale),
             float(softcap), int(window[0]), int(window[1]), int(new_len), *spec.constants())
     stream = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):

@@ -414,7 +414,8 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                   alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                   window_left: int, window_right: int, num_splits: int,
-                  return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  return_lse: bool, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The KV-cache op's body: append k/v (when given) into the caches at cache_seqlens, then
     attend (``flash_tile.kvcache.flash_attn_with_kvcache`` checked every argument)."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
@@ -425,7 +426,7 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                             max(q.shape[-1], v_cache.shape[-1]))
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
-                  (window_left, window_right), new_len, num_splits, config)
+                  (window_left, window_right), new_len, num_splits, config, sinks)
     return out, lse
 
 
@@ -436,7 +437,7 @@ kvcache_op = torch.library.custom_op("flash_tile::kvcache_attention", _kvcache_i
 @kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   alibi_slopes, scale, softcap, window_left, window_right, num_splits,
-                  return_lse):
+                  return_lse, sinks=None):
     return _decode_outputs(q, v_cache.shape[-1], return_lse)
 
 

@@ -235,11 +235,11 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                    window: tuple[int, int] = (-1, -1), softcap: bool = False,
                    alibi: bool = False, batch_idx: bool = False, splits: int = 4,
                    store_lse: bool = True, config: variants.DecodeConfig | None = None,
-                   int64_index: bool = False) -> dict[str, bytes]:
+                   int64_index: bool = False, sinks: bool = False) -> dict[str, bytes]:
     """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
     ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
     ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
-    elements or more; other arguments as ``compile_forward``."""
+    elements or more, ``sinks`` the SINKS switch; other arguments as ``compile_forward``."""
     v_head_dim = v_head_dim or head_dim
     config = config or variants.default_decode_config(variants.capability_of(arch),
                                                       max(head_dim, v_head_dim))
@@ -247,7 +247,7 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
     tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
-                      alibi, page_size is not None, batch_idx, store_lse)
+                      alibi, page_size is not None, batch_idx, store_lse, sinks)
     qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
     index = ct.int64 if int64_index else ct.int32
     k, v = (_array(DTYPES[dtype], 4, d, index) for d in (head_dim, v_head_dim))
@@ -260,8 +260,8 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
     cc = CallingConvention.cutile_python_v1()
     cubins = {"decode": _export(decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
-         _index_array(1), _index_array(2), _array(ct.float32, 3), *scalars,
-         *spec.constants()], cc), arch)}
+         _index_array(1), _index_array(2), _array(ct.float32, 3), _array(ct.float32, 2),
+         *scalars, *spec.constants()], cc), arch)}
     if splits > 1:
         cubins["combine"] = _export(decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),

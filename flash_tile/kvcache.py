@@ -41,7 +41,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, sinks=None):
     """Attention of q against a KV cache; a drop-in for ``flash_attn.flash_attn_with_kvcache``.
 
     Args:
@@ -74,6 +74,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             splitting; a count is capped at the key tiles and at 64; any count gives the
             same result within rounding.
         return_softmax_lse: also return the LSE.
+        sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the LSE includes them; a
+            row that sees no key gets 0 and the sink as its LSE).
 
     Returns:
         out [B, Lq, H, Dv] in q's dtype; with ``return_softmax_lse`` the pair (out, lse), lse
@@ -120,6 +122,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, heads)
         _validate.check_device(q, alibi_slopes)
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, heads, device)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit last stride (as flash-attn requires)")
@@ -146,5 +150,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,
-                                 bool(return_softmax_lse))
+                                 bool(return_softmax_lse), sinks)
     return (out, lse) if return_softmax_lse else out

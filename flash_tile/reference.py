@@ -395,8 +395,9 @@ def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: tor
 def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]],
                            scale: float | None = None, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                           tile_lq: int = 1, tile_n: int = 128,
-                           num_splits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                           tile_lq: int = 1, tile_n: int = 128, num_splits: int = 1,
+                           sinks: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's work split in float64 on the CPU: per sequence and query tile of
     ``tile_lq`` rows, the key tiles some row sees cut into ``num_splits`` runs, each run's
     partial output and LSE from the forward's twin (``attention_tiles``, the same online
@@ -404,8 +405,9 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
 
     q [B, Lq, H, D] (flash-attn's layout); ``seqs`` from ``cache_sequences``; causal and
     windows bottom-right per sequence (row i sees key j iff i + k_len - Lq - left <= j <=
-    i + k_len - Lq + right). Returns (out [B, Lq, H, Dv], lse [B, H, Lq]) in float64, lse +inf
-    and out 0 for rows that see no key.
+    i + k_len - Lq + right). ``sinks`` [H] join split 0's softmax (empty or not), as the
+    kernel's SINKS switch, so the combine counts them once. Returns (out [B, Lq, H, Dv], lse
+    [B, H, Lq]) in float64, lse +inf (or the sink) and out 0 for rows that see no key.
     """
     q = q.detach().to("cpu", torch.float64).transpose(1, 2)  # [B, H, Lq, D]
     batch, heads, q_len, head_dim = q.shape
@@ -427,13 +429,18 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
             for split in range(num_splits):
                 n0 = n_lo + split * per_split
                 n1 = min(n0 + per_split, n_hi)
+                sink = sinks if split == 0 else None
                 if n0 >= n1:
+                    if sink is not None:  # the sink alone: o_s = 0, lse_s = sink
+                        parts.append((torch.zeros_like(out[0, :, rows]),
+                                      sink.detach().to("cpu", torch.float64)[:, None]
+                                      .expand(heads, rows.stop - rows.start)))
                     continue  # the kernel's empty split: lse -inf, weight 0
                 keys = slice(n0 * tile_n, n1 * tile_n)
                 o_s, lse_s = attention_tiles(
                     q[b:b + 1, :, rows], k[:, :, keys], v[:, :, keys], scale,
                     k_len - q_len + m_start - n0 * tile_n, window, softcap, slopes,
-                    tile_m=tile_lq, tile_n=tile_n)
+                    tile_m=tile_lq, tile_n=tile_n, sinks=sink)
                 parts.append((o_s[0], lse_s[0].masked_fill(lse_s[0] == math.inf, -math.inf)))
             if not parts:
                 continue

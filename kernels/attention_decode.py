@@ -25,7 +25,9 @@ Masking. Causal and windows are aligned bottom-right per sequence, as flash-attn
     i + k_len - Lq - window_left <= j        (when MASK_LEFT)
     j <= i + k_len - Lq + window_right       (when MASK_RIGHT; causal: window_right = 0)
 
-A row that sees no key gets an output of 0 and an LSE of +inf, as the forward.
+A row that sees no key gets an output of 0 and an LSE of +inf, as the forward. Under SINKS
+the head's sink starts split 0's running max and sum (as the forward's SINKS switch), so that
+the combine counts it once; a row that sees no key then gets 0 and an LSE of the sink.
 
 Layout. Q [B, Lq, H_kv, G, D] (flash-attn's [B, Lq, H, D] with its heads split, a view);
 K [Bc, H_kv, L_cache, D] and V [Bc, H_kv, L_cache, Dv] (flash-attn's cache [Bc, L_cache, H_kv,
@@ -46,7 +48,7 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import LN_2, NO_MASK, ZERO, ConstBool, ConstInt, log2_scores
+from ._tiles import LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, log2_scores
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -76,13 +78,17 @@ def _kv_tile(A, kv, j, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
                    padding_mode=ZERO).reshape((TILE_N, COLS))
 
 
+def _per_row(head_values, TILE_LQ: ConstInt, TILE_G: ConstInt):
+    """A [1, TILE_G] tile of per-head values as one per packed row, [TILE_LQ * TILE_G, 1]."""
+    return ct.broadcast_to(head_values, (TILE_LQ, TILE_G)).reshape((TILE_LQ * TILE_G, 1))
+
+
 def _slopes(Slopes, batch, kv_head, TILE_LQ: ConstInt, TILE_G: ConstInt, ALIBI: ConstBool):
     """The ALiBi slope of each packed row, [TILE_LQ * TILE_G, 1] (0.0 without ALIBI)."""
     if not ALIBI:
         return 0.0
     slope = ct.load(Slopes, index=(batch, kv_head, 0), shape=(1, 1, TILE_G), padding_mode=ZERO)
-    slope = ct.broadcast_to(slope.reshape((1, TILE_G)), (TILE_LQ, TILE_G))
-    return slope.reshape((TILE_LQ * TILE_G, 1))
+    return _per_row(slope.reshape((1, TILE_G)), TILE_LQ, TILE_G)
 
 
 def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES):
@@ -113,12 +119,12 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
 
 
 def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 qk_scale, softcap, window_left, window_right, new_len,
+                 Sinks, qk_scale, softcap, window_left, window_right, new_len,
                  NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                  TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                  PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                 STORE_LSE: ConstBool):
+                 STORE_LSE: ConstBool, SINKS: ConstBool):
     """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
     sequence bid(2)."""
     TILE_M = TILE_LQ * TILE_G
@@ -156,6 +162,11 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
+    if SINKS:
+        if split == 0:  # the sink joins one split's softmax; the combine counts it once
+            sink = ct.load(Sinks, index=(kv_head, 0), shape=(1, TILE_G), padding_mode=ZERO)
+            m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
+            l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
     kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size)
     for j in range(n_start, n_end):
@@ -181,39 +192,40 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
 @ct.kernel
 def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
-                     Slopes, qk_scale: float, softcap: float, window_left: int,
+                     Slopes, Sinks, qk_scale: float, softcap: float, window_left: int,
                      window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
                      TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
                      ALIBI: ConstBool, PAGED: ConstBool, BATCH_IDX: ConstBool,
-                     SPLIT: ConstBool, STORE_LSE: ConstBool):
+                     SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool):
     """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
     OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
     under BATCH_IDX, BlockTable under PAGED; the window bounds under their MASK_ switch.
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
-    new_len rows, or its whole length with new_len = 0)."""
+    new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
+    holds each query head's sink logit."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ,
-                 TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
-                 BATCH_IDX, SPLIT, STORE_LSE)
+                 Sinks, qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS,
+                 TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                 PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS)
 
 
 @ct.kernel
 def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
-                           OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                           OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
                            qk_scale: float, softcap: float, window_left: int,
                            window_right: int, new_len: int, NUM_SPLITS: ConstInt,
                            TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                            TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                            MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                            PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                           STORE_LSE: ConstBool):
+                           STORE_LSE: ConstBool, SINKS: ConstBool):
     """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS, TILE_LQ,
-                 TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED,
-                 BATCH_IDX, SPLIT, STORE_LSE)
+                 Sinks, qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS,
+                 TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
+                 PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS)
 
 
 @ct.kernel

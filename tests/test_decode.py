@@ -53,6 +53,29 @@ def test_split_and_combine_equal_plain_attention(num_splits, tile_lq, tile_n, wi
     assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == math.inf).all())
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_split_and_combine_count_the_sink_once(num_splits):
+    """Sinks join split 0 (empty or not) and the combine counts them once: plain attention
+    with a sink column, rows that see no key get 0 and the sink as their LSE."""
+    batch, q_len, heads, kv_heads, d = 3, 5, 6, 2, 16
+    k_cache, v_cache = _contiguous(batch, 150, kv_heads, d, d, seed=4)
+    seqlens = torch.tensor([0, 1, 150], dtype=torch.int32)
+    seqs = reference.cache_sequences(k_cache, v_cache, seqlens)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, q_len, heads, d, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+    out, lse = reference.decode_tiles_reference(q, seqs, None, (-1, 0), tile_lq=2, tile_n=16,
+                                                num_splits=num_splits, sinks=sinks)
+    for b, (k, v) in enumerate(seqs[1:], start=1):
+        ref, ref_lse = reference.attention_dense(q[b:b + 1].transpose(1, 2), k, v,
+                                                 diag_offset=k.shape[2] - q_len,
+                                                 window=(-1, 0), return_lse=True, sinks=sinks)
+        assert torch.allclose(out[b:b + 1], ref.transpose(1, 2), atol=1e-12)
+        assert torch.allclose(lse[b:b + 1], ref_lse, atol=1e-12)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.allclose(lse[0], sinks[:, None].expand(heads, q_len))
+
+
 def test_paged_and_contiguous_caches_hold_the_same_sequences():
     batch, capacity, page = 3, 96, 16
     k_cache, v_cache = _contiguous(batch, capacity, 2, 8, 8)
@@ -262,9 +285,10 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert append[0] is k_new and append[2] is k_cache and append[4] is lens
     assert append[5] is idx and append[6] is None
     (dq, dk, dv, dout, dlse, dlens, didx, dtable, dslopes, scale, softcap, window, new_len,
-     splits, config) = decode
+     splits, config, dsinks) = decode
     assert dq is q and dk is k_cache and dv is v_cache and dout is out and dlse is lse
     assert dlens is lens and didx is idx and dtable is None and dslopes is None
+    assert dsinks is None
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
     assert config == variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)

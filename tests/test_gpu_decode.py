@@ -45,7 +45,7 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
 
 
 def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
-           alibi_slopes=None, batch_idx=None, block_table=None):
+           alibi_slopes=None, batch_idx=None, block_table=None, sinks=None):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
     seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table)
     for b, (k, v) in enumerate(seqs):
@@ -53,10 +53,14 @@ def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
         diag = k.shape[2] - q.shape[1]
         slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[2])[
             b:b + 1]
-        args = dict(diag_offset=diag, window=window, softcap=softcap, alibi_slopes=slopes)
-        if k.shape[2] == 0:  # no key at all: zeros and +inf, as flash-attn
+        args = dict(diag_offset=diag, window=window, softcap=softcap, alibi_slopes=slopes,
+                    sinks=sinks)
+        if k.shape[2] == 0:  # no key at all: zeros and +inf (or the sink), as flash-attn
             assert torch.equal(out[b], torch.zeros_like(out[b]))
-            assert lse is None or bool((lse[b] == math.inf).all())
+            if lse is not None and sinks is None:
+                assert bool((lse[b] == math.inf).all())
+            elif lse is not None:
+                torch.testing.assert_close(lse[b], sinks[:, None].expand_as(lse[b]))
             continue
         ref, ref_lse = reference.attention_dense(qb.float(), k.float(), v.float(),
                                                  return_lse=True, **args)
@@ -82,7 +86,7 @@ def _run(batch=3, q_len=1, heads=8, kv_heads=2, head_dim=128, v_head_dim=None, c
                                                   return_softmax_lse=True, **kw)
     _check(q, k_cache, v_cache, out, lse, seqlens, kw.get("window_size", (-1, -1))
            if not kw.get("causal") else (kw.get("window_size", (-1, -1))[0], 0),
-           kw.get("softcap", 0.0), kw.get("alibi_slopes"), None, table)
+           kw.get("softcap", 0.0), kw.get("alibi_slopes"), None, table, kw.get("sinks"))
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 7, 64])
@@ -109,6 +113,16 @@ def test_head_dims(head_dim, dtype):
 def test_every_split_count_agrees(num_splits):
     _run(batch=2, capacity=2000, seqlens=[1999, 113], num_splits=num_splits, q_len=2,
          causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_sinks(num_splits, page_size):
+    """gpt-oss's decode: sinks with GQA 8, split or not, paged or not, one sequence with an
+    empty cache (its LSE is the sink's)."""
+    sinks = torch.randn(16, device="cuda")
+    _run(batch=3, heads=16, kv_heads=2, head_dim=64, capacity=700, seqlens=[0, 1, 699],
+         page_size=page_size, num_splits=num_splits, q_len=2, causal=True, sinks=sinks)
 
 
 def test_features():

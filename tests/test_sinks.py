@@ -153,6 +153,15 @@ def test_sinks_switch_compiles_with_tensor_cores(arch):
         assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, (name, sass)
 
 
+@pytest.mark.parametrize("arch", variants.ARCHS)
+def test_decode_sinks_switch_compiles_with_tensor_cores(arch):
+    """The decode's SINKS switch, paged and split as gpt-oss serves (GQA 8): tensor cores, no
+    spills."""
+    cubin = aot.compile_decode(arch, head_dim=64, page_size=64, splits=4, sinks=True)["decode"]
+    sass = aot.summarize(aot.disassemble(cubin))
+    assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, sass
+
+
 def test_spec_orders_the_sinks_switch_last():
     spec = _launch.forward_spec(variants.default_config((9, 0), 64), 64, 64, 128, (-1, 0),
                                 False, False, 0, True, False, True)

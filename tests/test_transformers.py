@@ -102,12 +102,12 @@ def test_mapping_matches_sdpa_on_cpu(kind, name, monkeypatch):
     assert all(c["attn_mask"] is not None and c["attn_mask"].dtype == torch.bool for c in calls)
 
 
-def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softcap=0.0):
-    """flash_attn_with_kvcache for one query row against whole caches, by torch's SDPA."""
+def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softcap=0.0,
+                   sinks=None):
+    """flash_attn_with_kvcache for one query row against whole caches, by the reference."""
     assert q.shape[1] == 1 and cache_seqlens == k_cache.shape[1] and softcap == 0.0
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-        scale=softmax_scale, enable_gqa=True)
+    out = reference.attention_dense(*(t.transpose(1, 2) for t in (q, k_cache, v_cache)),
+                                    softmax_scale, sinks=sinks)
     return out.transpose(1, 2)
 
 
@@ -139,13 +139,18 @@ def test_gpt_oss_sinks_reach_the_kernels_on_cpu(monkeypatch):
     and step (prompt and decode), and logits and greedy generation equal "eager"'s. (gpt-oss
     lists its own flash kernels, which replace any "flash*" name: it takes "cutile".)"""
     name = "cutile"
-    calls = []
+    calls, decode_calls = [], []
 
     def recording(query, key, value, sinks, **kwargs):
         calls.append(sinks)
         return _torch_sdpa_with_sinks(query, key, value, sinks=sinks, **kwargs)
 
+    def recording_kvcache(*args, **kwargs):
+        decode_calls.append(kwargs["sinks"])
+        return _torch_kvcache(*args, **kwargs)
+
     monkeypatch.setattr(flash_tile.api, "_sdpa", recording)
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", recording_kvcache)
     ids, _ = _batch()
     ours_model, ref_model = _model("gpt_oss", name), _model("gpt_oss", "eager")
     with torch.no_grad():
@@ -155,7 +160,12 @@ def test_gpt_oss_sinks_reach_the_kernels_on_cpu(monkeypatch):
         assert len(calls) == 2 and all(c.dtype == torch.float32 for c in calls)
         gen_ours = ours_model.generate(ids[:1], max_new_tokens=5, do_sample=False)
         gen_ref = ref_model.generate(ids[:1], max_new_tokens=5, do_sample=False)
-    assert torch.equal(gen_ours, gen_ref) and len(calls) == 2 + 2 * 5
+    assert torch.equal(gen_ours, gen_ref)
+    # Every layer of the prompt and of each decode step carried the sinks (gpt-oss passes a
+    # mask each step, so the steps take the SDPA body; a maskless step would take the KV-cache
+    # kernel, which has them too).
+    assert len(calls) + len(decode_calls) == 2 + 2 * 5
+    assert all(c is not None and c.dtype == torch.float32 for c in calls + decode_calls)
 
 
 def _packing(device="cpu"):

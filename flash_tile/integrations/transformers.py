@@ -12,8 +12,7 @@ mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kerne
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
 ignored: attention weights (``output_attentions``), position biases, softcap together with a
-mask. Attention sinks (``s_aux``, gpt-oss) run in the kernels' SINKS switch, on every path but
-the decode kernel's (a decode step with sinks takes the forward kernel). Packed variable-length batches (``cu_seq_lens_q/k``
+mask. Attention sinks (``s_aux``, gpt-oss) run in the kernels' SINKS switch on every path. Packed variable-length batches (``cu_seq_lens_q/k``
 with ``max_length_q/k``, as ``DataCollatorWithFlattening`` passes them) run
 ``flash_attn_varlen_func``. Attention dropout (``dropout``, which models pass only while
 training) runs in the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
@@ -70,14 +69,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
                                sinks, kwargs), None
     q_len = query.shape[2]
-    if q_len == 1 and attention_mask is None and dropout == 0.0 and sinks is None and \
+    if q_len == 1 and attention_mask is None and dropout == 0.0 and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
         # A decode step against the whole cache (no padding to mask): the decode kernel, which
         # packs the GQA group into one tile and splits long caches over the SMs. Mixed dtypes
         # (fp32 weights under autocast) take the SDPA path below, which casts as torch does.
         out = flash_tile.flash_attn_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-            cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0)
+            cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0,
+            sinks=sinks)
         return out, None
     is_causal = bool(is_causal) and q_len > 1 and attention_mask is None
     if is_causal and key.shape[2] > q_len:
