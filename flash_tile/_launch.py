@@ -42,6 +42,7 @@ class ForwardSpec:
     latency_v: int
     varlen: bool = False  # packed sequences bounded by cumulative lengths
     sinks: bool = False  # a learnt sink logit per head joins each row's softmax
+    seqused_k: bool = False  # under varlen, each sequence uses only its first keys
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -49,7 +50,7 @@ class ForwardSpec:
 
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.varlen, self.sinks)
+                self.varlen, self.sinks, self.seqused_k)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -57,13 +58,13 @@ class ForwardSpec:
 
     def dq_constants(self, lse_grad: bool) -> tuple:
         """The dQ kernel's: the backward's switches, whether it reads dLSE for Delta, VARLEN,
-        SINKS (the dQ kernel forms the sinks' gradient)."""
-        return (*self._backward_shared(), lse_grad, self.varlen, self.sinks)
+        SINKS (the dQ kernel forms the sinks' gradient), SEQUSED_K."""
+        return (*self._backward_shared(), lse_grad, self.varlen, self.sinks, self.seqused_k)
 
     def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
         """The dK/dV kernel's: the backward's switches, the GQA group size and loop order,
-        VARLEN."""
-        return (*self._backward_shared(), group, group_inner, self.varlen)
+        VARLEN, SEQUSED_K."""
+        return (*self._backward_shared(), group, group_inner, self.varlen, self.seqused_k)
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,14 @@ class Varlen:
     """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids cover
     ``max_seqlen_q`` query rows (and the dK/dV grid ``max_seqlen_k`` keys) for every sequence
-    (the caller's bounds: nothing is read back)."""
+    (the caller's bounds: nothing is read back). With ``seqused_k`` (int32 [B]) sequence b
+    uses only the first seqused_k[b] of its keys."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    seqused_k: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -84,7 +87,7 @@ class Varlen:
 
     def spec(self, spec: ForwardSpec) -> ForwardSpec:
         """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N."""
-        return replace(spec, even_n=False, varlen=True)
+        return replace(spec, even_n=False, varlen=True, seqused_k=self.seqused_k is not None)
 
 
 @dataclass(frozen=True)
@@ -203,11 +206,13 @@ def _placeholder(device: torch.device, rank: int,
 
 
 def _cu_seqlens(device: torch.device, varlen: "Varlen | None") -> tuple:
-    """(CuSeqQ, CuSeqK) for a launch: the cumulative lengths, or placeholders (the kernels read
-    them only under VARLEN)."""
+    """(CuSeqQ, CuSeqK, SeqUsedK) for a launch: the cumulative lengths and the keys used, or
+    placeholders (the kernels read them only under VARLEN, and SeqUsedK under SEQUSED_K)."""
+    unused = _placeholder(device, 1, torch.int32)
     if varlen is None:
-        return (_placeholder(device, 1, torch.int32),) * 2
-    return varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        return unused, unused, unused
+    return (varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+            unused if varlen.seqused_k is None else varlen.seqused_k)
 
 
 def _fill_unused(device, *arrays):
@@ -232,10 +237,10 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                         dropout.p > 0.0, sinks is not None)
     lse, slopes, attn_mask, sinks = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
                                                  (kernel_mask(attn_mask), 4), (sinks, 1))
-    cu_q, cu_k = _cu_seqlens(q.device, varlen)
+    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     if varlen is not None:
         spec, q_len, batch = varlen.spec(spec), varlen.max_seqlen_q, varlen.batch
-    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, float(scale),
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -309,7 +314,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
-    cu_q, cu_k = _cu_seqlens(q.device, varlen)
+    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     dsinks = None
     if sinks is not None:
         (dsinks,) = sinks_workspace((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
@@ -322,9 +327,11 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     with torch.cuda.device(q.device):
         ct.launch(stream, forward_grid(q_len, heads, batch, dq_config), dq_kernel,
                   (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q, cu_k,
-                   sinks_arg, dsinks_arg, *scalars, *dq_spec.dq_constants(dlse is not None)))
+                   sinks_arg, dsinks_arg, used_k, *scalars,
+                   *dq_spec.dq_constants(dlse is not None)))
         ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
-                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, *scalars,
+                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, used_k,
+                   *scalars,
                    *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
     return None if dsinks is None else dsinks.sum((0, 2))
 

@@ -251,18 +251,18 @@ def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_off
     v needs its gradient, and the body alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
             window_right, return_lse, dropout_p, dropout_seed, sinks)
-    return _dispatch(forward_op, _EagerAttention, _forward_impl, args)
+    return _dispatch(forward_op, _EagerAttention, _forward_impl, args, sinks)
 
 
-def _dispatch(op, eager, impl, args):
-    """Run a forward op on ``args`` (q, k, v first, the sinks or None last): the op where
-    something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake and its
-    registered autograd), else the same body through the ``eager`` Function where q, k, v or
-    the sinks need a gradient, and the body alone where none does (inference)."""
+def _dispatch(op, eager, impl, args, sinks):
+    """Run a forward op on ``args`` (q, k, v first; ``sinks`` among them, or None): the op
+    where something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake and
+    its registered autograd), else the same body through the ``eager`` Function where q, k, v
+    or the sinks need a gradient, and the body alone where none does (inference)."""
     q, k, v = args[:3]
     if _seen_by_a_tracer(q, k, v):
         return op(*args)
-    differentiable = (q, k, v) if args[-1] is None else (q, k, v, args[-1])
+    differentiable = (q, k, v) if sinks is None else (q, k, v, sinks)
     if torch.is_grad_enabled() and any(t.requires_grad for t in differentiable):
         return eager.apply(*args)
     return impl(*args)  # nothing to differentiate: no autograd node to build
@@ -296,7 +296,9 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                          window_left: int, window_right: int, return_lse: bool,
                          dropout_p: float = 0.0, dropout_seed: int = 0,
-                         sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         sinks: torch.Tensor | None = None,
+                         seqused_k: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The varlen forward op's body: allocate, launch the forward's VARLEN switch."""
     out, lse = _varlen_outputs(q, v, return_lse)
     config = variants.default_config(device_properties(q.device)[0],
@@ -304,7 +306,8 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None, alibi_slopes,
                    None, scale, softcap, 0, (window_left, window_right), config,
                    Dropout(dropout_p, dropout_seed),
-                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), sinks)
+                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k),
+                   sinks)
     return out, lse
 
 
@@ -315,7 +318,7 @@ varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varle
 @varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                         dropout_p=0.0, dropout_seed=0, sinks=None):
+                         dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None):
     return _varlen_outputs(q, v, return_lse)
 
 
@@ -325,14 +328,19 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                           window_left: int, window_right: int, dropout_p: float = 0.0,
-                          dropout_seed: int = 0, sinks: torch.Tensor | None = None
+                          dropout_seed: int = 0, sinks: torch.Tensor | None = None,
+                          seqused_k: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen backward op's body: dq, dk, dv in the inputs' shapes and the sinks'
     gradient (empty without sinks), by the backward's VARLEN switch. Rows that no sequence
-    covers are left unwritten."""
+    covers are left unwritten; with ``seqused_k`` the keys past each sequence's used ones
+    get zero gradients (the kernel does not store them)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     dq, dk, dv = _varlen_gradients(q, k, v)
+    if seqused_k is not None:
+        dk.zero_()
+        dv.zero_()
     plain = variants.is_plain(softcap > 0.0, alibi_slopes is not None, None, dropout_p > 0.0)
     config = variants.default_backward_config(device_properties(q.device)[0],
                                               max(q.shape[-1], v.shape[-1]), plain)
@@ -340,8 +348,8 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              dlse, alibi_slopes, None, scale, softcap, 0,
                              (window_left, window_right), config,
                              Dropout(dropout_p, dropout_seed),
-                             Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                             sinks)
+                             Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    seqused_k), sinks)
     return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
 
 
@@ -354,30 +362,30 @@ varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
 def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, alibi_slopes, scale, softcap,
                           window_left, window_right, dropout_p=0.0, dropout_seed=0,
-                          sinks=None):
+                          sinks=None, seqused_k=None):
     return (*_varlen_gradients(q, k, v),
             _no_sinks(q.device) if sinks is None else torch.empty_like(sinks))
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, softcap, left, right, _,
-     dropout_p, dropout_seed, sinks) = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks)
+     dropout_p, dropout_seed, sinks, seqused_k) = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks, seqused_k)
     ctx.lengths, ctx.scale, ctx.softcap = (max_q, max_k), scale, softcap
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, dout, dlse, run_backward):
-    """The gradients of the varlen forward's 16 inputs (q, k, v's and the sinks'; None for
+    """The gradients of the varlen forward's 17 inputs (q, k, v's and the sinks'; None for
     the rest)."""
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks, seqused_k = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths,
                                       alibi_slopes, ctx.scale, ctx.softcap, *ctx.window,
-                                      *ctx.dropout, sinks)
-    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks,)
+                                      *ctx.dropout, sinks, seqused_k)
+    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks, None)
 
 
 def _varlen_op_backward(ctx, dout, dlse):
@@ -391,14 +399,14 @@ _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _var
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                     dropout_p=0.0, dropout_seed=0, sinks=None):
+                     dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None):
     """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
     ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
     function asks for it then); dispatched as ``attention_forward``."""
     return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
                      (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                      dropout_p, dropout_seed, sinks))
+                      dropout_p, dropout_seed, sinks, seqused_k), sinks)
 
 
 def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):

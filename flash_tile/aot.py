@@ -109,20 +109,20 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
                       store_lse: bool, config: variants.TileConfig,
                       int64_index: bool = False, dropout: bool = False,
                       aligned: bool = False, varlen: bool = False,
-                      sinks: bool = False) -> KernelSignature:
+                      sinks: bool = False, seqused_k: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
     ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read); ``varlen`` the
-    VARLEN switch (packed sequences, as ``_launch.forward_launch`` sets it); ``sinks`` the
-    SINKS switch."""
+    VARLEN switch (packed sequences, as ``_launch.forward_launch`` sets it) and ``seqused_k``
+    its SEQUSED_K; ``sinks`` the SINKS switch."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
         ct.int64 if int64_index else ct.int32, dropout, aligned)
     if varlen:
-        spec = dataclasses.replace(spec, even_n=False, varlen=True)
+        spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
     params = [qk, qk, vo, vo, rows, slopes, mask, _index_array(1), _index_array(1), _sinks(),
-              *scalars, *spec.constants()]
+              _index_array(1), *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -130,26 +130,28 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         softcap: bool, alibi: bool, attn_mask: str | None, even_n: bool,
                         config: variants.TileConfig, group: int = 1,
                         lse_grad: bool = False, dropout: bool = False,
-                        aligned: bool = False, varlen: bool = False, sinks: bool = False
-                        ) -> tuple[KernelSignature, ...]:
+                        aligned: bool = False, varlen: bool = False, sinks: bool = False,
+                        seqused_k: bool = False) -> tuple[KernelSignature, ...]:
     """Signatures of (dQ, dK/dV) for one variant, in ``launch_backward``'s order (dK/dV on
     ``config``'s tiles, dQ on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE;
-    ``varlen`` the VARLEN switch; ``sinks`` the dQ kernel's SINKS switch."""
+    ``varlen`` the VARLEN switch and ``seqused_k`` its SEQUSED_K; ``sinks`` the dQ kernel's
+    SINKS switch."""
     (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
         _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
                          even_n, True, c, ct.int32, dropout, aligned)
         for c in (config, config.dq_kernel()))
     if varlen:
-        spec, dq_spec = (dataclasses.replace(s, even_n=False, varlen=True)
+        spec, dq_spec = (dataclasses.replace(s, even_n=False, varlen=True, seqused_k=seqused_k)
                          for s in (spec, dq_spec))
     dq_spec = dataclasses.replace(dq_spec, sinks=sinks)
     cc = CallingConvention.cutile_python_v1()
     cu = (_index_array(1), _index_array(1))
     return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
-                             mask, *cu, _sinks(), _array(ct.float32, 3), *scalars,
-                             *dq_spec.dq_constants(lse_grad)], cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *cu, *scalars,
+                             mask, *cu, _sinks(), _array(ct.float32, 3), _index_array(1),
+                             *scalars, *dq_spec.dq_constants(lse_grad)], cc),
+            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *cu,
+                             _index_array(1), *scalars,
                              *spec.dkdv_constants(group, config.group_inner)], cc))
 
 
@@ -174,7 +176,7 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
                     int64_index: bool = False, dropout: bool = False,
                     output_format: str = "cubin", aligned: bool = False,
-                    varlen: bool = False, sinks: bool = False) -> bytes:
+                    varlen: bool = False, sinks: bool = False, seqused_k: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
@@ -186,7 +188,7 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
-                            varlen, sinks)
+                            varlen, sinks, seqused_k)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 
@@ -197,7 +199,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      config: variants.TileConfig | None = None, group: int = 1,
                      lse_grad: bool = False, dropout: bool = False,
                      aligned: bool = False, varlen: bool = False,
-                     sinks: bool = False) -> dict[str, bytes]:
+                     sinks: bool = False, seqused_k: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("dq", "dkdv") for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default for
@@ -208,7 +210,7 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned,
-                               varlen, sinks)
+                               varlen, sinks, seqused_k)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
             zip(("dq", "dkdv"), hinted_backward_kernels(config), sigs)}
 

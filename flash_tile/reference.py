@@ -300,19 +300,22 @@ def varlen_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
                  window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None, tile_m: int = 64,
                  tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
-                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sinks: torch.Tensor | None = None,
+                 seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles`` on its own rows, its band aligned bottom-right (diag_offset =
     k_len - q_len, flash-attn's varlen rule), its dropout bits those of batch index b with
     the sequence's own rows and columns. q [total_q, H, D], k [total_k, H_kv, D], v
     [total_k, H_kv, Dv], cu_seqlens [B + 1]; alibi_slopes [B, H] or None; ``sinks`` [H] as
-    ``attention_tiles``'. Returns (out [total_q, H, Dv], lse [H, total_q]) in float64, as
+    ``attention_tiles``', ``seqused_k`` as ``varlen_sequences``'. Returns (out [total_q, H,
+    Dv], lse [H, total_q]) in float64, as
     flash_attn_varlen_func lays them out; zero rows for queries that see no key, with an LSE
     of +inf (or of the sink)."""
     heads = q.shape[1]
     out = torch.zeros(q.shape[0], heads, v.shape[-1], dtype=torch.float64)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=torch.float64)
-    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      seqused_k):
         if seq[1].shape[2] == 0:  # rows that see no key: zeros, +inf or the sink
             if sinks is not None:
                 lse[:, rows] = sinks.detach().to("cpu", torch.float64)[:, None]
@@ -332,20 +335,22 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float | None = None, window: tuple[int, int] = (-1, -1),
                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                           tile_m: int = 64, tile_n: int = 64, dropout_p: float = 0.0,
-                          dropout_seed: int = 0,
-                          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                          dropout_seed: int = 0, sinks: torch.Tensor | None = None,
+                          seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The backward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles_backward`` on its own rows (bottom-right band, its own dropout bits:
     the hash sees the sequence's index as the batch and its own rows and columns). Packed
     layouts as ``varlen_tiles`` (out, dout [total_q, H, Dv], lse [H, total_q]); returns
-    (dq, dk, dv) in float64, zero for keys no query sees, and with ``sinks`` dsinks [H]
+    (dq, dk, dv) in float64, zero for keys no query sees (and past ``seqused_k``), and with
+    ``sinks`` dsinks [H]
     summed over the sequences (rows without keys add nothing: their output is 0)."""
     dq = torch.zeros(q.shape, dtype=torch.float64)
     dk = torch.zeros(k.shape, dtype=torch.float64)
     dv = torch.zeros(v.shape, dtype=torch.float64)
     dsinks = torch.zeros(q.shape[1], dtype=torch.float64)
     cu_k = cu_seqlens_k.tolist()
-    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    for b, rows, seq, diag_offset in varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                      seqused_k):
         if seq[1].shape[2] == 0:
             continue  # no key: nothing flows anywhere
         slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
@@ -354,7 +359,7 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             *seq, out_b, lse[None, :, rows], dout_b, scale, diag_offset, window, softcap, slopes,
             tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p, dropout_seed=dropout_seed,
             dropout_batch=b, sinks=sinks)
-        keys = slice(cu_k[b], cu_k[b + 1])
+        keys = slice(cu_k[b], cu_k[b] + seq[1].shape[2])
         for grad, packed, where in zip(grads, (dq, dk, dv), (rows, keys, keys)):
             packed[where] = grad[0].transpose(0, 1)
         if sinks is not None:
@@ -363,12 +368,16 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def varlen_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     seqused_k: torch.Tensor | None = None):
     """(b, rows, (q_b, k_b, v_b), diag_offset) for each packed sequence b with a query row:
     ``rows`` the slice of its rows in q (and in the output), the three as [1, H, L, D] views
-    (k_b and v_b empty where it has no key), diag_offset = k_len - q_len (bottom-right)."""
+    (k_b and v_b empty where it has no key; with ``seqused_k`` [B] its first seqused_k[b]
+    keys), diag_offset = k_len - q_len (bottom-right)."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b, (q0, q1, k0, k1) in enumerate(zip(cu_q, cu_q[1:], cu_k, cu_k[1:])):
+        if seqused_k is not None:
+            k1 = k0 + int(seqused_k[b])
         if q1 > q0:
             seq = tuple(t[None].transpose(1, 2) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
             yield b, slice(q0, q1), seq, (k1 - k0) - (q1 - q0)

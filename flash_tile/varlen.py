@@ -34,9 +34,6 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
-    if seqused_k is not None:
-        raise NotImplementedError("seqused_k is not supported yet: pass cu_seqlens_k of the "
-                                  "keys in use")
     dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
@@ -60,6 +57,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0
     _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], batch, device)
     _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], batch, device)
+    if seqused_k is not None:
+        seqused_k = _validate.check_index_tensor(seqused_k, "seqused_k", (batch,), device)
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, q.shape[1])
         _validate.check_device(q, alibi_slopes)
@@ -73,7 +72,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, alibi_slopes, scale, softcap, left, right,
                                 return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p),
-                                sinks)
+                                sinks, seqused_k)
     return (out, lse) if return_lse else out
 
 
@@ -103,7 +102,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale, softcap: as ``flash_attn_func``; alibi_slopes [H] or [B, H] fp32 (one
             row per sequence).
         deterministic: accepted for compatibility; the backward is deterministic either way.
-        seqused_k: not supported yet (NotImplementedError).
+        seqused_k: optional int32 [B] on q's device (FA3's): sequence b uses only the first
+            seqused_k[b] of its cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (a cache row
+            partly filled); its band aligns bottom-right to them, and the unused keys get zero
+            gradients.
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
@@ -116,8 +118,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         natural log, +inf for rows that see no key).
 
     Not checked (it would need a device sync): that the offsets are monotone, start at 0 and
-    end at total_q / total_k, and that no sequence is longer than max_seqlen_q /
-    max_seqlen_k. Offsets past the ends read padding or other sequences' rows; a sequence
+    end at total_q / total_k, that no sequence is longer than max_seqlen_q / max_seqlen_k,
+    and that seqused_k[b] lies in [0, the sequence's keys] (more reads the next sequence's
+    keys). Offsets past the ends read padding or other sequences' rows; a sequence
     longer than max_seqlen_q keeps its first query rows (and, in the backward, one longer
     than max_seqlen_k its last key rows) unwritten, as do rows no sequence covers.
     """

@@ -187,16 +187,19 @@ def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt, latency=Non
     return tile.reshape((ROWS, COLS))
 
 
-def sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN: ConstBool):
+def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN: ConstBool, SEQUSED_K: ConstBool):
     """(q_start, q_len, k_start, k_len) of this program's sequence: the whole of axis 2 of Q
     and K, or under VARLEN sequence bid(2) of the packed arrays, read from the cumulative
-    lengths CuSeqQ, CuSeqK [B + 1] int32."""
+    lengths CuSeqQ, CuSeqK [B + 1] int32; under SEQUSED_K its first SeqUsedK[b] keys."""
     if VARLEN:
         seq = ct.bid(2)
         q_start = ct.load(CuSeqQ, (seq,), shape=()).item()
         k_start = ct.load(CuSeqK, (seq,), shape=()).item()
-        return (q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start,
-                ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start)
+        if SEQUSED_K:
+            k_len = ct.load(SeqUsedK, (seq,), shape=()).item()
+        else:
+            k_len = ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start
+        return q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start, k_len
     return 0, Q.shape[2], 0, K.shape[2]
 
 

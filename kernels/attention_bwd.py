@@ -180,13 +180,14 @@ def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first,
     return dk, dv
 
 
-def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
-               softcap, diag_offset, window_left, window_right, dropout_seed,
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, SeqUsedK,
+               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
                dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-               GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool):
+               GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool,
+               SEQUSED_K: ConstBool):
     """dK, dV of key tile bid(0) of key/value head bid(1) of batch (under VARLEN, sequence)
     bid(2).
 
@@ -200,7 +201,8 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, 
     kv_head = ct.bid(1)
     batch = ct.bid(2)
     n_start = tile_n * TILE_N
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
+                                                     SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
         if n_start >= k_len:  # the grid covers the longest sequence: this one is shorter
@@ -259,14 +261,16 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m,
 
 
 def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
-             dSinks, qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-             dropout_threshold, dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt,
+             dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+             dropout_seed, dropout_threshold, dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt,
              TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
              EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
-             DROPOUT: ConstBool, LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
+             DROPOUT: ConstBool, LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool,
+             SEQUSED_K: ConstBool):
     """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch (under VARLEN,
     sequence) bid(2)."""
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
+                                                     SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
     tile_m = heaviest_first(q_len, TILE_M)
@@ -315,38 +319,44 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
 
 @ct.kernel
 def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK,
-                       qk_scale: float, softcap: float, diag_offset: int, window_left: int,
-                       window_right: int, dropout_seed: int, dropout_threshold: int,
-                       dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
+                       SeqUsedK, qk_scale: float, softcap: float, diag_offset: int,
+                       window_left: int, window_right: int, dropout_seed: int,
+                       dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
+                       TILE_N: ConstInt,
                        TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                        MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                        ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-                       GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool):
+                       GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool,
+                       SEQUSED_K: ConstBool):
     """dK and dV, reading the Delta the dQ kernel stored. Grid (cdiv(Lk, TILE_N), H_kv, B);
     GROUP = H / H_kv. Under VARLEN the arrays are packed as the forward's, CuSeqQ and CuSeqK
-    the sequences' cumulative lengths, the grid (cdiv(max_seqlen_k, TILE_N), H_kv, B)."""
-    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, qk_scale,
-               softcap, diag_offset, window_left, window_right, dropout_seed,
+    the sequences' cumulative lengths, the grid (cdiv(max_seqlen_k, TILE_N), H_kv, B); under
+    SEQUSED_K sequence b uses its first SeqUsedK[b] keys (the others' rows are not stored)."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, SeqUsedK,
+               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
                dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
                MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER,
-               VARLEN)
+               VARLEN, SEQUSED_K)
 
 
 @ct.kernel
 def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK,
-                     Sinks, dSinks,
+                     Sinks, dSinks, SeqUsedK,
                      qk_scale: float, softcap: float, diag_offset: int, window_left: int,
                      window_right: int, dropout_seed: int, dropout_threshold: int,
                      dropout_scale: float, TILE_M: ConstInt, TILE_N: ConstInt,
                      TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                      MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                      ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
-                     LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
+                     LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool,
+                     SEQUSED_K: ConstBool):
     """dQ, and Delta = rowsum(dO * O) (- dLse under LSE_GRAD) for the dK/dV kernel, which
     must run after it. Grid (cdiv(Lq, TILE_M), H, B); under VARLEN (cdiv(max_seqlen_q,
-    TILE_M), H, B) over packed arrays, as the forward. Under SINKS (Sinks [H] fp32) it also
+    TILE_M), H, B) over packed arrays, as the forward (SEQUSED_K: SeqUsedK [B] int32 keys of
+    each sequence used). Under SINKS (Sinks [H] fp32) it also
     stores each tile's share of the sinks' gradient in dSinks [B, H, cdiv(Lq, TILE_M)] fp32."""
     _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
-             dSinks, qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-             dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
-             MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN, SINKS)
+             dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+             dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+             MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN,
+             SINKS, SEQUSED_K)

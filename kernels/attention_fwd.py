@@ -124,19 +124,19 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     return m_new, l_i, acc
 
 
-def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
-                        softcap,
-                        diag_offset, window_left, window_right, dropout_seed,
+def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
+                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
-                        SINKS: ConstBool):
+                        SINKS: ConstBool, SEQUSED_K: ConstBool):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
     VARLEN, sequence) bid(2)."""
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
+                                                     SEQUSED_K)
     if VARLEN:  # sequence bid(2) of the packed [1, H, total, D] arrays
         diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
     tile_m = heaviest_first(q_len, TILE_M)
@@ -198,7 +198,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
 
 
 @ct.kernel
-def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale: float,
+def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
+                  qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
@@ -206,7 +207,8 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_sca
                   MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
-                  LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool):
+                  LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool,
+                  SEQUSED_K: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -214,20 +216,21 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_sca
     loads, which set how far ahead tileiras issues them. Under VARLEN Q, K, V, Out are packed
     [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
     sequences' cumulative lengths (read only then), the grid (cdiv(max_seqlen_q, TILE_M), H,
-    B). Under SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Shapes and
-    strides are 32-bit."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
-                        softcap, diag_offset, window_left, window_right, dropout_seed,
+    B); under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
+    SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Shapes and strides
+    are 32-bit."""
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
+                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
                         MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS)
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        CuSeqQ, CuSeqK, Sinks, qk_scale: float, softcap: float,
+                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, qk_scale: float, softcap: float,
                         diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -235,11 +238,11 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        VARLEN: ConstBool, SINKS: ConstBool):
+                        VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, qk_scale,
-                        softcap, diag_offset, window_left, window_right, dropout_seed,
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
+                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
                         dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
                         MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS)
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K)

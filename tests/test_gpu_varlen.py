@@ -32,13 +32,13 @@ def _inputs(lengths_q, lengths_k, heads, kv_heads, dim, v_dim, dtype, seed):
     return q, k, v, dout, cu_q, cu_k
 
 
-def _reference(q, k, v, dout, cu_q, cu_k, dtype, features):
+def _reference(q, k, v, dout, cu_q, cu_k, dtype, features, seqused_k=None):
     """Packed (out, dq, dk, dv) of ``attention_dense`` run on each sequence alone in
     ``dtype``, by autograd; ``features(b)`` gives sequence b's keyword arguments."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=dtype, device="cuda")
     loss = 0.0
-    for b, rows, seq, diag in reference.varlen_sequences(*leaves, cu_q, cu_k):
+    for b, rows, seq, diag in reference.varlen_sequences(*leaves, cu_q, cu_k, seqused_k):
         if seq[1].shape[2] == 0:
             continue  # no key: zero output and gradients
         o = reference.attention_dense(*seq, diag_offset=diag, **features(b))[0].transpose(0, 1)
@@ -102,6 +102,30 @@ def test_forward_and_backward_against_each_sequence(lengths, causal, window, dty
     ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
     low = _reference(q, k, v, dout, cu_q, cu_k, dtype, features)
     _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k(causal):
+    """Each sequence uses only its first seqused_k[b] keys (FA3's): output and gradients as
+    attention on those keys alone (the band aligned to them), zero gradients past them."""
+    lengths = ([5, 1, 40, 113, 130], [30, 60, 40, 250, 9])
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 8, 2, 64, 64, torch.bfloat16, 10)
+    used = torch.tensor([30, 0, 17, 113, 9], dtype=torch.int32, device="cuda")
+    got = _ours(q, k, v, dout, cu_q, cu_k, 130, 250, causal=causal, seqused_k=used)
+    features = _features(causal, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features, used)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features, used)
+    cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    keep = torch.cat([torch.arange(int(s), int(s) + int(n), device="cuda")
+                      for s, n in zip(cu_k, used)])
+    unused = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
+    unused[keep] = False
+    for g in got[2:]:  # dk, dv past the used keys
+        assert torch.equal(g[unused], torch.zeros_like(g[unused]))
+    # Per sequence on the used keys: the ones kept, re-packed as their own offsets.
+    pick = [got[0], got[1], got[2][keep], got[3][keep]]
+    _check_per_sequence(pick, [ref[0], ref[1], ref[2][keep], ref[3][keep]],
+                        [low[0], low[1], low[2][keep], low[3][keep]], cu_q, cu_used)
 
 
 def test_lse_and_rows_without_keys():

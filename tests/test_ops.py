@@ -165,12 +165,13 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
     (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
     assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
     assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
-    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 15 arrays and 8
-    # scalars for dQ (12 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
-    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD, VARLEN and SINKS.
-    assert q_args[23:30] == (128, 64, 64, 64, False, True, True)
-    assert q_args[-3:] == (True, False, False)
-    assert kv_args[20:27] == (64, 128, 64, 64, False, True, False) and kv_args[-1] is False
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 16 arrays and 8
+    # scalars for dQ (13 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
+    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD, VARLEN, SINKS and
+    # SEQUSED_K.
+    assert q_args[24:31] == (128, 64, 64, 64, False, True, True)
+    assert q_args[-4:] == (True, False, False, False)
+    assert kv_args[21:28] == (64, 128, 64, 64, False, True, False) and kv_args[-1] is False
     assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
     delta = q_args[7]  # written by dQ, read by dK/dV
     assert delta.shape == (2, 8, 300) and delta.dtype == torch.float32 and kv_args[5] is delta
@@ -202,12 +203,12 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
     fwd, dq, dkdv = (args for _, _, args in launched)
-    assert dq[-3] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
+    assert dq[-4] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
     as_uint8 = layout in ("aligned", "broadcast")
     for got in (fwd[6], dq[10], dkdv[9]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
         assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
-    assert fwd[-7] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
+    assert fwd[-8] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
 
 
 class _OpCalls(TorchDispatchMode):

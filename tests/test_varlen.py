@@ -50,7 +50,6 @@ def _args(dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("change,error,match", [
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
-    (dict(seqused_k=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "seqused_k"),
     (dict(return_attn_probs=True), NotImplementedError, "return_lse"),
     (dict(max_seqlen_q=0), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k"),
@@ -76,6 +75,12 @@ def test_bad_shapes_raise_before_launch(monkeypatch):
         varlen.flash_attn_varlen_func(q, k, v, cu_q.long(), cu_k, max_q, max_k)
     with pytest.raises(ValueError, match=r"shape \[3\]"):
         varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:2], max_q, max_k)
+    with pytest.raises(ValueError, match=r"seqused_k must have shape \[2\]"):
+        varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                      seqused_k=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqused_k must be an int32"):
+        varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k,
+                                      seqused_k=torch.zeros(2))
     with pytest.raises(ValueError, match="qkv"):
         varlen.flash_attn_varlen_qkvpacked_func(q, cu_q, max_q)
     with pytest.raises(ValueError, match="kv"):
@@ -170,6 +175,31 @@ def test_dropout_twin_keys_each_sequence_by_its_own_index():
         assert torch.allclose(dq[rows], leaves[0].grad[0].transpose(0, 1), atol=1e-11)
         other = reference.attention_dense(*seq, diag_offset=diag, dropout_batch=b + 1, **drop)
         assert not torch.allclose(out[rows], other[0].transpose(0, 1))
+
+
+def test_seqused_k_equals_a_packing_of_the_used_keys():
+    """seqused_k keeps each sequence's first keys: the twins give what they give on k and v
+    re-packed to those keys alone, forward and backward, and zero gradients past them."""
+    q, cu_q = _packed(LENGTHS_Q, 4, 16, 11)
+    k, cu_k = _packed(LENGTHS_K, 2, 16, 12)
+    v, _ = _packed(LENGTHS_K, 2, 16, 13)
+    dout, _ = _packed(LENGTHS_Q, 4, 16, 14)
+    used = torch.tensor([2, 0, 33, 113, 7, 0], dtype=torch.int32)
+    keep = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(cu_k, used)])
+    cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32)
+    args = (None, (-1, 0), 0.0, None, 16, 16)
+    out, lse = reference.varlen_tiles(q, k, v, cu_q, cu_k, *args, seqused_k=used)
+    want, want_lse = reference.varlen_tiles(q, k[keep], v[keep], cu_q, cu_used, *args)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    dq, dk, dv = reference.varlen_tiles_backward(q, k, v, out, lse, dout, cu_q, cu_k, *args,
+                                                 seqused_k=used)
+    grads = reference.varlen_tiles_backward(q, k[keep], v[keep], want, want_lse, dout, cu_q,
+                                            cu_used, *args)
+    assert torch.equal(dq, grads[0])
+    assert torch.equal(dk[keep], grads[1]) and torch.equal(dv[keep], grads[2])
+    unused = torch.ones(k.shape[0], dtype=torch.bool)
+    unused[keep] = False
+    assert unused.any() and torch.equal(dk[unused], torch.zeros_like(dk[unused]))
 
 
 @pytest.mark.parametrize("arch", variants.ARCHS)
