@@ -1,0 +1,114 @@
+"""Context parallelism on the CPU: 2 and 4 processes over gloo run ``ring_flash_attn_func``
+with the float64 reference standing in for the kernels (its ``attention`` seam); each rank's
+output shard and its shards' gradients must equal those of unsharded attention on the whole
+sequence. (A run on GPUs, through NCCL and the kernels, needs a machine with two GPUs.)"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flash_tile import distributed, reference
+
+# (causal, window, softcap, heads, kv_heads)
+CASES = [(True, (-1, -1), 0.0, 4, 2), (False, (-1, -1), 0.0, 4, 4),
+         (True, (12, -1), 0.0, 4, 1), (False, (5, 9), 3.0, 2, 2)]
+BATCH, LENGTH, DIM = 2, 64, 16
+
+
+def _attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
+    """The seam's float64 stand-in for the kernels: the same arguments, plain attention."""
+    assert dropout_p == 0.0
+    return reference.attention_dense(q, k, v, scale, diag_offset, window, softcap)
+
+
+def _inputs(heads, kv_heads):
+    gen = torch.Generator().manual_seed(7)
+
+    def randn(h):
+        return torch.randn(BATCH, LENGTH, h, DIM, generator=gen, dtype=torch.float64)
+
+    return randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
+
+
+def _worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for causal, window, softcap, heads, kv_heads in CASES:
+            q, k, v, dout = _inputs(heads, kv_heads)
+            # The unsharded reference on every rank, by autograd.
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            eff = (window[0], 0) if causal else window
+            ref = reference.attention_dense(*(t.transpose(1, 2) for t in leaves), None, 0, eff,
+                                            softcap).transpose(1, 2)
+            ref.backward(dout)
+            # This rank's shards through the sharded function.
+            shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
+                      for t in (q, k, v)]
+            out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
+                                                   softcap=softcap, attention=_attention)
+            out.backward(distributed.zigzag_shard(dout, rank, world))
+            torch.testing.assert_close(out, distributed.zigzag_shard(ref.detach(), rank, world))
+            for got, leaf in zip(shards, leaves):
+                torch.testing.assert_close(got.grad, distributed.zigzag_shard(leaf.grad, rank,
+                                                                              world))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_attention_equals_the_unsharded(world, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+
+
+def test_zigzag_shards_round_trip():
+    x = torch.arange(2 * 24 * 3).view(2, 24, 3)
+    shards = [distributed.zigzag_shard(x, r, 3) for r in range(3)]
+    assert torch.equal(shards[0][0, :, 0], torch.tensor([0, 1, 2, 3, 20, 21, 22, 23]) * 3)
+    assert torch.equal(distributed.zigzag_unshard(shards), x)
+    with pytest.raises(ValueError, match="multiple of"):
+        distributed.zigzag_shard(x, 0, 5)
+
+
+def test_multicast_stays_off():
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        assert os.environ.get(name) == value, name
+
+
+def _gpu_worker(rank, world, path, length, causal):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        import flash_tile
+
+        gen = torch.Generator(device="cuda").manual_seed(length)
+        q, k, v, dout = (torch.randn(1, length, h, 128, generator=gen, device="cuda",
+                                     dtype=torch.bfloat16) for h in (16, 4, 4, 16))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        whole = flash_tile.flash_attn_func(*leaves, causal=causal)
+        whole.backward(dout)
+        shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
+                  for t in (q, k, v)]
+        out = distributed.ring_flash_attn_func(*shards, causal=causal)
+        out.backward(distributed.zigzag_shard(dout, rank, world))
+        # The same kernels on the same rows, summed in another order: bf16 rounding apart.
+        torch.testing.assert_close(out, distributed.zigzag_shard(whole.detach(), rank, world),
+                                   rtol=2e-2, atol=2e-2)
+        for got, leaf in zip(shards, leaves):
+            torch.testing.assert_close(got.grad, distributed.zigzag_shard(leaf.grad, rank, world),
+                                       rtol=5e-2, atol=5e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two GPUs (NCCL between them)")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("length", [8192, 32768])
+def test_two_gpus_equal_one(length, causal, tmp_path):
+    mp.spawn(_gpu_worker, args=(2, str(tmp_path / "rendezvous"), length, causal), nprocs=2,
+             join=True)
