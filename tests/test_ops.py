@@ -380,3 +380,55 @@ def test_the_untuned_backward_default_follows_the_class(monkeypatch):
     assert choose(True, 0.0) == variants.SM90_BACKWARD_O2
     assert choose(True, 0.1) == variants.SM90_BACKWARD_O2_NARROW
     assert choose(False, 0.0) == choose(False, 0.1) == variants.default_config((9, 0), 128)
+
+
+_TORCH_OF = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "uint8": torch.uint8, "bool": torch.bool}
+
+
+def _matches(args, signature):
+    """Each launch argument against the AOT signature's parameter at its place (the order the
+    compiled kernels were checked in): arrays of the rank, and of the dtype unless they are an
+    unused switch's placeholder (one element, never read), scalars, equal constants."""
+    params = signature.parameters
+    assert len(args) == len(params)
+    for i, (arg, param) in enumerate(zip(args, params)):
+        kind = type(param).__name__
+        if kind == "ArrayConstraint":
+            assert isinstance(arg, torch.Tensor) and arg.dim() == param.ndim, i
+            if arg.numel() > 1:
+                assert arg.dtype == _TORCH_OF[param.dtype.name], (i, arg.dtype, param.dtype)
+        elif kind == "ScalarConstraint":
+            assert isinstance(arg, (int, float)) and not isinstance(arg, bool), (i, arg)
+        else:
+            assert arg == param.value, (i, arg, param.value)
+
+
+def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
+    """The JIT launches of the forward and both backward kernels with VARLEN, SEQUSED_K and
+    SINKS pass their arguments in the order, dtypes and ranks of the signatures that the AOT
+    tests compile for every architecture."""
+    from flash_tile import _launch, aot, variants
+
+    total_q, total_k = 40, 60
+    q, out = torch.randn(1, 4, total_q, 64).bfloat16(), torch.randn(1, 4, total_q, 64).bfloat16()
+    k, v = torch.randn(1, 2, total_k, 64).bfloat16(), torch.randn(1, 2, total_k, 64).bfloat16()
+    cu_q = torch.tensor([0, 15, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 60], dtype=torch.int32)
+    varlen = _launch.Varlen(cu_q, cu_k, 25, 40, torch.tensor([20, 33], dtype=torch.int32))
+    sinks = torch.zeros(4)
+    config = variants.default_config((9, 0), 64)
+    _launch.launch_forward(q, k, v, out, torch.empty(1, 4, total_q), None, None, 0.125, 0.0, 0,
+                           (-1, 0), config, _launch.NO_DROPOUT, varlen, sinks)
+    bconfig = variants.default_backward_config((9, 0), 64)
+    _launch.launch_backward(out, q, k, v, out, torch.randn(1, 4, total_q),
+                            *(torch.empty_like(t) for t in (q, k, v)), None, None, None, 0.125,
+                            0.0, 0, (-1, 0), bconfig, _launch.NO_DROPOUT, varlen, sinks)
+    (_, _, fwd), (_, _, dq), (_, _, dkdv) = launched
+    flags = dict(varlen=True, sinks=True, seqused_k=True)
+    _matches(fwd, aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False, None,
+                                        False, True, config, **flags))
+    sig_dq, sig_dkdv = aot.backward_signatures("bfloat16", 64, 64, (-1, 0), False, False, None,
+                                               False, bconfig, 2, **flags)
+    _matches(dq, sig_dq)
+    _matches(dkdv, sig_dkdv)
