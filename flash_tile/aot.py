@@ -231,20 +231,16 @@ def _index_array(ndim: int) -> ArrayConstraint:
                            shape_divisible_by=(1,) * ndim, base_addr_divisible_by=4)
 
 
-def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
-                   v_head_dim: int | None = None, group: int = 8, q_len: int = 1,
-                   page_size: int | None = None, causal: bool = True,
-                   window: tuple[int, int] = (-1, -1), softcap: bool = False,
-                   alibi: bool = False, batch_idx: bool = False, splits: int = 4,
-                   store_lse: bool = True, config: variants.DecodeConfig | None = None,
-                   int64_index: bool = False, sinks: bool = False) -> dict[str, bytes]:
-    """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
-    ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
-    ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
-    elements or more, ``sinks`` the SINKS switch; other arguments as ``compile_forward``."""
+def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
+                      head_dim: int = 128, v_head_dim: int | None = None, group: int = 8,
+                      q_len: int = 1, page_size: int | None = None, causal: bool = True,
+                      window: tuple[int, int] = (-1, -1), softcap: bool = False,
+                      alibi: bool = False, batch_idx: bool = False, splits: int = 4,
+                      store_lse: bool = True, int64_index: bool = False,
+                      sinks: bool = False) -> dict[str, tuple]:
+    """{name: (kernel, signature)} of the decode path on ``config``'s tiles, in
+    ``_launch.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
-    config = config or variants.default_decode_config(variants.capability_of(arch),
-                                                      max(head_dim, v_head_dim))
     window = (window[0], 0) if causal else tuple(window)
     tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
@@ -260,20 +256,39 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)] + \
         [ScalarConstraint(ct.int32)] * 3
     cc = CallingConvention.cutile_python_v1()
-    cubins = {"decode": _export(decode.replace_hints(**config.hints()), KernelSignature(
+    kernels = {"decode": (decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
          _index_array(1), _index_array(2), _array(ct.float32, 3), _array(ct.float32, 2),
-         *scalars, *spec.constants()], cc), arch)}
+         *scalars, *spec.constants()], cc))}
     if splits > 1:
-        cubins["combine"] = _export(decode_combine, KernelSignature(
+        kernels["combine"] = (decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
              _array(ct.float32, 3), variants.tile_width(splits, 1),
-             variants.tile_width(v_head_dim), store_lse], cc), arch)
-    cubins["append"] = _export(append, KernelSignature(
+             variants.tile_width(v_head_dim), store_lse], cc))
+    kernels["append"] = (append, KernelSignature(
         [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2),
          variants.tile_width(head_dim), variants.tile_width(v_head_dim),
-         page_size is not None, batch_idx], cc), arch)
-    return cubins
+         page_size is not None, batch_idx], cc))
+    return kernels
+
+
+def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
+                   v_head_dim: int | None = None, group: int = 8, q_len: int = 1,
+                   page_size: int | None = None, causal: bool = True,
+                   window: tuple[int, int] = (-1, -1), softcap: bool = False,
+                   alibi: bool = False, batch_idx: bool = False, splits: int = 4,
+                   store_lse: bool = True, config: variants.DecodeConfig | None = None,
+                   int64_index: bool = False, sinks: bool = False) -> dict[str, bytes]:
+    """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
+    ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
+    ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
+    elements or more, ``sinks`` the SINKS switch; other arguments as ``compile_forward``."""
+    config = config or variants.default_decode_config(variants.capability_of(arch),
+                                                      max(head_dim, v_head_dim or head_dim))
+    kernels = decode_signatures(config, dtype, head_dim, v_head_dim, group, q_len, page_size,
+                                causal, window, softcap, alibi, batch_idx, splits, store_lse,
+                                int64_index, sinks)
+    return {name: _export(kernel, sig, arch) for name, (kernel, sig) in kernels.items()}
 
 
 def _cuda_tool(name: str) -> str:
