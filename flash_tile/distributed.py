@@ -71,6 +71,12 @@ class _GatherShards(torch.autograd.Function):
         return total.chunk(world, dim=1)[rank], None
 
 
+def gather_shards(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's [B, L_local, ...] shard of ``group`` concatenated in rank order along dim
+    1, differentiable (the gradient of each shard returns to its owner, summed)."""
+    return _GatherShards.apply(x, group)
+
+
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
     """Rank ``rank``'s shard of the whole sequence ``x`` along ``dim`` (flash-attn's [B, L,
     H, D]: dim 1): chunks rank and 2W - 1 - rank of 2W equal chunks, concatenated. L must be a
@@ -145,7 +151,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
 
     chunk = q.shape[1] // 2
     # The whole K and V in sequence order, [B, H_kv, L, D] views for the local calls.
-    k_all, v_all = (zigzag_unshard(list(_GatherShards.apply(t, group).chunk(world, dim=1)))
+    k_all, v_all = (zigzag_unshard(list(gather_shards(t, group).chunk(world, dim=1)))
                     .transpose(1, 2) for t in (k, v))
     outs = []
     for piece, position in zip(q.split(chunk, dim=1), (rank, 2 * world - 1 - rank)):

@@ -1,0 +1,166 @@
+"""Context-parallel benchmark: one sequence sharded over W GPUs against one GPU.
+
+Each row is one causal sequence of L tokens (bf16, D = 128, GQA 32/8): ``flash_attn_func`` on
+one GPU, then ``flash_tile.distributed.ring_flash_attn_func`` on W GPUs (W processes, NCCL,
+zigzag shards), forward and forward+backward. The sharded run's output is checked against
+the one-GPU output (the largest difference is recorded: bf16 rounding apart, both run the
+same kernels). TFLOP/s count the whole sequence's
+FLOPs (``_timing.flops``) over the slowest rank's median time; ``speedup_vs_1gpu`` is the
+W-GPU rate over the one-GPU rate. ``gather_ms`` times the K/V all-gather alone: the form
+gathers before its kernels, so none of it is hidden.
+
+    python bench/bench_context_parallel.py            # bench/results/context-parallel-<gpu>x2.*
+
+Needs W GPUs on one host. NVLink multicast stays off (flash_tile.distributed sets
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+Writes <out>.json (rows with ``seqlen``, ``tflops`` {"1gpu", "2gpu"} and
+``fwd_bwd_tflops`` likewise, ``speedup_vs_1gpu``, ``fwd_bwd_speedup_vs_1gpu``, ``gather_ms``),
+<out>.md and <out>.png.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flash_tile
+from bench_attention import machine_info, md_table, results_path, save_json, write_report
+from flash_tile import distributed
+from flash_tile._timing import cuda_time_ms, flops
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+ROUNDS = 3
+
+
+def _inputs(length, device):
+    gen = torch.Generator(device=device).manual_seed(length)
+    return [torch.randn(1, length, h, HEAD_DIM, generator=gen, device=device,
+                        dtype=torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+
+
+def _steps(attention, q, k, v, dout):
+    """(forward, forward+backward) of ``attention`` as zero-argument calls on leaves."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        attention(*leaves).backward(dout)
+    return (lambda: attention(*leaves)), fwd_bwd
+
+
+def _median_ms(fn):
+    return statistics.median(cuda_time_ms(fn, warmup=1, iters=3) for _ in range(ROUNDS))
+
+
+def _worker(rank, world, path, lengths, results):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        for length in lengths:
+            whole = _inputs(length, f"cuda:{rank}")
+            q, k, v, dout = (distributed.zigzag_shard(t, rank, world) for t in whole)
+            forward, fwd_bwd = _steps(
+                lambda *t: distributed.ring_flash_attn_func(*t, causal=True), q, k, v, dout)
+            mine = forward().detach()
+            times = torch.tensor([_median_ms(forward), _median_ms(fwd_bwd),
+                                  _median_ms(lambda: distributed.gather_shards(k))],
+                                 device=f"cuda:{rank}")
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            if rank == 0:  # one GPU on the whole sequence, and rank 0's rows against it
+                one_fwd, one_fwd_bwd = _steps(
+                    lambda *t: flash_tile.flash_attn_func(*t, causal=True), *whole[:3],
+                    whole[3])
+                expect = distributed.zigzag_shard(one_fwd().detach(), 0, world)
+                results[length] = (*times.tolist(), _median_ms(one_fwd),
+                                   _median_ms(one_fwd_bwd),
+                                   (mine.float() - expect.float()).abs().max().item())
+            del whole, q, k, v, dout, mine
+            torch.cuda.empty_cache()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def bench(lengths, world):
+    rows = []
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
+        results = manager.dict()
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), lengths, results),
+                 nprocs=world, join=True)
+        for length in lengths:
+            fwd_ms, fwd_bwd_ms, gather_ms, one_fwd, one_fwd_bwd, err = results[length]
+            f = flops(1, HEADS, length, length, HEAD_DIM, True)
+            rows.append({
+                "seqlen": length, "gpus": world, "max_abs_diff_vs_1gpu": err,
+                "tflops": {"1gpu": round(f / one_fwd / 1e9, 1),
+                           f"{world}gpu": round(f / fwd_ms / 1e9, 1)},
+                "fwd_bwd_tflops": {"1gpu": round(3.5 * f / one_fwd_bwd / 1e9, 1),
+                                   f"{world}gpu": round(3.5 * f / fwd_bwd_ms / 1e9, 1)},
+                "speedup_vs_1gpu": round(one_fwd / fwd_ms, 3),
+                "fwd_bwd_speedup_vs_1gpu": round(one_fwd_bwd / fwd_bwd_ms, 3),
+                "gather_ms": round(gather_ms, 3)})
+    return rows
+
+
+def table(rows):
+    head = ["L", "GPUs", "fwd TFLOP/s 1 GPU", "fwd W GPUs", "speedup", "fwd+bwd 1 GPU",
+            "fwd+bwd W GPUs", "speedup", "K gather ms", "target (>= 1.8x at L >= 64k)"]
+    lines = []
+    for r in rows:
+        w = f"{r['gpus']}gpu"
+        met = r["seqlen"] < 65536 or min(r["speedup_vs_1gpu"],
+                                          r["fwd_bwd_speedup_vs_1gpu"]) >= 1.8
+        lines.append([r["seqlen"], r["gpus"], r["tflops"]["1gpu"], r["tflops"][w],
+                      f"{r['speedup_vs_1gpu']:.2f}x", r["fwd_bwd_tflops"]["1gpu"],
+                      r["fwd_bwd_tflops"][w], f"{r['fwd_bwd_speedup_vs_1gpu']:.2f}x",
+                      r["gather_ms"], "met" if met else "missed"])
+    return (f"Causal, bf16, D = {HEAD_DIM}, GQA {HEADS}/{KV_HEADS}, batch 1; the slowest "
+            "rank's median GPU time.\n\n" + md_table(head, lines))
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{r['seqlen'] // 1024}k" for r in rows]
+    for i, key in enumerate(("speedup_vs_1gpu", "fwd_bwd_speedup_vs_1gpu")):
+        ax.bar([x + 0.4 * i for x in range(len(rows))], [r[key] for r in rows], 0.4,
+               label="forward" if i == 0 else "fwd+bwd")
+    ax.axhline(1.8, color="gray", linestyle="--", linewidth=1, label="1.8x target")
+    ax.set_xticks([x + 0.2 for x in range(len(rows))], labels)
+    ax.set_ylabel("speedup over one GPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", nargs="+", type=int,
+                        default=[32768, 65536, 131072, 262144])
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--out", help="output path prefix (default: "
+                                      "bench/results/context-parallel-<gpu>x<W>)")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"needs {args.gpus} GPUs, {torch.cuda.device_count()} visible")
+    args.out = args.out or results_path("context-parallel") + f"x{args.gpus}"
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    info = machine_info()
+    rows = bench(args.lengths, args.gpus)
+    save_json(args.out, info, rows=rows)
+    write_report(args.out, f"Context parallelism, {args.gpus} GPUs against one", info,
+                 table(rows))
+    plot(rows, args.out + ".png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
