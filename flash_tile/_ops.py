@@ -21,9 +21,10 @@ whenever a gradient will be needed, since the backward recomputes P from it).
 ``attention_backward`` returns dQ, dK, dV laid out as their inputs where those are contiguous,
 else as [B, L, H, D], and the sinks' gradient (an empty tensor without sinks: an op returns
 tensors); it takes the LSE's gradient too (None when nothing differentiates through the LSE).
-Sinks (the ops' optional ``sinks``, [H] fp32) do not enter the tuner's problem
-class: a class tuned without them launches the same tiles with them. The variants are the autotuner's choice among the registered variants of the
-device's architecture and head dim, or their default with ``FLASH_TILE_AUTOTUNE=0``
+Sinks (the ops' optional ``sinks``, [H] fp32) do not enter the tuner's problem class: a class
+tuned without them launches the same tiles with them. The variants are the autotuner's choice
+among the registered variants of the device's architecture and head dim, or their default
+with ``FLASH_TILE_AUTOTUNE=0``
 (``flash_tile.autotune``).
 """
 
