@@ -38,7 +38,7 @@ TENSOR_CORE_OP = {"sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "H
 TMA_ARCHS = ("sm_90", "sm_100", "sm_103", "sm_120", "sm_121")
 
 _COUNTED = {
-    "tensor_core": re.compile(r"\b(HGMMA|HMMA|UTC\w*MMA)\b"),
+    "tensor_core": re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA|UTC\w*MMA)\b"),
     "tma_load": re.compile(r"\bUTMALDG\b"),
     "tma_store": re.compile(r"\bUTMASTG\b"),
     "exp2": re.compile(r"\bMUFU\.EX2\b"),
