@@ -92,6 +92,12 @@ def test_summarize_counts_known_listing():
     summary = aot.summarize(listing)
     assert summary == {"tensor_core": 1, "tma_load": 1, "tma_store": 0, "exp2": 1, "barrier": 1,
                        "global_load": 0, "local_memory": 1, "instructions": 5}
+    fp8 = """
+        /*0100*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
+        /*0110*/                   QMMA.16832.F32.E4M3.E4M3 R4, R8, R12, R4 ;
+        /*0120*/                   UTCQMMA gdesc[UR4], gdesc[UR6], tmem[UR8], idesc[UR9] ;
+    """
+    assert aot.summarize(fp8)["tensor_core"] == 3  # the FP8 tensor-core forms count too
 
 
 # The 64-bit-index entry point loads without TMA, so its addresses live in registers: with the
