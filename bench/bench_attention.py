@@ -228,6 +228,24 @@ def results_path(name, gpu=None):
                         f"{name}-{gpu.split()[-1].lower()}")
 
 
+def pass_bars(path, labels, forward, fwd_bwd, target, target_label, ylabel):
+    """A PNG of two bars a row (forward, forward+backward values) against a dashed target
+    line: the plot of the benchmarks that report one figure per pass."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, (values, name) in enumerate(((forward, "forward"), (fwd_bwd, "fwd+bwd"))):
+        ax.bar([x + 0.4 * i for x in range(len(labels))], values, 0.4, label=name)
+    ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=target_label)
+    ax.set_xticks([x + 0.2 for x in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def md_table(head, rows) -> str:
     """A Markdown table: the header cells, then one list of cells per row."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -28,7 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flash_tile
-from bench_attention import machine_info, md_table, results_path, save_json, write_report
+from bench_attention import (machine_info, md_table, pass_bars, results_path, save_json,
+                             write_report)
 from flash_tile import distributed
 from flash_tile._timing import cuda_time_ms, flops
 
@@ -124,21 +125,9 @@ def table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['seqlen'] // 1024}k" for r in rows]
-    for i, key in enumerate(("speedup_vs_1gpu", "fwd_bwd_speedup_vs_1gpu")):
-        ax.bar([x + 0.4 * i for x in range(len(rows))], [r[key] for r in rows], 0.4,
-               label="forward" if i == 0 else "fwd+bwd")
-    ax.axhline(1.8, color="gray", linestyle="--", linewidth=1, label="1.8x target")
-    ax.set_xticks([x + 0.2 for x in range(len(rows))], labels)
-    ax.set_ylabel("speedup over one GPU")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    pass_bars(path, [f"{r['seqlen'] // 1024}k" for r in rows],
+              [r["speedup_vs_1gpu"] for r in rows], [r["fwd_bwd_speedup_vs_1gpu"] for r in rows],
+              1.8, "1.8x target", "speedup over one GPU")
 
 
 def main():

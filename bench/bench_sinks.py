@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 import flash_tile
-from bench_attention import (device_ms, machine_info, md_table, results_path, save_json,
-                             write_report)
+from bench_attention import (device_ms, machine_info, md_table, pass_bars, results_path,
+                             save_json, write_report)
 from flash_tile import reference
 from flash_tile._timing import interleaved_ms
 
@@ -88,23 +88,11 @@ def table(rows):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     done = [r for r in rows if r["ok"]]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"L{r['seqlen']} {'band' if r['window'][0] >= 0 else 'causal'}" for r in done]
-    for i, (key, name) in enumerate((("sink_cost", "forward"),
-                                     ("fwd_bwd_sink_cost", "fwd+bwd"))):
-        ax.bar([x + 0.4 * i for x in range(len(done))], [100 * r[key] for r in done], 0.4,
-               label=name)
-    ax.axhline(2, color="gray", linestyle="--", linewidth=1, label="2% target")
-    ax.set_xticks([x + 0.2 for x in range(len(done))], labels, fontsize=8)
-    ax.set_ylabel("time with sinks, % over without")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    pass_bars(path, [f"L{r['seqlen']} {'band' if r['window'][0] >= 0 else 'causal'}"
+                     for r in done], [100 * r["sink_cost"] for r in done],
+              [100 * r["fwd_bwd_sink_cost"] for r in done], 2, "2% target",
+              "time with sinks, % over without")
 
 
 def main():
