@@ -194,18 +194,24 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _saved_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The forward's saved LSE, which the backward recomputes P from: an op called without
+    ``return_lse`` saved an empty one and has no backward."""
+    if lse.numel() == 0:
+        raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
+                           "call it through flash_tile's public functions")
+    return lse
+
+
 def _backward(ctx, dout, dlse, run_backward):
     """The gradients of the forward's 14 inputs (q, k, v's and the sinks'; None for the
     rest), by ``run_backward``: the backward op under torch.compile, its body in eager mode."""
     q, k, v, out, lse, alibi_slopes, attn_mask, sinks = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
-    if lse.numel() == 0:
-        raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
-                           "call it through flash_tile's public functions")
-    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask,
-                                      ctx.scale, ctx.softcap, ctx.diag_offset, *ctx.window,
-                                      *ctx.dropout, sinks)
+    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, _saved_lse(lse), dlse, alibi_slopes,
+                                      attn_mask, ctx.scale, ctx.softcap, ctx.diag_offset,
+                                      *ctx.window, *ctx.dropout, sinks)
     return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
 
 
@@ -385,9 +391,9 @@ def _varlen_backward(ctx, dout, dlse, run_backward):
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks, seqused_k = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *ctx.lengths,
-                                      alibi_slopes, ctx.scale, ctx.softcap, *ctx.window,
-                                      *ctx.dropout, sinks, seqused_k)
+    dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, _saved_lse(lse), dlse, cu_q, cu_k,
+                                      *ctx.lengths, alibi_slopes, ctx.scale, ctx.softcap,
+                                      *ctx.window, *ctx.dropout, sinks, seqused_k)
     return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks, None)
 
 

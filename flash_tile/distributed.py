@@ -99,9 +99,9 @@ def kernel_attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
     under GQA), query row i seeing key j iff i + diag_offset - left <= j <= i + diag_offset +
     right; returns the output [B, H, Lq, Dv], differentiable. The seam ``ring_flash_attn_func``
     takes as ``attention``: the CPU tests put the float64 reference there."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _ = attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
-                               window[1], torch.is_grad_enabled(), dropout_p,
-                               _dropout_seed(dropout_p))
+                               window[1], needs_grad, dropout_p, _dropout_seed(dropout_p))
     return out
 
 
