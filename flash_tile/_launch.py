@@ -14,7 +14,8 @@ import cuda.tile as ct
 import torch
 
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
-from flash_tile.kernels.attention_bwd import attention_bwd_dkdv, attention_bwd_dq
+from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
+                                              attention_bwd_dq_convert, attention_bwd_preprocess)
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
@@ -61,10 +62,20 @@ class ForwardSpec:
         SINKS (the dQ kernel forms the sinks' gradient), SEQUSED_K."""
         return (*self._backward_shared(), lse_grad, self.varlen, self.sinks, self.seqused_k)
 
-    def dkdv_constants(self, group: int, group_inner: bool) -> tuple:
+    def dkdv_constants(self, group: int, group_inner: bool, dq_accum: bool = False) -> tuple:
         """The dK/dV kernel's: the backward's switches, the GQA group size and loop order,
-        VARLEN, SEQUSED_K."""
-        return (*self._backward_shared(), group, group_inner, self.varlen, self.seqused_k)
+        VARLEN, SEQUSED_K, and DQ_ACCUM (the one-pass form adds dQ into an accumulator)."""
+        return (*self._backward_shared(), group, group_inner, self.varlen, self.seqused_k,
+                dq_accum)
+
+    def preprocess_constants(self, lse_grad: bool) -> tuple:
+        """The one-pass preprocess kernel's: TILE_M, TILE_D, TILE_DV, LSE_GRAD, VARLEN,
+        SINKS."""
+        return (self.tile_m, self.tile_d, self.tile_dv, lse_grad, self.varlen, self.sinks)
+
+    def convert_constants(self) -> tuple:
+        """The one-pass dQ convert kernel's: TILE_M, TILE_D, SOFTCAP, VARLEN."""
+        return (self.tile_m, self.tile_d, self.softcap, self.varlen)
 
 
 @dataclass(frozen=True)
@@ -174,9 +185,24 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
 
 @functools.cache
 def hinted_backward_kernels(config: TileConfig) -> tuple:
-    """(dQ, dK/dV), in launch order, with ``config``'s hints."""
+    """The backward's kernels in launch order: (dQ, dK/dV) with ``config``'s hints, or in
+    the one-pass form (preprocess, dK/dV with the hints, dQ convert): the two small kernels
+    move a few bytes per element and take tileiras's defaults."""
     hints = tuple(config.hints().items())
+    if config.one_pass:
+        return (attention_bwd_preprocess, _with_hints(attention_bwd_dkdv, hints),
+                attention_bwd_dq_convert)
     return tuple(_with_hints(kernel, hints) for kernel in (attention_bwd_dq, attention_bwd_dkdv))
+
+
+def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
+    """The one-pass backward's fp32 dQ sums, q's shape [B, H, Lq, D], rows padded to a
+    multiple of 16 bytes: TMA reduce-adds need 16-byte aligned strides (per-element atomics
+    otherwise). The preprocess kernel zeroes it (no memset launch)."""
+    batch, heads, q_len, head_dim = q.shape
+    padded = -(-head_dim // 4) * 4
+    return torch.empty((batch, heads, q_len, padded), dtype=torch.float32,
+                       device=q.device)[..., :head_dim]
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
@@ -284,18 +310,21 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     config: TileConfig, dropout: Dropout = NO_DROPOUT,
                     varlen: Varlen | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Launch the backward (dQ, then dK/dV) on the current stream of ``q``'s device.
+    """Launch the backward on the current stream of ``q``'s device.
 
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
     LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
-    writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype;
-    deterministic (no atomics). 32-bit indexing only. The dK/dV kernel runs on ``config``'s
-    tiles, the dQ kernel on ``config.dq_kernel()``'s; the dQ kernel also stores
-    Delta = rowsum(dO * O) - dLSE, which the dK/dV kernel reads. With ``varlen`` the arrays
-    are packed as ``launch_forward``'s (dlse [1, H, total_q]). With ``sinks`` (the forward's)
-    returns their gradient [H] fp32: the dQ kernel's per-tile shares summed here in a fixed
-    order (deterministic); else None.
+    writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype. 32-bit
+    indexing only. Two forms (``config.one_pass``):
+      - two passes, deterministic (no atomics): the dQ kernel on ``config.dq_kernel()``'s
+        tiles, which also stores Delta = rowsum(dO * O) - dLSE, then dK/dV on ``config``'s;
+      - one pass: a preprocess kernel (Delta, and zeros in an fp32 dQ accumulator,
+        ``dq_accumulator``), dK/dV on ``config``'s tiles adding dQ into the accumulator,
+        and a convert kernel writing dq; dq's last bits depend on the order of the adds.
+    With ``varlen`` the arrays are packed as ``launch_forward``'s (dlse [1, H, total_q]).
+    With ``sinks`` (the forward's) returns their gradient [H] fp32: per-tile shares of the
+    kernel that forms Delta, summed here in a fixed order (deterministic); else None.
     """
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
     if needs_int64_index(*arrays):
@@ -309,6 +338,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0, sinks is not None)
                      for c in (config, dq_config))
+    dq_acc = dq_accumulator(q) if config.one_pass else None
     if varlen is not None:
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
         q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch
@@ -319,20 +349,33 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if sinks is not None:
         (dsinks,) = sinks_workspace((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
                                     varlen is not None, q.device)
-    sinks_arg, dsinks_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3))
+    sinks_arg, dsinks_arg, dq_acc_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3),
+                                                     (dq_acc, 4))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
-    dq_kernel, dkdv = hinted_backward_kernels(config)
+    q_grid = forward_grid(q_len, heads, batch, dq_config)
+    dkdv_grid = (ct.cdiv(k_len, config.tile_n), kv_heads, batch)
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, cu_q, cu_k,
+                 used_k, *scalars,
+                 *spec.dkdv_constants(heads // kv_heads, config.group_inner, config.one_pass))
+    kernels = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
-        ct.launch(stream, forward_grid(q_len, heads, batch, dq_config), dq_kernel,
-                  (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q, cu_k,
-                   sinks_arg, dsinks_arg, used_k, *scalars,
-                   *dq_spec.dq_constants(dlse is not None)))
-        ct.launch(stream, (ct.cdiv(k_len, config.tile_n), kv_heads, batch), dkdv,
-                  (q, k, v, dout, lse, delta, dk, dv, slopes, attn_mask, cu_q, cu_k, used_k,
-                   *scalars,
-                   *spec.dkdv_constants(heads // kv_heads, config.group_inner)))
+        if config.one_pass:
+            preprocess, dkdv, convert = kernels
+            ct.launch(stream, q_grid, preprocess,
+                      (out, dout, lse, dlse_arg, delta, dq_acc, cu_q, sinks_arg, dsinks_arg,
+                       *dq_spec.preprocess_constants(dlse is not None)))
+            ct.launch(stream, dkdv_grid, dkdv, dkdv_args)
+            ct.launch(stream, q_grid, convert,
+                      (dq_acc, dq, cu_q, float(scale), *dq_spec.convert_constants()))
+        else:
+            dq_kernel, dkdv = kernels
+            ct.launch(stream, q_grid, dq_kernel,
+                      (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q,
+                       cu_k, sinks_arg, dsinks_arg, used_k, *scalars,
+                       *dq_spec.dq_constants(dlse is not None)))
+            ct.launch(stream, dkdv_grid, dkdv, dkdv_args)
     return None if dsinks is None else dsinks.sum((0, 2))
 
 

@@ -132,8 +132,9 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         lse_grad: bool = False, dropout: bool = False,
                         aligned: bool = False, varlen: bool = False, sinks: bool = False,
                         seqused_k: bool = False) -> tuple[KernelSignature, ...]:
-    """Signatures of (dQ, dK/dV) for one variant, in ``launch_backward``'s order (dK/dV on
-    ``config``'s tiles, dQ on ``config.dq_kernel()``'s);
+    """Signatures of the backward's kernels for one variant, in ``launch_backward``'s order:
+    (dQ, dK/dV), or (preprocess, dK/dV, convert) for a ``config.one_pass`` variant (dK/dV on
+    ``config``'s tiles, the others on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE;
     ``varlen`` the VARLEN switch and ``seqused_k`` its SEQUSED_K; ``sinks`` the dQ kernel's
     SINKS switch."""
@@ -147,12 +148,27 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
     dq_spec = dataclasses.replace(dq_spec, sinks=sinks)
     cc = CallingConvention.cutile_python_v1()
     cu = (_index_array(1), _index_array(1))
+    # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator).
+    acc = _array(ct.float32, 4, row=-(-head_dim // 4) * 4)
+    dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *cu,
+                            _index_array(1), *scalars,
+                            *spec.dkdv_constants(group, config.group_inner, config.one_pass)],
+                           cc)
+    if config.one_pass:
+        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, acc, cu[0], _sinks(),
+                                 _array(ct.float32, 3),
+                                 *dq_spec.preprocess_constants(lse_grad)], cc),
+                dkdv,
+                KernelSignature([acc, dq_qk, cu[0], ScalarConstraint(ct.float32),
+                                 *dq_spec.convert_constants()], cc))
     return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
                              mask, *cu, _sinks(), _array(ct.float32, 3), _index_array(1),
                              *scalars, *dq_spec.dq_constants(lse_grad)], cc),
-            KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, slopes, mask, *cu,
-                             _index_array(1), *scalars,
-                             *spec.dkdv_constants(group, config.group_inner)], cc))
+            dkdv)
+
+
+#: The backward's kernel names in launch order, by ``TileConfig.one_pass``.
+BACKWARD_KERNELS = {False: ("dq", "dkdv"), True: ("preprocess", "dkdv", "convert")}
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False):
@@ -200,7 +216,8 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      lse_grad: bool = False, dropout: bool = False,
                      aligned: bool = False, varlen: bool = False,
                      sinks: bool = False, seqused_k: bool = False) -> dict[str, bytes]:
-    """Cubins of the backward kernels ("dq", "dkdv") for ``arch``, arguments as
+    """Cubins of the backward kernels ("dq", "dkdv"; one-pass variants "preprocess", "dkdv",
+    "convert": ``BACKWARD_KERNELS``) for ``arch``, arguments as
     ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
     gradient reaches the LSE); the config defaults to the architecture's backward default for
     the class (``variants.default_backward_config``: plain without dropout and score features).
@@ -212,7 +229,8 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned,
                                varlen, sinks, seqused_k)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
-            zip(("dq", "dkdv"), hinted_backward_kernels(config), sigs)}
+            zip(BACKWARD_KERNELS[config.one_pass], hinted_backward_kernels(config), sigs,
+                strict=True)}
 
 
 def _sinks() -> ArrayConstraint:

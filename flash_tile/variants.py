@@ -21,7 +21,9 @@ class TileConfig:
     ``dq_tile_m`` and ``dq_tile_n`` (backward) are the dQ kernel's own query rows per program
     and key rows per step (it also forms Delta for those rows); None takes ``tile_m`` /
     ``tile_n``, which the dK/dV kernel reads (key rows per program ``tile_n``, query rows per
-    step ``tile_m``).
+    step ``tile_m``). ``one_pass`` (backward) runs the one-pass form: dK/dV also adds dQ into
+    an fp32 accumulator (TMA reduce-adds), with no dQ kernel; the dQ tiles then size the small
+    preprocess and convert kernels. Its dQ is not bitwise reproducible.
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads.
     """
@@ -36,6 +38,7 @@ class TileConfig:
     dq_tile_n: int | None = None
     latency_k: int = 2
     latency_v: int = 4
+    one_pass: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):

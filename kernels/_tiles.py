@@ -187,20 +187,28 @@ def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt, latency=Non
     return tile.reshape((ROWS, COLS))
 
 
+def query_bounds(Q, CuSeqQ, VARLEN: ConstBool):
+    """(q_start, q_len) of this program's sequence: the whole of axis 2 of Q, or under VARLEN
+    sequence bid(2) of the packed Q, read from the cumulative lengths CuSeqQ [B + 1] int32."""
+    if VARLEN:
+        q_start = ct.load(CuSeqQ, (ct.bid(2),), shape=()).item()
+        return q_start, ct.load(CuSeqQ, (ct.bid(2) + 1,), shape=()).item() - q_start
+    return 0, Q.shape[2]
+
+
 def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN: ConstBool, SEQUSED_K: ConstBool):
-    """(q_start, q_len, k_start, k_len) of this program's sequence: the whole of axis 2 of Q
-    and K, or under VARLEN sequence bid(2) of the packed arrays, read from the cumulative
-    lengths CuSeqQ, CuSeqK [B + 1] int32; under SEQUSED_K its first SeqUsedK[b] keys."""
+    """(q_start, q_len, k_start, k_len) of this program's sequence: ``query_bounds`` and the
+    same for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys."""
+    q_start, q_len = query_bounds(Q, CuSeqQ, VARLEN)
     if VARLEN:
         seq = ct.bid(2)
-        q_start = ct.load(CuSeqQ, (seq,), shape=()).item()
         k_start = ct.load(CuSeqK, (seq,), shape=()).item()
         if SEQUSED_K:
             k_len = ct.load(SeqUsedK, (seq,), shape=()).item()
         else:
             k_len = ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start
-        return q_start, ct.load(CuSeqQ, (seq + 1,), shape=()).item() - q_start, k_start, k_len
-    return 0, Q.shape[2], 0, K.shape[2]
+        return q_start, q_len, k_start, k_len
+    return q_start, q_len, 0, K.shape[2]
 
 
 def load_seq_rows(A, batch, head, start, index, ROWS: ConstInt, COLS: ConstInt,
@@ -233,6 +241,17 @@ def store_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool
             (0, head, index, 0), tile)
     else:
         ct.store(A, index=(batch, head, index, 0), tile=tile)
+
+
+def add_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
+    """Add the [1, 1, ROWS, COLS] ``tile`` into tile ``index`` of A[batch, head] atomically, as
+    ``store_seq_rows`` stores it: a tiled view's reduce-add, which tileiras makes one TMA
+    reduce (UTMAREDG) where A is 16-byte aligned, and per-element REDs otherwise."""
+    if VARLEN:
+        A.slice(axis=2, start=start, stop=start + length).tiled_view(
+            tile.shape).atomic_store_add((0, head, index, 0), tile)
+    else:
+        A.tiled_view(tile.shape).atomic_store_add((batch, head, index, 0), tile)
 
 
 def store_seq_vector(A, batch, head, start, length, index, tile, VARLEN: ConstBool):

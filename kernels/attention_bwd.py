@@ -22,8 +22,10 @@ recomputed from the same hash (``_tiles.dropout_keep``), r = 1 / (1 - p_drop):
 dV_j = sum_i r z_ij p_ij dO_i and dS_ij = p_ij (r z_ij dO_i . v_j - Delta_i), Delta from the
 dropped output as always.
 
-Two passes, each summing in registers and storing once, so the result does not depend on the
-order programs run in (deterministic, no atomics):
+Two forms share the dK/dV body.
+
+Two passes (deterministic): each sums in registers and stores once, so the result does not
+depend on the order programs run in (no atomics):
   - dQ, launched first: one program per (query tile, head, batch) forms its rows' Delta from
     the O and dO tiles (dO it holds for dP anyway), stores it for the other pass, and walks
     the key tiles as the forward does;
@@ -31,15 +33,23 @@ order programs run in (deterministic, no atomics):
     query head of its GQA group, reading Delta, working on S^T = K Q^T so that P^T and dX^T,
     as computed, are the left operands of dV += P^T dO and dK += dX^T Q (Q and dO are
     transposed as tiles for S^T and dP^T).
-A separate Delta kernel would read O and dO once more, and cost a third launch.
+The dQ pass recomputes S and dP: seven tile matmuls per pair of tiles in all.
+
+One pass (DQ_ACCUM, FA2's and FA3's form): a preprocess kernel stores Delta and zeroes an
+fp32 dQ accumulator; the dK/dV kernel also forms dQ_i += dX_ij k_j (dX^T transposed as a
+tile: five matmuls per pair) and adds it into the accumulator with a tiled view's reduce-add,
+one TMA reduce (UTMAREDG) of the whole tile on sm_90 and sm_100; a convert kernel scales
+dQ and casts it to the inputs' dtype. The adds of one dQ tile come from different programs
+in whatever order they run, so dQ's last bits vary from run to run (dK and dV do not). Per
+pair it adds TILE_M x D fp32 values for 10 TILE_M TILE_N D flops, so the dK/dV tile wants
+many keys (TILE_N = 128 halves the traffic of 64).
+
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
-whole (``_tiles.tile_runs``). The dQ pass recomputes S and dP: seven tile matmuls per pair of
-tiles in all, where a single pass that sums dQ with atomic adds needs five; on the H200 that
-form measured 1.02-3.05x slower than the two passes (docs/kernel-internals.md). The passes may
-take their own tile shapes (a variant's choice): a program can own a tall tile of its rows and
-walk the other side in narrower steps. Under a causal band both start their heaviest programs
-first (the dK/dV pass by key tile order, the dQ pass by taking its query tiles last to first),
-so the light ones fill the tail of the launch.
+whole (``_tiles.tile_runs``). The passes may take their own tile shapes (a variant's choice):
+a program can own a tall tile of its rows and walk the other side in narrower steps. Under a
+causal band both start their heaviest programs first (the dK/dV pass by key tile order, the
+dQ pass by taking its query tiles last to first), so the light ones fill the tail of the
+launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
@@ -48,21 +58,23 @@ forward's (batch 1, the sequences one after another, CuSeqQ and CuSeqK their off
 both passes work per sequence as the forward does: bounds from the offsets, row-granular tile
 views, stores clipped to the sequence, diag_offset = k_len - q_len, early exit past the
 sequence's end. A query tile of the dK/dV pass that runs past its sequence holds the next
-one's rows: they get lse = +inf and Delta = 0, so their p, dS and contributions are 0.
+one's rows: they get lse = +inf and Delta = 0, so their p, dS and contributions are 0, and
+their dQ adds are clipped to the sequence as its stores are. dQacc [B, H, Lq, D] fp32.
 
 Sinks (SINKS). With the forward's LSE including the sink, P, Delta and every formula above are
 unchanged; the sink's own gradient is dsink_h = sum_i dL/dsink = -sum_i p_i,sink Delta_i with
-p_i,sink = exp(sink_h - lse_i) (the dLSE term is in Delta). The dQ pass, which holds Delta,
-stores each query tile's share; the launcher sums the shares (a fixed order: deterministic).
+p_i,sink = exp(sink_h - lse_i) (the dLSE term is in Delta). The kernel that forms Delta (the
+dQ pass, or the preprocess of the one-pass form) stores each query tile's share; the launcher sums the shares (a fixed order: deterministic).
 """
 
 import math
 
 import cuda.tile as ct
 
-from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, dropout_keep,
-                     heaviest_first, load_seq_rows, load_seq_vector, log2_scores, query_rows,
-                     sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
+from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, add_seq_rows,
+                     dropout_keep, heaviest_first, load_seq_rows, load_seq_vector, log2_scores,
+                     query_bounds, query_rows, sequence_bounds, store_seq_rows,
+                     store_seq_vector, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -112,12 +124,12 @@ def _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, til
     ct.store(dSinks, index=(batch, head, tile_m), tile=share.reshape((1, 1, 1)))
 
 
-def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, seq, i, dk, dv, offs_k,
-               band, drop, TILES, MASKED: ConstBool, FEATURES):
-    """Query tile i of one query head against this program's key tile; the new (dk, dv).
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN), seq = (q_start, q_len, k_start); the
-    rest as in ``_tiles``."""
-    TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN = TILES
+def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq, i, dk, dv,
+               offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES):
+    """Query tile i of one query head against this program's key tile; the new (dk, dv), and
+    under DQ_ACCUM the pair's share of dQ added into dQacc. TILES = (TILE_M, TILE_N, TILE_D,
+    TILE_DV, VARLEN, DQ_ACCUM), seq = (q_start, q_len, k_start); the rest as in ``_tiles``."""
+    TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM = TILES
     DROPOUT = FEATURES[6]
     q_start, q_len, _ = seq
     q = load_seq_rows(Q, batch, head, q_start, i, TILE_M, TILE_D, VARLEN)
@@ -145,51 +157,57 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, head, seq, i, dk,
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M)))  # [TILE_N, TILE_M]
     if FEATURES[3]:  # SOFTCAP: ds/dx varies per score; else it is the scale, applied to dK
         dx_t = dx_t * dscore
-    dk = ct.mma(dx_t.astype(q.dtype), q, dk)  # [TILE_N, TILE_D]
+    dx_t = dx_t.astype(q.dtype)
+    dk = ct.mma(dx_t, q, dk)  # [TILE_N, TILE_D]
+    if DQ_ACCUM:  # dQ_i += dX_ij k_j, summed over the key tiles by TMA reduce-adds in fp32
+        dq = ct.mma(ct.transpose(dx_t), k, ct.zeros((TILE_M, TILE_D), dtype=ct.float32))
+        add_seq_rows(dQacc, batch, head, q_start, q_len, i,
+                     dq.reshape((1, 1, TILE_M, TILE_D)), VARLEN)
     return dk, dv
 
 
-def _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, seq, i,
-                dk, dv, offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES,
+def _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head, g_first, seq,
+                i, dk, dv, offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES,
                 GROUP: ConstInt, HEADS: ConstInt):
     """Query tile i of the HEADS query heads from group member g_first on; the new (dk, dv)."""
     for h in range(HEADS):
-        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch,
+        dk, dv = _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch,
                             kv_head * GROUP + g_first + h, seq, i, dk, dv, offs_k, band, drop,
                             TILES, MASKED, FEATURES)
     return dk, dv
 
 
-def _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g_first, seq, runs,
-               dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt, HEADS: ConstInt):
+def _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head, g_first, seq,
+               runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP: ConstInt,
+               HEADS: ConstInt):
     """The query tiles the band lets through (masked edges, unmasked middle), each for the
     HEADS query heads from group member g_first on; the new (dk, dv)."""
     i_start, i_inner, i_outer, i_end = runs
     for i in range(i_start, i_inner):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head,
                              g_first, seq, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     for i in range(i_inner, i_outer):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head,
                              g_first, seq, i, dk, dv, offs_k, band, drop, TILES, False, FEATURES,
                              GROUP, HEADS)
     for i in range(i_outer, i_end):
-        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head,
+        dk, dv = _dkdv_heads(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head,
                              g_first, seq, i, dk, dv, offs_k, band, drop, TILES, True, FEATURES,
                              GROUP, HEADS)
     return dk, dv
 
 
-def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, SeqUsedK,
-               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-               dropout_threshold, dropout_scale,
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
+               SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+               dropout_seed, dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, EVEN_N: ConstBool,
                SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
                GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool,
-               SEQUSED_K: ConstBool):
+               SEQUSED_K: ConstBool, DQ_ACCUM: ConstBool):
     """dK, dV of key tile bid(0) of key/value head bid(1) of batch (under VARLEN, sequence)
-    bid(2).
+    bid(2), and under DQ_ACCUM its tile pairs' shares of dQ added into the fp32 dQacc.
 
     The GROUP query heads sharing the key/value head are summed in place, either head by head
     (each walking the query tiles) or, with GROUP_INNER, all heads per query tile. The two
@@ -210,7 +228,7 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, 
     seq = (q_start, q_len, k_start)
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     k = load_seq_rows(K, batch, kv_head, k_start, tile_n, TILE_N, TILE_D, VARLEN)
     v = load_seq_rows(V, batch, kv_head, k_start, tile_n, TILE_N, TILE_DV, VARLEN)
@@ -223,13 +241,14 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, 
     runs = tile_runs(n_start, q_len, -diag_offset - window_right, window_left - diag_offset,
                      TILE_N, TILE_M, MASK_RIGHT, MASK_LEFT)
     if GROUP_INNER:
-        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, 0, seq,
-                            runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP, GROUP)
+        dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head, 0,
+                            seq, runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP,
+                            GROUP)
     else:
         for g in range(GROUP):
-            dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, Slopes, Mask, batch, kv_head, g,
-                                seq, runs, dk, dv, offs_k, band, drop, TILES, FEATURES, GROUP,
-                                1)
+            dk, dv = _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head,
+                                g, seq, runs, dk, dv, offs_k, band, drop, TILES, FEATURES,
+                                GROUP, 1)
     if not SOFTCAP:  # ds/dx is the scale for every score: once here, not per score
         dk = dk * qk_scale
     store_seq_rows(dK, batch, kv_head, k_start, k_len, tile_n,
@@ -318,7 +337,7 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
 
 
 @ct.kernel
-def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK,
+def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                        SeqUsedK, qk_scale: float, softcap: float, diag_offset: int,
                        window_left: int, window_right: int, dropout_seed: int,
                        dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -327,16 +346,19 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, 
                        MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                        ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
                        GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool,
-                       SEQUSED_K: ConstBool):
-    """dK and dV, reading the Delta the dQ kernel stored. Grid (cdiv(Lk, TILE_N), H_kv, B);
-    GROUP = H / H_kv. Under VARLEN the arrays are packed as the forward's, CuSeqQ and CuSeqK
-    the sequences' cumulative lengths, the grid (cdiv(max_seqlen_k, TILE_N), H_kv, B); under
-    SEQUSED_K sequence b uses its first SeqUsedK[b] keys (the others' rows are not stored)."""
-    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, Slopes, Mask, CuSeqQ, CuSeqK, SeqUsedK,
-               qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-               dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT,
-               MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP, GROUP_INNER,
-               VARLEN, SEQUSED_K)
+                       SEQUSED_K: ConstBool, DQ_ACCUM: ConstBool):
+    """dK and dV, reading the Delta the dQ (or preprocess) kernel stored. Grid
+    (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv. Under VARLEN the arrays are packed as the
+    forward's, CuSeqQ and CuSeqK the sequences' cumulative lengths, the grid
+    (cdiv(max_seqlen_k, TILE_N), H_kv, B); under SEQUSED_K sequence b uses its first
+    SeqUsedK[b] keys (the others' rows are not stored). Under DQ_ACCUM (the one-pass form) it
+    also adds every tile pair's dQ, unscaled (dS k, or dX k under SOFTCAP), into dQacc
+    [B, H, Lq, D] fp32, which the preprocess kernel zeroed and the convert kernel reads."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
+               SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+               dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+               MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
+               GROUP_INNER, VARLEN, SEQUSED_K, DQ_ACCUM)
 
 
 @ct.kernel
@@ -360,3 +382,51 @@ def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuS
              dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
              MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN,
              SINKS, SEQUSED_K)
+
+
+@ct.kernel
+def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks,
+                             TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                             LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
+    """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
+    shares under SINKS (dSinks [B, H, cdiv(Lq, TILE_M)]) and zeros in dQacc [B, H, Lq, D]
+    fp32, for query tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2).
+    Grid (cdiv(Lq, TILE_M), H, B), or (cdiv(max_seqlen_q, TILE_M), H, B) under VARLEN."""
+    q_start, q_len = query_bounds(Out, CuSeqQ, VARLEN)
+    tile_m = ct.bid(0)
+    if VARLEN:
+        if tile_m * TILE_M >= q_len:  # the grid covers the longest sequence
+            return
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
+    delta = _delta(Out, do, dLse, Delta, batch, head, (q_start, q_len, 0), tile_m, TILE_M,
+                   TILE_DV, LSE_GRAD, VARLEN)
+    if SINKS:
+        lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
+        offs_q = tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
+        _dsink_share(Sinks, dSinks, lse.reshape((TILE_M, 1)) * LOG2_E, delta, offs_q, q_len,
+                     batch, head, tile_m, VARLEN)
+    store_seq_rows(dQacc, batch, head, q_start, q_len, tile_m,
+                   ct.zeros((1, 1, TILE_M, TILE_D), dtype=ct.float32), VARLEN)
+
+
+@ct.kernel
+def attention_bwd_dq_convert(dQacc, dQ, CuSeqQ, qk_scale: float, TILE_M: ConstInt,
+                             TILE_D: ConstInt, SOFTCAP: ConstBool, VARLEN: ConstBool):
+    """The one-pass backward's last launch: dQ = dQacc * scale (the scale once per element,
+    as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for query
+    tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2); grid as the
+    preprocess kernel's."""
+    q_start, q_len = query_bounds(dQ, CuSeqQ, VARLEN)
+    tile_m = ct.bid(0)
+    if VARLEN:
+        if tile_m * TILE_M >= q_len:
+            return
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    dq = load_seq_rows(dQacc, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
+    if not SOFTCAP:
+        dq = dq * qk_scale
+    store_seq_rows(dQ, batch, head, q_start, q_len, tile_m,
+                   dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)), VARLEN)
