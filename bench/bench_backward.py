@@ -1,5 +1,8 @@
 """Backward benchmark: forward+backward and backward-only TFLOP/s and peak memory against SDPA.
 
+flash_tile runs twice: its default backward (the one-pass form on Hopper, ``flash_tile``)
+and the deterministic two passes (``flash_tile_2pass``).
+
 Peak memory of a forward+backward is also measured against naive attention, over lengths.
 
 Every backend's gradients are first checked against an fp32 reference with flash-attn's 3x
@@ -76,7 +79,14 @@ def _backward_only(run, q, k, v, dout):
 
 
 # The backends whose backward is timed on the device alone, and its rounds and calls a round.
-DEVICE_BACKENDS = ("flash_tile", "sdpa_cudnn", "sdpa_flash")
+DEVICE_BACKENDS = ("flash_tile", "flash_tile_2pass", "sdpa_cudnn", "sdpa_flash")
+
+
+def _two_pass(q, k, v, causal):
+    """flash_tile with ``deterministic=True``: the two-pass backward (bitwise reproducible),
+    on the same [B, H, L, D] tensors, read in place as [B, L, H, D]."""
+    return flash_tile.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                      causal=causal, deterministic=True).transpose(1, 2)
 DEVICE_ROUNDS, DEVICE_ITERS = 3, 10
 
 
@@ -213,8 +223,9 @@ def dropout_table(rows):
 
 def table(rows, memory):
     """The grid's TFLOP/s and per-row peak memory (when it has rows), then the memory sweep."""
-    names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "tilegym"]
-    mem_names = ["flash_tile", "sdpa_cudnn", "sdpa_flash", "naive"]
+    names = ["flash_tile", "flash_tile_2pass", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
+             "tilegym"]
+    mem_names = ["flash_tile", "flash_tile_2pass", "sdpa_cudnn", "sdpa_flash", "naive"]
     parts = []
     if rows:
         head = ["dtype", "B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
@@ -300,6 +311,7 @@ def main():
     args.out = args.out or results_path("backward")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     runners, missing = backends(args.skip, "tile_fmha_with_backward")
+    runners = {"flash_tile": runners.pop("flash_tile"), "flash_tile_2pass": _two_pass, **runners}
     rows, memory, dropout = [], [], []
 
     def save():  # after every row: a run cut short keeps what it measured

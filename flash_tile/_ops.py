@@ -108,23 +108,25 @@ def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mas
 
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
-            run):
+            run, deterministic: bool = False):
     """The tile variant for this call: the architecture's default for its class (plain scores
-    or not: ``variants.default_backward_config``), or the autotuner's pick among the
-    registered candidates (``flash_tile.autotune``). After the first call of a
-    problem class the answer comes from ``autotune.decided``, a dict hit of a few
-    microseconds: this runs on every call."""
+    or not, deterministic or not: ``variants.default_backward_config``), or the autotuner's
+    pick among the registered candidates (``flash_tile.autotune``; a ``deterministic``
+    backward among the two-pass ones). After the first call of a problem class the answer
+    comes from ``autotune.decided``, a dict hit of a few microseconds: this runs on every
+    call."""
     fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p)
-    problem = (backward, q.device, *fields, autotune.settings())
+    problem = (backward, deterministic, q.device, *fields, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
         plain = variants.is_plain(*fields[-4:])  # softcap, ALiBi, mask name, dropout
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
-                                      plain)
+                                      plain, deterministic)
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
-            key = autotune.problem_key(backward, capability, *fields)
+            key = autotune.problem_key(backward, capability, *fields,
+                                       deterministic=deterministic)
             config = autotune.choose(key, q.device, configs, run)
         if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
             autotune.decided[problem] = config
@@ -135,9 +137,10 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   alibi_slopes: torch.Tensor | None, attn_mask: torch.Tensor | None,
                   scale: float, softcap: float, diag_offset: int, window_left: int,
                   window_right: int, return_lse: bool, dropout_p: float = 0.0,
-                  dropout_seed: int = 0, sinks: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward op's body: choose the variant, allocate, launch."""
+                  dropout_seed: int = 0, sinks: torch.Tensor | None = None,
+                  deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward op's body: choose the variant, allocate, launch. ``deterministic`` is the
+    backward's (kept in the autograd context for it); the forward always is."""
     window = (window_left, window_right)
     run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
                          return_lse, Dropout(dropout_p, dropout_seed), sinks)
@@ -151,7 +154,7 @@ forward_op = torch.library.custom_op("flash_tile::attention_forward", _forward_i
 @forward_op.register_fake
 def _attention_forward_fake(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
                             window_left, window_right, return_lse, dropout_p=0.0,
-                            dropout_seed=0, sinks=None):
+                            dropout_seed=0, sinks=None, deterministic=False):
     return _forward_outputs(q, v, return_lse)
 
 
@@ -161,15 +164,24 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window_left: int, window_right: int,
                    dropout_p: float = 0.0, dropout_seed: int = 0,
-                   sinks: torch.Tensor | None = None
+                   sinks: torch.Tensor | None = None, deterministic: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward op's body: choose the variant, allocate, launch; (dq, dk, dv, dsinks)."""
+    """The backward op's body: choose the variant, allocate, launch; (dq, dk, dv, dsinks).
+    ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``) keeps to the two-pass
+    kernels, bitwise reproducible; else the one-pass form where it is the default."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
     run = backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
                           softcap, diag_offset, window, Dropout(dropout_p, dropout_seed), sinks)
-    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run))
+    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, run,
+                       _deterministic(deterministic)))
+
+
+def _deterministic(requested: bool) -> bool:
+    """Whether a backward must be bitwise reproducible: asked for by the call, or by torch's
+    global switch (``torch.use_deterministic_algorithms``), read when the backward runs."""
+    return requested or torch.are_deterministic_algorithms_enabled()
 
 
 backward_op = torch.library.custom_op("flash_tile::attention_backward", _backward_impl,
@@ -179,17 +191,18 @@ backward_op = torch.library.custom_op("flash_tile::attention_backward", _backwar
 @backward_op.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
                              softcap, diag_offset, window_left, window_right, dropout_p=0.0,
-                             dropout_seed=0, sinks=None):
+                             dropout_seed=0, sinks=None, deterministic=False):
     return (*_backward_outputs(q, k, v),
             _no_sinks(q.device) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, left, right, _, dropout_p,
-     dropout_seed, sinks) = inputs
+     dropout_seed, sinks, deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, attn_mask, sinks)
     ctx.scale, ctx.softcap, ctx.diag_offset = scale, softcap, diag_offset
+    ctx.deterministic = deterministic
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.set_materialize_grads(False)
 
@@ -204,15 +217,15 @@ def _saved_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(ctx, dout, dlse, run_backward):
-    """The gradients of the forward's 14 inputs (q, k, v's and the sinks'; None for the
+    """The gradients of the forward's 15 inputs (q, k, v's and the sinks'; None for the
     rest), by ``run_backward``: the backward op under torch.compile, its body in eager mode."""
     q, k, v, out, lse, alibi_slopes, attn_mask, sinks = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, _saved_lse(lse), dlse, alibi_slopes,
                                       attn_mask, ctx.scale, ctx.softcap, ctx.diag_offset,
-                                      *ctx.window, *ctx.dropout, sinks)
-    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks,)
+                                      *ctx.window, *ctx.dropout, sinks, ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks, None)
 
 
 def _op_backward(ctx, dout, dlse):
@@ -253,13 +266,13 @@ def _seen_by_a_tracer(*tensors: torch.Tensor) -> bool:
 
 def attention_forward(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset,
                       window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0,
-                      sinks=None):
+                      sinks=None, deterministic=False):
     """(out, lse) with autograd, arguments as the ``flash_tile::attention_forward`` op's: the
     op where something traces the call (``_seen_by_a_tracer``: a graph needs the op, its fake
     and its registered autograd), else the same body through ``_EagerAttention`` where q, k or
     v needs its gradient, and the body alone where none does (inference)."""
     args = (q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window_left,
-            window_right, return_lse, dropout_p, dropout_seed, sinks)
+            window_right, return_lse, dropout_p, dropout_seed, sinks, deterministic)
     return _dispatch(forward_op, _EagerAttention, _forward_impl, args, sinks)
 
 
@@ -306,9 +319,10 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window_left: int, window_right: int, return_lse: bool,
                          dropout_p: float = 0.0, dropout_seed: int = 0,
                          sinks: torch.Tensor | None = None,
-                         seqused_k: torch.Tensor | None = None
+                         seqused_k: torch.Tensor | None = None, deterministic: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The varlen forward op's body: allocate, launch the forward's VARLEN switch."""
+    """The varlen forward op's body: allocate, launch the forward's VARLEN switch
+    (``deterministic`` is the backward's, as ``_forward_impl``'s)."""
     out, lse = _varlen_outputs(q, v, return_lse)
     config = variants.default_config(device_properties(q.device)[0],
                                      max(q.shape[-1], v.shape[-1]))
@@ -327,7 +341,8 @@ varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varle
 @varlen_forward_op.register_fake
 def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                         dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None):
+                         dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
+                         deterministic=False):
     return _varlen_outputs(q, v, return_lse)
 
 
@@ -338,7 +353,7 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                           window_left: int, window_right: int, dropout_p: float = 0.0,
                           dropout_seed: int = 0, sinks: torch.Tensor | None = None,
-                          seqused_k: torch.Tensor | None = None
+                          seqused_k: torch.Tensor | None = None, deterministic: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen backward op's body: dq, dk, dv in the inputs' shapes and the sinks'
     gradient (empty without sinks), by the backward's VARLEN switch. Rows that no sequence
@@ -352,7 +367,8 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dv.zero_()
     plain = variants.is_plain(softcap > 0.0, alibi_slopes is not None, None, dropout_p > 0.0)
     config = variants.default_backward_config(device_properties(q.device)[0],
-                                              max(q.shape[-1], v.shape[-1]), plain)
+                                              max(q.shape[-1], v.shape[-1]), plain,
+                                              _deterministic(deterministic))
     dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None], *_packed(dq, dk, dv),
                              dlse, alibi_slopes, None, scale, softcap, 0,
                              (window_left, window_right), config,
@@ -371,30 +387,32 @@ varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
 def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
                           max_seqlen_q, max_seqlen_k, alibi_slopes, scale, softcap,
                           window_left, window_right, dropout_p=0.0, dropout_seed=0,
-                          sinks=None, seqused_k=None):
+                          sinks=None, seqused_k=None, deterministic=False):
     return (*_varlen_gradients(q, k, v),
             _no_sinks(q.device) if sinks is None else torch.empty_like(sinks))
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, softcap, left, right, _,
-     dropout_p, dropout_seed, sinks, seqused_k) = inputs
+     dropout_p, dropout_seed, sinks, seqused_k, deterministic) = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks, seqused_k)
     ctx.lengths, ctx.scale, ctx.softcap = (max_q, max_k), scale, softcap
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
+    ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, dout, dlse, run_backward):
-    """The gradients of the varlen forward's 17 inputs (q, k, v's and the sinks'; None for
+    """The gradients of the varlen forward's 18 inputs (q, k, v's and the sinks'; None for
     the rest)."""
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks, seqused_k = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, _saved_lse(lse), dlse, cu_q, cu_k,
                                       *ctx.lengths, alibi_slopes, ctx.scale, ctx.softcap,
-                                      *ctx.window, *ctx.dropout, sinks, seqused_k)
-    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks, None)
+                                      *ctx.window, *ctx.dropout, sinks, seqused_k,
+                                      ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks, None, None)
 
 
 def _varlen_op_backward(ctx, dout, dlse):
@@ -408,14 +426,15 @@ _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _var
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                     dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None):
+                     dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
+                     deterministic=False):
     """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
     ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
     function asks for it then); dispatched as ``attention_forward``."""
     return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
                      (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                      dropout_p, dropout_seed, sinks, seqused_k), sinks)
+                      dropout_p, dropout_seed, sinks, seqused_k, deterministic), sinks)
 
 
 def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):

@@ -63,7 +63,7 @@ def _needs_grad(needs_grad: bool, sinks: torch.Tensor | None) -> bool:
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                return_attn_probs, return_lse, sinks=None):
+                deterministic, return_attn_probs, return_lse, sinks=None):
     """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones)."""
     dropout_p = _validate.check_dropout(dropout_p)
     if return_attn_probs:
@@ -93,7 +93,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
                                  k.shape[2] - q.shape[2], left, right, return_lse or needs_grad,
-                                 dropout_p, _dropout_seed(dropout_p), sinks)
+                                 dropout_p, _dropout_seed(dropout_p), sinks, bool(deterministic))
     out = out.transpose(1, 2)  # [B, Lq, H, Dv], contiguous
     return (out, lse) if return_lse else out
 
@@ -122,7 +122,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             side is 0. Key tiles outside every row's window are not loaded.
         softcap: if > 0, scores become softcap * tanh(scores / softcap) (after the scale).
         alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
-        deterministic: accepted for compatibility; the forward is deterministic either way.
+        deterministic: run the two-pass backward, bitwise reproducible (the forward always
+            is). By default the backward is the one-pass form where the GPU has one (Hopper):
+            faster, but dQ is summed by atomic adds in whatever order the programs run, so
+            its last bits can differ between runs (dK and dV do not).
+            ``torch.use_deterministic_algorithms(True)`` has the same effect.
         return_attn_probs: must be False (probabilities are not returned).
         return_lse: also return the row log-sum-exp of the final scores; gradients flow
             through it too (as ring attention needs when it merges partial results).
@@ -134,8 +138,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Gradients flow to q, k, v and the sinks (not to alibi_slopes) when they require grad:
     dsinks[h] = -sum over batch and rows of p_sink * (dO . O - dLSE). The backward
-    is flash_tile's cuTile kernels, deterministic (no atomics), recomputing the attention
-    matrix from the saved LSE.
+    is flash_tile's cuTile kernels, recomputing the attention matrix from the saved LSE (see
+    ``deterministic``).
 
     Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
     an output of 0 and an LSE of +inf, as in flash-attn (without sinks).
@@ -149,7 +153,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         before anything is launched.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
@@ -166,7 +170,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
@@ -184,7 +188,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
 
 
 @accepts_cupy
@@ -213,7 +217,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns:
         [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
         the autocast dtype first, as torch does. Gradients flow to query, key and value (not
-        to attn_mask) through flash_tile's backward kernels.
+        to attn_mask) through flash_tile's backward kernels: the one-pass form where the GPU
+        has one, or under ``torch.use_deterministic_algorithms(True)`` the two-pass form,
+        bitwise reproducible (see ``flash_attn_func``'s ``deterministic``).
     """
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 

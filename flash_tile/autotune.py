@@ -68,8 +68,10 @@ def length_bucket(length: int) -> int:
 def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
                 head_dim: int, v_head_dim: int, q_len: int, k_len: int, group: int,
                 window: tuple[int, int], softcap: bool, alibi: bool,
-                mask_kind: str | None, dropout: bool = False) -> str:
-    """The problem class a tuning result holds for, as a readable string."""
+                mask_kind: str | None, dropout: bool = False,
+                deterministic: bool = False) -> str:
+    """The problem class a tuning result holds for, as a readable string; a deterministic
+    backward is a class of its own (it times the two-pass variants only)."""
     left, right = window
     band = "full" if (left, right) == (-1, -1) else "causal" if (left, right) == (-1, 0) \
         else "window"
@@ -78,6 +80,8 @@ def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
         features.append(f"{mask_kind}-mask")
     if dropout:
         features.append("dropout")
+    if deterministic:
+        features.append("deterministic")
     return "|".join([
         "bwd" if backward else "fwd", variants.arch_name(capability),
         str(dtype).removeprefix("torch."),

@@ -241,6 +241,25 @@ _BACKWARD_DEFAULTS = {
 # docs/experiments/evidence/2026-12-01-backward-h200-*-{a7677c0,f89ba83}.json].
 _PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 
+# The one-pass backward (``TileConfig.one_pass``): dK/dV adds dQ into fp32 with TMA
+# reduce-adds, so only where TMA exists (sm_90, sm_100); elsewhere per-element atomics, which
+# on the H200 took 1.02-3.05x the two passes' time [2026-11-30, docs/experiments/README.md].
+# A pair of tiles adds TILE_M x D fp32 values for 10 TILE_M TILE_N D flops: 128 keys a
+# program halves the reduce traffic of 64. sm_90 SASS (tileiras 13.4, bf16, causal): 64x128
+# with 8 worker warps spills nowhere at D 64/128 (96 HGMMA at D=128, 16 UTMAREDG); 64x64 o2
+# spills nowhere either; 64x128 with one warp group spills 972-2778 LDL/STL [2026-12-02].
+SM90_ONE_PASS = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, one_pass=True)
+SM90_ONE_PASS_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2, one_pass=True)
+SM90_ONE_PASS_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, one_pass=True)
+# The default unless ``deterministic``: (largest head dim, config) per family, as
+# _BACKWARD_DEFAULTS's families; a head dim past the entries runs the two passes.
+_ONE_PASS_DEFAULTS = {
+    (8, 0): (),
+    (9, 0): ((128, SM90_ONE_PASS),),
+    (10, 0): (),
+    (12, 0): (),
+}
+
 
 def is_plain(softcap: bool, alibi: bool, attn_mask, dropout: bool) -> bool:
     """Whether a problem class is plain (``autotune.problem_key``'s word): no softcap, ALiBi,
@@ -249,9 +268,15 @@ def is_plain(softcap: bool, alibi: bool, attn_mask, dropout: bool) -> bool:
 
 
 def default_backward_config(capability: tuple[int, int], head_dim: int = 128,
-                            plain: bool = False) -> TileConfig:
-    """The default variant of the backward kernels, looked up as ``default_config``; with
-    ``plain``, for a class with no dropout, softcap, ALiBi or attention mask (``is_plain``)."""
+                            plain: bool = False, deterministic: bool = False) -> TileConfig:
+    """The default variant of the backward kernels, looked up as ``default_config``: the
+    one-pass form where the family has one for the head dim, unless ``deterministic``; else
+    the two passes, with ``plain`` for a class with no dropout, softcap, ALiBi or attention
+    mask (``is_plain``)."""
+    if not deterministic:
+        for max_dim, config in _family(_ONE_PASS_DEFAULTS, capability):
+            if head_dim <= max_dim:
+                return config
     config = _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
     return _PLAIN_BACKWARD.get(config, config) if plain else config
 
@@ -389,7 +414,8 @@ _BACKWARD_CANDIDATES = {
              (128, SM90_BACKWARD_O2),
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, SM90_BACKWARD),
-             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8))),
+             (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
+             (128, SM90_ONE_PASS), (128, SM90_ONE_PASS_O2), (256, SM90_ONE_PASS_WIDE)),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],
@@ -398,14 +424,15 @@ _BACKWARD_CANDIDATES = {
 
 
 def candidates(capability: tuple[int, int], head_dim: int = 128, backward: bool = False,
-               plain: bool = False) -> tuple[TileConfig, ...]:
+               plain: bool = False, deterministic: bool = False) -> tuple[TileConfig, ...]:
     """The variants the autotuner times for a compute capability and head dim, the default
     first (the backward's for a ``plain`` class where it differs: ``default_backward_config``);
-    families are looked up as in ``default_config``."""
-    default = (default_backward_config(capability, head_dim, plain) if backward
+    families are looked up as in ``default_config``. A ``deterministic`` backward times the
+    two-pass variants only."""
+    default = (default_backward_config(capability, head_dim, plain, deterministic) if backward
                else default_config(capability, head_dim))
     fitting = [config for max_dim, config in registered(capability, backward)
-               if head_dim <= max_dim]
+               if head_dim <= max_dim and not (deterministic and config.one_pass)]
     return (default, *(c for c in fitting if c != default))
 
 

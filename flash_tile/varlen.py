@@ -28,8 +28,8 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-            seqused_k, return_lse, sinks=None):
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs, seqused_k, return_lse, sinks=None):
     """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones)."""
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
@@ -72,7 +72,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, alibi_slopes, scale, softcap, left, right,
                                 return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p),
-                                sinks, seqused_k)
+                                sinks, seqused_k, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -101,7 +101,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             i + k_len - q_len - left <= j <= i + k_len - q_len + right (causal: right = 0).
         softmax_scale, softcap: as ``flash_attn_func``; alibi_slopes [H] or [B, H] fp32 (one
             row per sequence).
-        deterministic: accepted for compatibility; the backward is deterministic either way.
+        deterministic: the two-pass backward, bitwise reproducible, as ``flash_attn_func``'s
+            (by default the one-pass form where the GPU has one; its dQ's last bits vary).
         seqused_k: optional int32 [B] on q's device (FA3's): sequence b uses only the first
             seqused_k[b] of its cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (a cache row
             partly filled); its band aligns bottom-right to them, and the unused keys get zero
@@ -125,7 +126,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     than max_seqlen_k its last key rows) unwritten, as do rows no sequence covers.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, seqused_k, return_lse, sinks)
 
 
@@ -145,7 +146,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(1)
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, None, return_lse, sinks)
 
 
@@ -165,5 +166,5 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, None, return_lse, sinks)

@@ -63,5 +63,8 @@ def poisoned_outputs(request, monkeypatch):
     workspace = _launch.sinks_workspace
     monkeypatch.setattr(_launch, "sinks_workspace", lambda shape, varlen, device: (
         workspace if varlen else poisoned(workspace))(shape, varlen, device))
+    # The one-pass backward's dQ sums: the preprocess kernel must zero every row it reads.
+    accumulator = _launch.dq_accumulator
+    monkeypatch.setattr(_launch, "dq_accumulator", lambda q: accumulator(q).fill_(float("nan")))
     monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
     monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
