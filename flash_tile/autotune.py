@@ -167,13 +167,16 @@ def _failed(results: dict, name: str, error: Exception, log: Callable[[str], Non
 
 def describe(config: variants.TileConfig) -> str:
     """``64x64 occupancy=2``: the tile shape, the hints and switches that are set and the dQ
-    kernel's tiles when they are (``64x128 num_worker_warps=8 dq=128x64``)."""
+    kernel's tiles when they are (``64x128 num_worker_warps=8 dq=128x64``, ``64x128
+    num_worker_warps=8 one_pass``)."""
     hints = [f"{k}={v}" for k, v in config.hints().items()]
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
         hints.append(f"latency={config.latency_k}/{config.latency_v}")
     if config.group_inner:
         hints.append("group_inner")
+    if config.one_pass:
+        hints.append("one_pass")
     # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.
     if (config.dq_tile_m, config.dq_tile_n) != (None, None):
         dq = config.dq_kernel()
