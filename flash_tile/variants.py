@@ -249,13 +249,18 @@ _PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 # with 8 worker warps spills nowhere at D 64/128 (96 HGMMA at D=128, 16 UTMAREDG); 64x64 o2
 # spills nowhere either; 64x128 with one warp group spills 972-2778 LDL/STL [2026-12-02].
 SM90_ONE_PASS = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, one_pass=True)
-SM90_ONE_PASS_O2 = TileConfig(tile_m=64, tile_n=64, occupancy=2, one_pass=True)
 SM90_ONE_PASS_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, one_pass=True)
+# Against the two-pass default (64x64 o2 in both kernels) the one pass on SM90_ONE_PASS took
+# 1.03-1.35x the time at L 1k/4k and 0.96-1.02x at 16k (D 64/128, causal and not); 64x64 o2
+# in the one-pass form 1.01-1.56x SM90_ONE_PASS's [H200, 2026-12-02, bf16, bench_variants.py
+# --backward; docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass.md]. The reduce
+# traffic (1/TILE_N of a dQ per key tile: 2 GiB at 4k causal, D=128, against 1.9 ms) is the
+# suspect. So no family defaults to it: the tuner takes it where it wins.
 # The default unless ``deterministic``: (largest head dim, config) per family, as
 # _BACKWARD_DEFAULTS's families; a head dim past the entries runs the two passes.
 _ONE_PASS_DEFAULTS = {
     (8, 0): (),
-    (9, 0): ((128, SM90_ONE_PASS),),
+    (9, 0): (),
     (10, 0): (),
     (12, 0): (),
 }
@@ -415,7 +420,7 @@ _BACKWARD_CANDIDATES = {
              (128, TileConfig(tile_m=128, tile_n=64, num_worker_warps=8)),
              (128, SM90_BACKWARD),
              (256, TileConfig(tile_m=64, tile_n=64, num_worker_warps=8)),
-             (128, SM90_ONE_PASS), (128, SM90_ONE_PASS_O2), (256, SM90_ONE_PASS_WIDE)),
+             (128, SM90_ONE_PASS), (256, SM90_ONE_PASS_WIDE)),
     (10, 0): (*_BACKWARD_DEFAULTS[(10, 0)],
               (128, TileConfig(tile_m=64, tile_n=128, num_worker_warps=8))),
     (12, 0): (*_BACKWARD_DEFAULTS[(12, 0)],

@@ -233,6 +233,11 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, C
     k = load_seq_rows(K, batch, kv_head, k_start, tile_n, TILE_N, TILE_D, VARLEN)
     v = load_seq_rows(V, batch, kv_head, k_start, tile_n, TILE_N, TILE_DV, VARLEN)
     offs_k = n_start + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # [TILE_N, 1]
+    if DQ_ACCUM and VARLEN:
+        # Keys past the sequence's (the next one's rows, or unused ones under SEQUSED_K) are
+        # not masked where the band shows a tile whole: their dK/dV rows are never stored,
+        # but their dX would reach dQ through k. Zero rows add nothing (dX stays finite).
+        k = ct.where(offs_k < k_len, k, 0.0).astype(k.dtype)
     dk = ct.zeros((TILE_N, TILE_D), dtype=ct.float32)
     dv = ct.zeros((TILE_N, TILE_DV), dtype=ct.float32)
 

@@ -44,7 +44,7 @@ def _check(got, ref, low):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_flash_attn_func_with_sinks(case, dtype, monkeypatch):
+def test_flash_attn_func_with_sinks(case, dtype, monkeypatch, backward_form):
     (batch, heads, kv_heads, q_len, k_len, d), causal, window, softcap, p = case
     monkeypatch.setattr(api, "_dropout_seed", lambda dropout_p: SEED)
     gen = torch.Generator(device="cuda").manual_seed(q_len * 3 + k_len)
@@ -72,7 +72,7 @@ def test_flash_attn_func_with_sinks(case, dtype, monkeypatch):
            _grads(dense, inputs, dout, dlse, dtype))
 
 
-def test_varlen_with_sinks(monkeypatch):
+def test_varlen_with_sinks(monkeypatch, backward_form):
     monkeypatch.setattr(varlen, "_dropout_seed", lambda dropout_p: SEED)
     gen = torch.Generator(device="cuda").manual_seed(5)
     lengths_q, lengths_k = [17, 0, 203, 1, 64], [40, 9, 203, 30, 0]

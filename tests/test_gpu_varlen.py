@@ -94,7 +94,8 @@ LENGTHS = [
                                             (True, (64, -1)), (False, (20, 9))],
                          ids=["full", "causal", "causal-window", "window"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_forward_and_backward_against_each_sequence(lengths, causal, window, dtype):
+def test_forward_and_backward_against_each_sequence(lengths, causal, window, dtype,
+                                                     backward_form):
     q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 8, 2, 128, 128, dtype, len(lengths[0]))
     max_q, max_k = max(lengths[0]), max(lengths[1])
     got = _ours(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal=causal, window_size=window)
@@ -105,7 +106,7 @@ def test_forward_and_backward_against_each_sequence(lengths, causal, window, dty
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_seqused_k(causal):
+def test_seqused_k(causal, backward_form):
     """Each sequence uses only its first seqused_k[b] keys (FA3's): output and gradients as
     attention on those keys alone (the band aligned to them), zero gradients past them."""
     lengths = ([5, 1, 40, 113, 130], [30, 60, 40, 250, 9])
@@ -146,7 +147,7 @@ def test_lse_and_rows_without_keys():
 
 @pytest.mark.parametrize("dim,v_dim,heads,kv_heads", [(64, 64, 8, 1), (80, 48, 4, 4),
                                                       (256, 256, 4, 2), (16, 16, 6, 3)])
-def test_softcap_alibi_head_dims_and_groups(dim, v_dim, heads, kv_heads):
+def test_softcap_alibi_head_dims_and_groups(dim, v_dim, heads, kv_heads, backward_form):
     lengths = ([17, 203, 64, 1], [40, 203, 64, 9])
     q, k, v, dout, cu_q, cu_k = _inputs(*lengths, heads, kv_heads, dim, v_dim,
                                         torch.bfloat16, dim)
@@ -172,7 +173,7 @@ def test_many_sequences():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_dropout_keys_each_sequence_by_its_own_index(causal, monkeypatch):
+def test_dropout_keys_each_sequence_by_its_own_index(causal, monkeypatch, backward_form):
     monkeypatch.setattr(varlen, "_dropout_seed", lambda dropout_p: SEED)
     lengths = ([113, 1, 203, 40], [150, 77, 203, 40])
     q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 4, 2, 64, 64, torch.bfloat16, 3)
@@ -200,11 +201,13 @@ def test_packed_forms_equal_the_unpacked_call():
     assert torch.equal(leaves[1].grad, torch.stack(want[2:], 1))
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(backward_form):
+    """``deterministic=True``: the same bits on every run, whatever the default form."""
     q, k, v, dout, cu_q, cu_k = _inputs(*LENGTHS[0], 8, 2, 128, 128, torch.bfloat16, 5)
-    runs = [_ours(q, k, v, dout, cu_q, cu_k, 4097, 4097, causal=True) for _ in range(2)]
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    runs = [_ours(q, k, v, dout, cu_q, cu_k, 4097, 4097, causal=True, deterministic=True)
+            for _ in range(3)]
+    for a, b, c in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_opcheck():

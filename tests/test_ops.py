@@ -166,16 +166,49 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
     assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
     assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
     # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 16 arrays and 8
-    # scalars for dQ (13 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
+    # scalars for dQ (14 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
     # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD, VARLEN, SINKS and
-    # SEQUSED_K.
+    # SEQUSED_K; dK/dV's SEQUSED_K and DQ_ACCUM (the two-pass form: off).
     assert q_args[24:31] == (128, 64, 64, 64, False, True, True)
     assert q_args[-4:] == (True, False, False, False)
-    assert kv_args[21:28] == (64, 128, 64, 64, False, True, False) and kv_args[-1] is False
+    assert kv_args[22:29] == (64, 128, 64, 64, False, True, False)
+    assert kv_args[-2:] == (False, False)
     assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
     delta = q_args[7]  # written by dQ, read by dK/dV
     assert delta.shape == (2, 8, 300) and delta.dtype == torch.float32 and kv_args[5] is delta
     assert kv_args[1] is k and kv_args[6:8] == (dk, dv)
+
+
+def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
+    """A one-pass variant: the preprocess (Delta, zeros in the fp32 dQ sums), dK/dV with
+    DQ_ACCUM adding into those sums, then the convert writing dq; all three share the sums,
+    whose rows are padded to 16 bytes (TMA reduce-adds need aligned strides)."""
+    from flash_tile import _launch, variants
+
+    q, k, v = (torch.randn(2, 8, 300, 72), torch.randn(2, 2, 320, 72),
+               torch.randn(2, 2, 320, 72))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 8, 300)
+    config = variants.SM90_ONE_PASS
+    _launch.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, 0.125, 0.0,
+                            20, (-1, 0), config)
+    (pre_grid, pre, pre_args), (kv_grid, dkdv, kv_args), (cv_grid, convert, cv_args) = launched
+    assert (pre, dkdv, convert) == _launch.hinted_backward_kernels(config)
+    assert pre_grid == cv_grid == (5, 8, 2) and kv_grid == (3, 2, 2)
+    acc = pre_args[5]
+    assert acc.dtype == torch.float32 and acc.shape == (2, 8, 300, 72)
+    assert acc.stride() == (8 * 300 * 72, 300 * 72, 72, 1)  # 72 floats: 16-byte rows already
+    assert kv_args[8] is acc and cv_args[0] is acc and cv_args[1] is dq
+    assert pre_args[4] is kv_args[5]  # Delta: stored by the preprocess, read by dK/dV
+    assert kv_args[-1] is True  # DQ_ACCUM
+    assert cv_args[3] == 0.125 and cv_args[-2:] == (False, False)  # SOFTCAP, VARLEN
+
+
+def test_dq_accumulator_pads_rows_to_16_bytes():
+    from flash_tile import _launch
+
+    acc = _launch.dq_accumulator(torch.empty(1, 2, 5, 59, dtype=torch.bfloat16))
+    assert acc.shape == (1, 2, 5, 59) and acc.stride() == (2 * 5 * 60, 5 * 60, 60, 1)
 
 
 def _bool_mask(layout):
@@ -205,7 +238,7 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
     fwd, dq, dkdv = (args for _, _, args in launched)
     assert dq[-4] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
     as_uint8 = layout in ("aligned", "broadcast")
-    for got in (fwd[6], dq[10], dkdv[9]):
+    for got in (fwd[6], dq[10], dkdv[10]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
         assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
     assert fwd[-8] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
@@ -420,18 +453,20 @@ def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
     config = variants.default_config((9, 0), 64)
     _launch.launch_forward(q, k, v, out, torch.empty(1, 4, total_q), None, None, 0.125, 0.0, 0,
                            (-1, 0), config, _launch.NO_DROPOUT, varlen, sinks)
-    bconfig = variants.default_backward_config((9, 0), 64)
-    _launch.launch_backward(out, q, k, v, out, torch.randn(1, 4, total_q),
-                            *(torch.empty_like(t) for t in (q, k, v)), None, None, None, 0.125,
-                            0.0, 0, (-1, 0), bconfig, _launch.NO_DROPOUT, varlen, sinks)
-    (_, _, fwd), (_, _, dq), (_, _, dkdv) = launched
     flags = dict(varlen=True, sinks=True, seqused_k=True)
-    _matches(fwd, aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False, None,
-                                        False, True, config, **flags))
-    sig_dq, sig_dkdv = aot.backward_signatures("bfloat16", 64, 64, (-1, 0), False, False, None,
-                                               False, bconfig, 2, **flags)
-    _matches(dq, sig_dq)
-    _matches(dkdv, sig_dkdv)
+    _matches(launched[0][2], aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False,
+                                                   None, False, True, config, **flags))
+    for bconfig in (variants.default_backward_config((9, 0), 64), variants.SM90_ONE_PASS):
+        launched.clear()
+        _launch.launch_backward(out, q, k, v, out, torch.randn(1, 4, total_q),
+                                *(torch.empty_like(t) for t in (q, k, v)), None, None, None,
+                                0.125, 0.0, 0, (-1, 0), bconfig, _launch.NO_DROPOUT, varlen,
+                                sinks)
+        sigs = aot.backward_signatures("bfloat16", 64, 64, (-1, 0), False, False, None, False,
+                                       bconfig, 2, **flags)
+        assert len(launched) == len(sigs)
+        for (_, _, args), sig in zip(launched, sigs):
+            _matches(args, sig)
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
