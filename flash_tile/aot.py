@@ -4,7 +4,8 @@
 constants ``flash_tile._launch`` would launch, for arrays laid out as the torch side passes them
 (unit last stride, 16-byte aligned rows and base). ``disassemble`` runs cuobjdump from the
 ``nvidia-cuda-cuobjdump`` wheel; ``summarize`` counts the instructions that tell whether the
-kernel runs on tensor cores, loads through TMA, and how many exp2 and barriers it issues.
+kernel runs on tensor cores, loads through TMA (and reduce-adds through it: the one-pass
+backward's dQ), and how many exp2 and barriers it issues.
 """
 
 import dataclasses
@@ -41,6 +42,7 @@ _COUNTED = {
     "tensor_core": re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA|UTC\w*MMA)\b"),
     "tma_load": re.compile(r"\bUTMALDG\b"),
     "tma_store": re.compile(r"\bUTMASTG\b"),
+    "tma_reduce": re.compile(r"\bUTMAREDG\b"),
     "exp2": re.compile(r"\bMUFU\.EX2\b"),
     "barrier": re.compile(r"\bBAR\.\w+"),
     "global_load": re.compile(r"\bLDG\.\S+"),

@@ -255,12 +255,16 @@ SM90_ONE_PASS_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, one_pa
 # in the one-pass form 1.01-1.56x SM90_ONE_PASS's [H200, 2026-12-02, bf16, bench_variants.py
 # --backward; docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass.md]. The reduce
 # traffic (1/TILE_N of a dQ per key tile: 2 GiB at 4k causal, D=128, against 1.9 ms) is the
-# suspect. So no family defaults to it: the tuner takes it where it wins.
+# suspect: not the default at D<=128, where the tuner takes it where it wins. At D=256, where
+# the two passes' dQ kernel steps 32 keys, SM90_ONE_PASS_WIDE took 0.78-0.90x the time of
+# SM90_BACKWARD_WIDE on every row (L 1k/4k/16k, causal and not) [H200, 2026-12-02, bf16,
+# bench_variants.py --backward;
+# docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass-d256.md].
 # The default unless ``deterministic``: (largest head dim, config) per family, as
-# _BACKWARD_DEFAULTS's families; a head dim past the entries runs the two passes.
+# _BACKWARD_DEFAULTS's families, None for the two passes (also past the last entry).
 _ONE_PASS_DEFAULTS = {
     (8, 0): (),
-    (9, 0): (),
+    (9, 0): ((128, None), (256, SM90_ONE_PASS_WIDE)),
     (10, 0): (),
     (12, 0): (),
 }
@@ -279,9 +283,10 @@ def default_backward_config(capability: tuple[int, int], head_dim: int = 128,
     the two passes, with ``plain`` for a class with no dropout, softcap, ALiBi or attention
     mask (``is_plain``)."""
     if not deterministic:
-        for max_dim, config in _family(_ONE_PASS_DEFAULTS, capability):
-            if head_dim <= max_dim:
-                return config
+        one_pass = [config for max_dim, config in _family(_ONE_PASS_DEFAULTS, capability)
+                    if head_dim <= max_dim]
+        if one_pass and one_pass[0] is not None:
+            return one_pass[0]
     config = _lookup(_BACKWARD_DEFAULTS, capability, head_dim)
     return _PLAIN_BACKWARD.get(config, config) if plain else config
 

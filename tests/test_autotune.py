@@ -327,3 +327,24 @@ def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch)
     pick(dropout_p=0.1)
     assert keys == ["fwd|sm_90|bfloat16|d128x128|causal|group4|plain|q1024|k1024",
                     "fwd|sm_90|bfloat16|d128x128|causal|group4|dropout|q1024|k1024"]
+
+
+def test_deterministic_backward_is_a_class_of_two_pass_candidates():
+    """A deterministic backward never times (nor defaults to) a one-pass variant, whose dQ is
+    summed by atomic adds, and is tuned as a class of its own."""
+    for head_dim in (64, 128, 256):
+        fast = variants.candidates((9, 0), head_dim, backward=True)
+        exact = variants.candidates((9, 0), head_dim, backward=True, deterministic=True)
+        assert any(c.one_pass for c in fast) and not any(c.one_pass for c in exact)
+        assert set(exact) < set(fast)
+        assert not variants.default_backward_config((9, 0), head_dim,
+                                                    deterministic=True).one_pass
+    assert variants.default_backward_config((9, 0), 256).one_pass
+    assert not variants.default_backward_config((9, 0), 128).one_pass
+    for capability in ((8, 0), (10, 0), (12, 0)):  # no TMA reduce timed there: two passes
+        assert not any(c.one_pass for c in variants.candidates(capability, 128, backward=True))
+    args = dict(backward=True, capability=(9, 0), dtype=torch.bfloat16, head_dim=128,
+                v_head_dim=128, q_len=1024, k_len=1024, group=1, window=(-1, 0),
+                softcap=False, alibi=False, mask_kind=None)
+    assert autotune.problem_key(**args, deterministic=True) == \
+        autotune.problem_key(**args).replace("|plain|", "|deterministic|")

@@ -109,10 +109,10 @@ def test_gradients_through_lse(case):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_deterministic_is_bitwise_and_one_pass_agrees(head_dim, request):
+def test_deterministic_is_bitwise_and_the_default_agrees(head_dim, backward_form):
     """``deterministic=True`` (the two passes) gives the same bits five times over, whatever
-    the default; the one-pass form agrees with it within rounding (dQ is summed in another
-    order)."""
+    the default; the default (under ``backward_form``, the one pass) agrees with it within
+    rounding (dQ is summed in another order)."""
     q, k, v = _inputs((2, 8, 2, 300, 300, head_dim, head_dim), torch.bfloat16)
     dout = torch.randn(2, 300, 8, head_dim, device="cuda", dtype=torch.bfloat16)
 
@@ -121,7 +121,6 @@ def test_deterministic_is_bitwise_and_one_pass_agrees(head_dim, request):
                                                             deterministic=deterministic),
                       q, k, v, dout)
 
-    request.getfixturevalue("backward_form")  # the first parameter: two passes
     first = run(True)
     for _ in range(4):
         for a, b in zip(first, run(True)):
