@@ -211,7 +211,10 @@ def machine_info():
 def source_commit() -> str | None:
     """The git commit of the source tree the benchmark runs from (None outside a checkout);
     ``code`` beside it is the digest of the kernels and the tile registry, which the tuner's
-    cache keys on."""
+    cache keys on. ``FLASH_TILE_COMMIT`` names it where the tree is a copy whose git history
+    lags behind the files (a GPU machine handed the working tree, not the repository)."""
+    if os.environ.get("FLASH_TILE_COMMIT"):
+        return os.environ["FLASH_TILE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True,
                               text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
