@@ -184,6 +184,20 @@ def hinted_backward_kernels(config: TileConfig) -> tuple:
     return tuple(_with_hints(kernel, hints) for kernel in (attention_bwd_dq, attention_bwd_dkdv))
 
 
+def keys_major(v: torch.Tensor) -> torch.Tensor:
+    """V [B, H_kv, Lk, Dv] (any strides) as the FP8 forward reads it: V^T [B, H_kv, Dv, Lk],
+    keys contiguous, each row padded to a multiple of 16 keys in memory (TMA's 16-byte row
+    alignment; the view's shape stays Lk, so the padding is never read). One copy of V: the
+    e4m3 matmul wants P V's reduction axis (the keys) contiguous, and transposing each tile
+    in the kernel costs more (``kernels/attention_fwd.py``, FP8)."""
+    batch, heads, length, dim = v.shape
+    padded = -(-length // 16) * 16
+    v_t = torch.empty((batch, heads, dim, padded), dtype=v.dtype, device=v.device)
+    v_t = v_t[..., :length]
+    v_t.copy_(v.transpose(2, 3))
+    return v_t
+
+
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
     """Whether an element offset of any tensor reaches 2**31 (32-bit shapes and strides would
     overflow): those take the 64-bit-index entry point. Every offset lies inside the tensor's
