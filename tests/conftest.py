@@ -64,4 +64,7 @@ def poisoned_outputs(request, monkeypatch):
     monkeypatch.setattr(_launch, "sinks_workspace", lambda shape, varlen, device: (
         workspace if varlen else poisoned(workspace))(shape, varlen, device))
     monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
+    from flash_tile import _ops_fp8
+    monkeypatch.setattr(_ops_fp8, "_fp8_outputs", poisoned(_ops_fp8._fp8_outputs))
+    monkeypatch.setattr(_ops_fp8, "_fp8_varlen_outputs", poisoned(_ops_fp8._fp8_varlen_outputs))
     monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
