@@ -100,8 +100,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: [total_q, H, D] float16, bfloat16 or float8_e4m3fn CUDA tensor, the sequences'
-            queries one after another, D from 1 to 256; k: [total_k, H_kv, D] and v: [total_k, H_kv, Dv]
-            likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
+            queries one after another, D from 1 to 256; k: [total_k, H_kv, D] and v:
+            [total_k, H_kv, Dv] likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
             consecutive offsets are a sequence of length 0.
