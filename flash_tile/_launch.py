@@ -44,6 +44,7 @@ class ForwardSpec:
     varlen: bool = False  # packed sequences bounded by cumulative lengths
     sinks: bool = False  # a learnt sink logit per head joins each row's softmax
     seqused_k: bool = False  # under varlen, each sequence uses only its first keys
+    fp8: bool = False  # e4m3 q, k and V^T with descale factors; the forward's alone
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -51,7 +52,7 @@ class ForwardSpec:
 
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.varlen, self.sinks, self.seqused_k)
+                self.varlen, self.sinks, self.seqused_k, self.fp8)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -152,17 +153,21 @@ def kernel_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
 @functools.cache
 def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
-                 store_lse: bool, dropout: bool, sinks: bool = False) -> ForwardSpec:
+                 store_lse: bool, dropout: bool, sinks: bool = False,
+                 fp8: bool = False) -> ForwardSpec:
     """The kernel instance ``config`` gives for these dims, key length and features.
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
-    ``attn_mask`` is the ATTN_MASK switch (``mask_kind``). Made once per set of arguments.
+    ``attn_mask`` is the ATTN_MASK switch (``mask_kind``); ``fp8`` the FP8 switch, whose
+    head-dim tiles are at least 32 wide (the K of an e4m3 tensor-core matmul). Made once per
+    set of arguments.
     """
     left, right = window
-    return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim),
-                       tile_width(v_head_dim), left >= 0, right >= 0,
+    least = 32 if fp8 else 16
+    return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim, least),
+                       tile_width(v_head_dim, least), left >= 0, right >= 0,
                        k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
-                       dropout, config.latency_k, config.latency_v, sinks=sinks)
+                       dropout, config.latency_k, config.latency_v, sinks=sinks, fp8=fp8)
 
 
 @functools.cache
@@ -203,6 +208,20 @@ def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
     padded = -(-head_dim // 4) * 4
     return torch.empty((batch, heads, q_len, padded), dtype=torch.float32,
                        device=q.device)[..., :head_dim]
+
+
+def keys_major(v: torch.Tensor) -> torch.Tensor:
+    """V [B, H_kv, Lk, Dv] (any strides) as the FP8 forward reads it: V^T [B, H_kv, Dv, Lk],
+    keys contiguous, each row padded to a multiple of 16 keys in memory (TMA's 16-byte row
+    alignment; the view's shape stays Lk, so the padding is never read). One copy of V: the
+    e4m3 matmul wants P V's reduction axis (the keys) contiguous, and transposing each tile
+    in the kernel costs more (``kernels/attention_fwd.py``, FP8)."""
+    batch, heads, length, dim = v.shape
+    padded = -(-length // 16) * 16
+    v_t = torch.empty((batch, heads, dim, padded), dtype=v.dtype, device=v.device)
+    v_t = v_t[..., :length]
+    v_t.copy_(v.transpose(2, 3))
+    return v_t
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:
@@ -254,19 +273,23 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
                    dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
-                   sinks: torch.Tensor | None = None) -> tuple:
+                   sinks: torch.Tensor | None = None,
+                   descale: torch.Tensor | None = None) -> tuple:
     """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
-    spec = forward_spec(config, head_dim, v.shape[3], k.shape[2], window, softcap > 0.0,
+    v_head_dim = v.shape[2] if descale is not None else v.shape[3]  # FP8: v is V^T
+    spec = forward_spec(config, head_dim, v_head_dim, k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
-                        dropout.p > 0.0, sinks is not None)
-    lse, slopes, attn_mask, sinks = _fill_unused(q.device, (lse, 3), (alibi_slopes, 2),
-                                                 (kernel_mask(attn_mask), 4), (sinks, 1))
+                        dropout.p > 0.0, sinks is not None, descale is not None)
+    lse, slopes, attn_mask, sinks, descale = _fill_unused(
+        q.device, (lse, 3), (alibi_slopes, 2), (kernel_mask(attn_mask), 4), (sinks, 1),
+        (descale, 3))
     cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     if varlen is not None:
         spec, q_len, batch = varlen.spec(spec), varlen.max_seqlen_q, varlen.batch
-    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, float(scale),
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
+            float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -279,7 +302,8 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
                    dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
-                   sinks: torch.Tensor | None = None) -> None:
+                   sinks: torch.Tensor | None = None,
+                   descale: torch.Tensor | None = None) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
@@ -294,10 +318,14 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
     read) and attn_mask must be None. ``sinks`` [H] fp32 (or None) is each head's sink logit,
     which joins every row's softmax without a value; the LSE then includes it.
+    With ``descale`` (fp32 [3, B, H_kv]: the q, k and v descale factors per batch, or
+    sequence, and key/value head) the FP8 forward: q and k float8_e4m3fn, v given as V^T
+    [B, H_kv, Dv, Lk] in float8_e4m3fn (keys contiguous: the layout the e4m3 tensor-core
+    matmul reads; packed [1, H_kv, Dv, total_k] under ``varlen``), out bfloat16.
     """
     grid, kernel, args = forward_launch(q, k, v, out, lse, alibi_slopes, attn_mask, scale,
                                         softcap, diag_offset, window, config, dropout, varlen,
-                                        sinks)
+                                        sinks, descale)
     with torch.cuda.device(q.device):
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
 

@@ -25,6 +25,13 @@ MIN_CAPABILITY = (8, 0)
 
 INSTALL_HINT = 'pip install "cuda-tile[tileiras]"'
 
+# The FP8 forward: e4m3 inputs (FA3's), on sm_90 and newer (tileiras 13.4 compiles e4m3
+# tensor-core matmuls for sm_90, sm_100 and sm_120, not for sm_89).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+              torch.float8_e5m2fnuz)
+FP8_MIN_CAPABILITY = (9, 0)
+
 
 def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
     """The one dtype of q, k and v: float16 or bfloat16."""
@@ -36,6 +43,83 @@ def check_dtypes(*tensors: torch.Tensor) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype}: flash_tile supports torch.float16 and "
                          "torch.bfloat16 (under torch.autocast, float32 inputs are cast first)")
     return dtype
+
+
+def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **descales) -> bool:
+    """Whether this is an FP8 call: q, k and v all float8_e4m3fn. Another FP8 format, FP8
+    mixed with other dtypes, or descale factors (``descales``: name -> tensor or None) given
+    with non-FP8 inputs raise ValueError."""
+    dtypes = [t.dtype for t in (q, k, v)]
+    if any(d in FP8_DTYPES and d != FP8_DTYPE for d in dtypes):
+        raise ValueError("the FP8 forward takes torch.float8_e4m3fn q, k and v, got "
+                         + ", ".join(map(str, dtypes)))
+    fp8 = [d == FP8_DTYPE for d in dtypes]
+    if any(fp8) and not all(fp8):
+        raise ValueError("q, k and v must all be torch.float8_e4m3fn (the FP8 forward) or "
+                         "none of them, got " + ", ".join(map(str, dtypes)))
+    given = [name for name, t in descales.items() if t is not None]
+    if given and not all(fp8):
+        raise ValueError(f"{', '.join(given)}: descale factors apply to float8_e4m3fn "
+                         f"inputs only, got {dtypes[0]}")
+    return all(fp8)
+
+
+def check_no_fp8_cache(*tensors: torch.Tensor) -> None:
+    """``flash_attn_with_kvcache`` has no FP8 path yet (the decode kernel is a kernel of its
+    own, without the forward's FP8 switch): an FP8 q or cache raises NotImplementedError."""
+    if any(t.dtype in FP8_DTYPES for t in tensors):
+        raise NotImplementedError("flash_attn_with_kvcache with an FP8 q or KV cache is not "
+                                  "supported yet (the FP8 forward is flash_attn_func's and "
+                                  "flash_attn_varlen_func's); keep the cache in float16 or "
+                                  "bfloat16")
+
+
+def fp8_descales(batch: int, kv_heads: int, device: torch.device,
+                 **descales) -> torch.Tensor:
+    """The FP8 forward's descale factors (``descales``: q_descale, k_descale, v_descale in
+    that order, each a float32 tensor or None for 1), as one contiguous fp32 [3, B, H_kv]
+    tensor. Each is [B, H_kv] (FA3's shape: per batch, or sequence, and key/value head) or
+    has one element (per-tensor scaling: 0-d, [1], [1, 1])."""
+    rows = []
+    for name, t in descales.items():
+        if t is None:
+            rows.append(torch.ones((), dtype=torch.float32, device=device).expand(batch,
+                                                                                 kv_heads))
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 tensor of shape [{batch}, {kv_heads}] "
+                             f"(batch, key/value heads) or of one element, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.numel() == 1:
+            t = t.reshape(()).expand(batch, kv_heads)
+        elif tuple(t.shape) != (batch, kv_heads):
+            raise ValueError(f"{name} must have shape [{batch}, {kv_heads}] (batch, key/value "
+                             f"heads) or one element, got {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+        rows.append(t)
+    return torch.stack(rows)
+
+
+def check_fp8_call(device: torch.device, dropout_p: float, *differentiable) -> None:
+    """What the FP8 forward cannot do, before anything launches: a GPU older than sm_90
+    (RuntimeError), dropout or a gradient (NotImplementedError: it is a forward for
+    inference, as FA3's FP8 path)."""
+    capability, name = device_properties(device)
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        raise RuntimeError(f"{name} has compute capability {major}.{minor}; the FP8 forward "
+                           "needs 9.0 or newer (Hopper, Blackwell): the cuTile compiler "
+                           "(tileiras 13.4) has no FP8 tensor-core matmul for sm_89 (Ada) "
+                           "and older GPUs have none")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout_p > 0 with float8_e4m3fn inputs: the FP8 forward "
+                                  "has no dropout (it is for inference); pass 0")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in differentiable):
+        raise NotImplementedError("the FP8 forward has no backward (as FA3's): detach q, k, "
+                                  "v (and sinks) or run under torch.no_grad(), or train in "
+                                  "bfloat16")
 
 
 def check_head_dims(q_dim: int, k_dim: int, v_dim: int) -> None:

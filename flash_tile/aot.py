@@ -30,7 +30,7 @@ from flash_tile.kernels.attention_decode import (attention_decode, attention_dec
                                                  decode_combine)
 from flash_tile._validate import find_cuda_tool
 
-DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16}
+DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16, "float8_e4m3fn": ct.float8_e4m3fn}
 
 # The tensor-core matmul instruction each architecture family should use.
 TENSOR_CORE_OP = {"sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
@@ -57,7 +57,8 @@ def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32,
     base, outer strides that are multiples of the row length ``row`` (so of gcd(row, 16
     bytes)), and, as the JIT specialises, the last two extents (``length`` rows of ``row``)
     marked divisible by 16 where they are."""
-    elems_16b = 16 // (2 if dtype in (ct.float16, ct.bfloat16) else 4)
+    elems_16b = 16 // (1 if dtype == ct.float8_e4m3fn else
+                       2 if dtype in (ct.float16, ct.bfloat16) else 4)
     divisor = math.gcd(row, elems_16b)
     shape_div = (1,) * (ndim - 2) + tuple(16 if n % 16 == 0 else 1 for n in (length, row))
     return ArrayConstraint(dtype, ndim, index_dtype=index_dtype, stride_lower_bound_incl=0,
@@ -68,7 +69,7 @@ def _array(dtype, ndim: int, row: int = 8, index_dtype=ct.int32,
 
 
 def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n,
-                     store_lse, config, index, dropout=False, aligned=False):
+                     store_lse, config, index, dropout=False, aligned=False, fp8=False):
     """(spec, constraint of Q/K, of V/Out, of fp32 [B, H, L] rows, of Slopes, of Mask,
     scalar constraints) shared by the forward and backward signatures."""
     # Even instances get a key length that is a multiple of the tiles (so of 16); ragged ones
@@ -77,10 +78,13 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     rows_aligned = k_len % 16 == 0  # 16-byte aligned key rows, as the JIT would see them
     kind = MASK_KINDS[attn_mask]
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
-                        store_lse, dropout)
+                        store_lse, dropout, fp8=fp8)
     length = k_len if rows_aligned else 1
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
     vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)
+    if fp8:  # e4m3 Q/K and V^T, bf16 Out (the dtype says the inputs')
+        qk = _array(ct.float8_e4m3fn, 4, head_dim, index, length)
+        vo = (_keys_major(v_head_dim, k_len, index), _array(ct.bfloat16, 4, v_head_dim, index))
     rows = _array(ct.float32, 3, index_dtype=index)
     # A mask broadcast over batch, heads or query rows has zero strides (which every divisor
     # divides); its rows are as long as the keys, so aligned lengths get the JIT's 16-byte
@@ -111,20 +115,23 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
                       store_lse: bool, config: variants.TileConfig,
                       int64_index: bool = False, dropout: bool = False,
                       aligned: bool = False, varlen: bool = False,
-                      sinks: bool = False, seqused_k: bool = False) -> KernelSignature:
+                      sinks: bool = False, seqused_k: bool = False,
+                      fp8: bool = False) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
     ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read); ``varlen`` the
     VARLEN switch (packed sequences, as ``_launch.forward_launch`` sets it) and ``seqused_k``
-    its SEQUSED_K; ``sinks`` the SINKS switch."""
+    its SEQUSED_K; ``sinks`` the SINKS switch; ``fp8`` the FP8 switch (``dtype`` is then
+    not read: e4m3 Q, K and V^T, a bf16 Out)."""
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
-        ct.int64 if int64_index else ct.int32, dropout, aligned)
+        ct.int64 if int64_index else ct.int32, dropout, aligned, fp8)
+    v, out = vo if fp8 else (vo, vo)
     if varlen:
         spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
-    params = [qk, qk, vo, vo, rows, slopes, mask, _index_array(1), _index_array(1), _sinks(),
-              _index_array(1), *scalars, *spec.constants()]
+    params = [qk, qk, v, out, rows, slopes, mask, _index_array(1), _index_array(1), _sinks(),
+              _index_array(1), _array(ct.float32, 3), *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -173,6 +180,18 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
 BACKWARD_KERNELS = {False: ("dq", "dkdv"), True: ("preprocess", "dkdv", "convert")}
 
 
+def _keys_major(v_head_dim: int, k_len: int, index) -> ArrayConstraint:
+    """The FP8 forward's e4m3 V^T [B, H_kv, Dv, Lk] as ``_launch.keys_major`` makes it: unit
+    last stride, every other stride a multiple of 16 (its key rows are padded to that)."""
+    return ArrayConstraint(ct.float8_e4m3fn, 4, index_dtype=index, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None, None, None, 1),
+                           stride_divisible_by=(16, 16, 16, 1),
+                           shape_divisible_by=(1, 1, 16 if v_head_dim % 16 == 0 else 1,
+                                               16 if k_len % 16 == 0 else 1),
+                           base_addr_divisible_by=16)
+
+
 def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False):
     """The variant a launch of this class gets with tuning off (``_ops._choose``)."""
     capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
@@ -194,19 +213,21 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     store_lse: bool = True, config: variants.TileConfig | None = None,
                     int64_index: bool = False, dropout: bool = False,
                     output_format: str = "cubin", aligned: bool = False,
-                    varlen: bool = False, sinks: bool = False, seqused_k: bool = False) -> bytes:
+                    varlen: bool = False, sinks: bool = False, seqused_k: bool = False,
+                    fp8: bool = False) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
     tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch; ``aligned`` makes a
-    ragged key length a multiple of 16 (rows TMA can read);
+    ragged key length a multiple of 16 (rows TMA can read); ``fp8`` the FP8 switch (e4m3
+    inputs, ``dtype`` not read);
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
     config = config or _default_config(arch, head_dim, v_head_dim)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
-                            varlen, sinks, seqused_k)
+                            varlen, sinks, seqused_k, fp8)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 

@@ -14,6 +14,7 @@ import torch
 from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import attention_forward
+from flash_tile._ops_fp8 import fp8_attention
 
 
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -63,8 +64,10 @@ def _needs_grad(needs_grad: bool, sinks: torch.Tensor | None) -> bool:
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                deterministic, return_attn_probs, return_lse, sinks=None):
-    """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones)."""
+                deterministic, return_attn_probs, return_lse, sinks=None,
+                descales=(None, None, None)):
+    """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones); ``descales``
+    the FP8 forward's (q_descale, k_descale, v_descale)."""
     dropout_p = _validate.check_dropout(dropout_p)
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
@@ -73,8 +76,11 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
-    q, k, v = _autocast(q, k, v)
-    _validate.check_dtypes(q, k, v)
+    names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+    fp8 = _validate.check_fp8(q, k, v, **names)
+    if not fp8:
+        q, k, v = _autocast(q, k, v)
+        _validate.check_dtypes(q, k, v)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
     scale = _check_bhld(q, k, v, softmax_scale)
     left, right = _validate.check_window(window_size)
@@ -87,6 +93,14 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     device = _validate.check_device(q, k, v, *extra)
     if sinks is not None:
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
+    if fp8:
+        _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
+        descale = _validate.fp8_descales(q.shape[0], k.shape[1], device, **names)
+        q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+        out, lse = fp8_attention(q, k, v, descale, alibi_slopes, scale, softcap,
+                                 k.shape[2] - q.shape[2], left, right, return_lse, sinks)
+        out = out.transpose(1, 2)
+        return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
@@ -101,11 +115,13 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
 @accepts_cupy
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, return_lse=False, sinks=None):
-    """Attention in flash-attn's layout; a drop-in for ``flash_attn.flash_attn_func``.
+                    return_attn_probs=False, *, return_lse=False, sinks=None, q_descale=None,
+                    k_descale=None, v_descale=None):
+    """Attention in flash-attn's layout; a drop-in for ``flash_attn.flash_attn_func`` (and,
+    with float8_e4m3fn inputs, for FA3's FP8 forward).
 
     Args:
-        q: [B, Lq, H, D] float16 or bfloat16 CUDA tensor, D from 1 to 256.
+        q: [B, Lq, H, D] float16, bfloat16 or float8_e4m3fn CUDA tensor, D from 1 to 256.
         k: [B, Lk, H_kv, D] and v: [B, Lk, H_kv, Dv], same dtype and device as q; H a multiple
             of H_kv (grouped-query / multi-query attention: each group of H / H_kv query heads
             reads one key/value head in place). Any strides: the [B, H, L, D] <-> [B, L, H, D]
@@ -135,6 +151,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             softmax([s_i1 .. s_iLk, sinks[h]]), so the output sums the keys' weights only
             (less than 1). The LSE returned includes the sink's term; a row that sees no key
             gets an output of 0 and an LSE of sinks[h].
+        q_descale, k_descale, v_descale: with float8_e4m3fn q, k and v (the FP8 forward, on
+            sm_90 and newer), float32 factors that dequantize them, [B, H_kv] (per batch and
+            key/value head, FA3's shape; a query head uses its group's) or of one element
+            (per tensor); None means 1. The scores are those of q_descale * q and
+            k_descale * k; P is rounded to e4m3 for P V and the output multiplied by
+            v_descale. ``flash_tile.quantize_fp8`` makes inputs and factors. The FP8 output
+            is bfloat16; it has no backward and no dropout (both raise NotImplementedError,
+            as FA3).
 
     Gradients flow to q, k, v and the sinks (not to alibi_slopes) when they require grad:
     dsinks[h] = -sum over batch and rows of p_sink * (dO . O - dLSE). The backward
@@ -145,7 +169,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     an output of 0 and an LSE of +inf, as in flash-attn (without sinks).
 
     Returns:
-        out [B, Lq, H, Dv] (contiguous, q's dtype); with ``return_lse`` the tuple
+        out [B, Lq, H, Dv] (contiguous, q's dtype; bfloat16 for FP8 inputs); with
+        ``return_lse`` the tuple
         (out, lse) where lse is [B, H, Lq] float32, natural log.
 
     Raises:
@@ -153,42 +178,47 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         before anything is launched.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks,
+                       (q_descale, k_descale, v_descale))
 
 
 @accepts_cupy
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
-                              return_lse=False, sinks=None):
-    """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D] (fp16 or bf16), read in
-    place; the output is [B, L, H, D]. Arguments and results as ``flash_attn_func``: with
-    Lq = Lk the causal mask is the usual lower triangle.
+                              return_lse=False, sinks=None, q_descale=None, k_descale=None,
+                              v_descale=None):
+    """``flash_attn_func`` on a packed qkv of shape [B, L, 3, H, D] (fp16, bf16 or
+    float8_e4m3fn), read in place; the output is [B, L, H, D]. Arguments and results as
+    ``flash_attn_func``: with Lq = Lk the causal mask is the usual lower triangle.
     """
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"qkv must be [batch, seqlen, 3, heads, head_dim], got shape "
                          f"{tuple(qkv.shape)}")
     q, k, v = qkv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks,
+                       (q_descale, k_descale, v_descale))
 
 
 @accepts_cupy
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
-                             return_lse=False, sinks=None):
+                             return_lse=False, sinks=None, q_descale=None, k_descale=None,
+                             v_descale=None):
     """``flash_attn_func`` on q [B, Lq, H, D] and a packed kv of shape [B, Lk, 2, H_kv, D]
-    (fp16 or bf16), read in place; the output is [B, Lq, H, D]. Arguments and results as
-    ``flash_attn_func``: causal aligns the mask to the bottom-right corner (query i sees keys
-    up to i + Lk - Lq), as flash-attn.
+    (fp16, bf16 or float8_e4m3fn), read in place; the output is [B, Lq, H, D]. Arguments and
+    results as ``flash_attn_func``: causal aligns the mask to the bottom-right corner (query
+    i sees keys up to i + Lk - Lq), as flash-attn.
     """
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"kv must be [batch, seqlen, 2, heads, head_dim], got shape "
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(2)
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks)
+                       alibi_slopes, deterministic, return_attn_probs, return_lse, sinks,
+                       (q_descale, k_descale, v_descale))
 
 
 @accepts_cupy

@@ -9,8 +9,8 @@
     flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
                                        tileiras), which variant it gets, and a smoke test
     flash-tile tune [--backward]       pre-tune a grid of shapes into the autotune cache
-    flash-tile bench [forward|backward|context-parallel|decode|features|launch|sinks|variants|
-                      varlen] [ARGS]
+    flash-tile bench [forward|backward|context-parallel|decode|features|fp8|launch|sinks|
+                      variants|varlen] [ARGS]
                                        the benchmarks of the source tree's bench/ (table, JSON,
                                        plot); ARGS go to the script (--help lists them)
 
@@ -143,7 +143,7 @@ BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
               "backward": "bench_backward.py", "launch": "bench_launch.py",
               "variants": "bench_variants.py", "decode": "bench_decode.py",
               "varlen": "bench_varlen.py", "sinks": "bench_sinks.py",
-              "context-parallel": "bench_context_parallel.py"}
+              "context-parallel": "bench_context_parallel.py", "fp8": "bench_fp8.py"}
 
 
 def bench(args):

@@ -106,6 +106,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = (k, v) if k is not None or v is not None else ()
     if new and (k is None or v is None):
         raise ValueError("pass both k and v (the new keys and values), or neither")
+    _validate.check_no_fp8_cache(q, k_cache, v_cache, *new)
     _validate.check_dtypes(q, k_cache, v_cache, *new)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree but for the head dim, got "

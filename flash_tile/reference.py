@@ -107,6 +107,12 @@ def _scores_log2(q_tile, k_tile, scale, softcap, slopes, mask, offs_m, offs_n, d
     return s * LOG2_E, dscore
 
 
+def round_e4m3(p: torch.Tensor) -> torch.Tensor:
+    """p rounded as the FP8 forward rounds P for P V: to fp32, then to float8_e4m3fn (round
+    to nearest even, saturating), returned in float64."""
+    return p.to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64)
+
+
 def _prepare(q, k, v, scale, alibi_slopes, attn_mask):
     """float64 CPU copies with K/V expanded to every query head (GQA), the default scale, and
     slopes and mask broadcast to [B, H, ...]."""
@@ -149,8 +155,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
                     tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
-                    dropout_batch: int = 0,
-                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    dropout_batch: int = 0, sinks: torch.Tensor | None = None,
+                    fp8_descale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv (any
@@ -162,13 +169,23 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed`` (batch
     indices shifted by ``dropout_batch``). ``sinks`` [H] starts each row's running max and sum
     from head h's sink (m = sink * log2(e), l = 1), as the kernel's SINKS switch does.
+    ``fp8_descale`` [3, B, H_kv] (the kernel's FP8 switch: q, k, v are the e4m3 values,
+    these their descale factors) dequantizes q and k, rounds each tile's P to e4m3 for P V
+    as the kernel does (from its fp32 value; l sums the unrounded P) and multiplies the
+    output by v's factor.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
     """
-    q, k, v, scale, slopes, attn_mask, _ = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
+    q, k, v, scale, slopes, attn_mask, group = _prepare(q, k, v, scale, alibi_slopes,
+                                                        attn_mask)
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
+    v_descale = 1.0
+    if fp8_descale is not None:  # [3, B, H, 1, 1]: each query head takes its group's
+        descale = fp8_descale.to("cpu", torch.float64).repeat_interleave(group, dim=2)
+        q, k, v_descale = q * descale[0, ..., None, None], k * descale[1, ..., None, None], \
+            descale[2, ..., None, None]
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
     keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len,
@@ -197,10 +214,13 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             l_i = l_i * alpha + p.sum(dim=-1, keepdim=True)
             if keep is not None:
                 p = p * keep[:, :, m_start:m_start + rows, j * tile_n:(j + 1) * tile_n]
+            if fp8_descale is not None:
+                p = round_e4m3(p)
             acc = acc * alpha + p @ v_tile
             m_i = m_new
         empty = l_i == 0.0
-        out[:, :, m_start:m_start + rows] = acc / torch.where(empty, 1.0, l_i) / (1 - dropout_p)
+        out[:, :, m_start:m_start + rows] = (acc / torch.where(empty, 1.0, l_i) / (1 - dropout_p)
+                                             * v_descale)
         lse_tile = torch.where(empty, math.inf, m_i * math.log(2.0) + torch.log(l_i))
         lse[:, :, m_start:m_start + rows] = lse_tile[..., 0]
     return out, lse

@@ -12,6 +12,7 @@ import torch
 from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
+from flash_tile._ops_fp8 import fp8_varlen_attention
 from flash_tile.api import _autocast, _dropout_seed, _needs_grad
 
 
@@ -29,8 +30,9 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-            return_attn_probs, seqused_k, return_lse, sinks=None):
-    """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones)."""
+            return_attn_probs, seqused_k, return_lse, sinks=None, descales=(None, None, None)):
+    """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones);
+    ``descales`` the FP8 forward's (q_descale, k_descale, v_descale)."""
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
@@ -39,8 +41,11 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [total, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
-    q, k, v = _autocast(q, k, v)
-    _validate.check_dtypes(q, k, v)
+    names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+    fp8 = _validate.check_fp8(q, k, v, **names)
+    if not fp8:
+        q, k, v = _autocast(q, k, v)
+        _validate.check_dtypes(q, k, v)
     _validate.check_lengths(k.shape[0], v.shape[0])
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
     _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
@@ -66,6 +71,13 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
     # The kernels' tiles read rows of D contiguous elements; flash-attn copies here too.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if fp8:
+        _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
+        descale = _validate.fp8_descales(batch, k.shape[1], device, **names)
+        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, descale, alibi_slopes, scale, softcap,
+                                        left, right, return_lse, sinks, seqused_k)
+        return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
                                                   alibi_slopes=alibi_slopes), sinks)
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
@@ -81,14 +93,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, *, seqused_k=None,
-                           return_lse=False, sinks=None):
+                           return_lse=False, sinks=None, q_descale=None, k_descale=None,
+                           v_descale=None):
     """Attention over packed sequences; a drop-in for flash-attn 2.8's
-    ``flash_attn_varlen_func``, forward and backward.
+    ``flash_attn_varlen_func``, forward and backward (and FA3's FP8 forward).
 
     Args:
-        q: [total_q, H, D] float16 or bfloat16 CUDA tensor, the sequences' queries one after
-            another, D from 1 to 256; k: [total_k, H_kv, D] and v: [total_k, H_kv, Dv]
-            likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
+        q: [total_q, H, D] float16, bfloat16 or float8_e4m3fn CUDA tensor, the sequences'
+            queries one after another, D from 1 to 256; k: [total_k, H_kv, D] and v:
+            [total_k, H_kv, Dv] likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
             consecutive offsets are a sequence of length 0.
@@ -110,6 +123,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
+        q_descale, k_descale, v_descale: the FP8 forward's factors, as ``flash_attn_func``'s,
+            [B, H_kv] with one row per sequence, or one element; bfloat16 output, no
+            backward.
 
     Gradients flow to q, k, v and the sinks (not alibi_slopes) through the backward's
     VARLEN switch.
@@ -127,7 +143,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, seqused_k, return_lse, sinks)
+                   return_attn_probs, seqused_k, return_lse, sinks,
+                   (q_descale, k_descale, v_descale))
 
 
 @accepts_cupy

@@ -224,6 +224,28 @@ def load_seq_rows(A, batch, head, start, index, ROWS: ConstInt, COLS: ConstInt,
     return load_rows(A, batch, head, index, ROWS, COLS, latency)
 
 
+def load_keys_major(A_T, batch, head, start, index, ROWS: ConstInt, COLS: ConstInt,
+                    VARLEN: ConstBool, latency=None):
+    """``load_seq_rows`` of A [B, H, L, C] given as its transpose A_T [B, H, C, L] (L
+    contiguous): the same [ROWS, COLS] tile, read through the permuted load order, so that
+    the rows (a matmul's reduction axis when the tile is its right operand) are contiguous in
+    shared memory, as an FP8 tensor-core matmul wants both operands."""
+    if VARLEN:
+        tile = ct.permute(A_T.tiled_view((1, 1, COLS, ROWS), padding_mode=ZERO,
+                                         traversal_steps=(1, 1, COLS, 1)).load(
+            (0, head, 0, start + index * ROWS), latency=latency), (0, 1, 3, 2))
+    else:
+        tile = ct.load(A_T, index=(batch, head, index, 0), shape=(1, 1, ROWS, COLS),
+                       order=(0, 1, 3, 2), padding_mode=ZERO, latency=latency)
+    return tile.reshape((ROWS, COLS))
+
+
+def descale(Descale, which: ConstInt, batch, head):
+    """Descale[which, batch, head] of an fp32 [3, B, H_kv] array, as a scalar: the FP8
+    forward's q, k (which 0, 1) and v (2) descale factors of one (batch, kv head)."""
+    return ct.load(Descale, (which, batch, head), shape=()).item()
+
+
 def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLEN: ConstBool):
     """The [1, 1, ROWS] tile ``index`` of an fp32 [B, H, L] row vector (LSE, Delta), padded
     with ``padding``; under VARLEN counted from row ``start`` of the packed A[0, head]."""

@@ -54,6 +54,20 @@ with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. T
 max and sum start from it (m_i = sink_h log2(e), l_i = 1) instead of (-inf, 0), so it costs
 nothing in the K-loop; the stored LSE includes it.
 
+FP8 (FP8). Q, K and V in float8_e4m3fn with fp32 descale factors d_q, d_k, d_v per (batch,
+kv head): the inputs stand for d_q q8, d_k k8, d_v v8. S = Q8 K8^T on e4m3 tensor cores
+(fp32 accumulate), and d_q d_k joins the softmax scale once per program, so the scores,
+softcap, masks and LSE are those of the dequantized inputs. P (in [0, 1] after the online
+softmax) is rounded to e4m3 as it is for P V (relative error <= 2^-4 above 2^-6, absolute
+<= 2^-10 below), l_i sums the unrounded p, and d_v multiplies the output with 1 / l_i; the
+output is bfloat16. An e4m3 matmul wants both operands K-major, its reduction axis
+contiguous in shared memory: Q [.., D] and K^T (loaded from K [.., Lk, D] through the
+permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, Lk] and the
+tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
+reading V as stored costs a shared-memory transpose on the hot path (sm_90 SASS: 240-390
+more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 13.4,
+2026-12-03).
+
 Masking. Row i sees key j iff
 
     i + diag_offset - window_left <= j        (when MASK_LEFT)
@@ -76,19 +90,19 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, dropout_keep,
-                     heaviest_first, load_seq_rows, log2_scores, query_rows, sequence_bounds,
-                     store_seq_rows, store_seq_vector, tile_runs)
+from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale,
+                     dropout_keep, heaviest_first, load_keys_major, load_seq_rows, log2_scores,
+                     query_rows, sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
                     drop, TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, VARLEN); under VARLEN the sequence's keys start at row
-    ``k_start`` of K."""
+    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8); under VARLEN the sequence's keys start at row
+    ``k_start`` of K, under FP8 V is V^T (``attention_fwd``)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8 = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     if VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
@@ -117,22 +131,31 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
 
-    v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
+    if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
+        v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
+    else:
+        v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
-    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)  # [TILE_M, TILE_DV]
+    # FP8 (both e4m3): P in [0, 1] rounds to e4m3 as it is (FA3's choice), and V^T's keys
+    # are the contiguous axis. Under use_fast_acc=False tileiras sums each tile's P V in
+    # fresh registers and adds it to acc in fp32; that holds a second accumulator, which at
+    # Dv > 128 spills (521 LDL/STL on sm_90's 128x64 tile), so there the tensor core adds
+    # into acc itself, as FA3 does (its fp32 accumulator keeps fewer mantissa bits).
+    acc = ct.mma(p.astype(v.dtype), v, acc * alpha,
+                 use_fast_acc=FP8 and TILE_DV > 128)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-                        dropout_threshold, dropout_scale,
+                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
+                        dropout_seed, dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
-                        SINKS: ConstBool, SEQUSED_K: ConstBool):
+                        SINKS: ConstBool, SEQUSED_K: ConstBool, FP8: ConstBool):
     """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
     VARLEN, sequence) bid(2)."""
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
@@ -147,13 +170,19 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     batch = ct.bid(2)  # the sequence under VARLEN: its ALiBi slopes and dropout hash
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
     m_start = tile_m * TILE_M
+    if FP8:
+        # The scores are q_descale * k_descale * (q8 . k8): the product joins the softmax
+        # scale once (softcap and the deferred log2 scale read it from there); v_descale
+        # multiplies the output with 1 / l_i. One pair of scalars per (batch, kv head).
+        qk_scale = qk_scale * descale(Descale, 0, batch, kv_head) * \
+            descale(Descale, 1, batch, kv_head)
 
     # Loaded once, reused by every key tile.
     q = load_seq_rows(Q, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
     offs_m = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_m, drop, FEATURES)
 
@@ -188,6 +217,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)  # [TILE_M, 1]
     if DROPOUT:
         inv_l = inv_l * dropout_scale
+    if FP8:
+        inv_l = inv_l * descale(Descale, 2, batch, kv_head)
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
     # Under VARLEN clipped at the sequence's last row, not at the packed tensor's.
     store_seq_rows(Out, batch, head, q_start, q_len, tile_m, out, VARLEN)
@@ -199,7 +230,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
 
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                  qk_scale: float,
+                  Descale, qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
@@ -208,7 +239,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
                   LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool,
-                  SEQUSED_K: ConstBool):
+                  SEQUSED_K: ConstBool, FP8: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -217,32 +248,36 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
     sequences' cumulative lengths (read only then), the grid (cdiv(max_seqlen_q, TILE_M), H,
     B); under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
-    SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Shapes and strides
-    are 32-bit."""
+    SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Under FP8 Q and K
+    are float8_e4m3fn, V comes transposed, V^T [B, H_kv, Dv, Lk] e4m3 (packed [1, H_kv, Dv,
+    total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
+    v descale factors (read only then). Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
-                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K)
+                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
+                        dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
+                        TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
+                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, qk_scale: float, softcap: float,
-                        diag_offset: int,
+                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, Descale, qk_scale: float,
+                        softcap: float, diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
-                        TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                        TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                        MASK_LEFT: ConstBool,
                         MASK_RIGHT: ConstBool, EVEN_N: ConstBool, SOFTCAP: ConstBool,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
-                        VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool):
+                        VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool,
+                        FP8: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        qk_scale, softcap, diag_offset, window_left, window_right, dropout_seed,
-                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
-                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
-                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K)
+                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
+                        dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
+                        TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
+                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)

@@ -14,6 +14,7 @@ Each compile takes a few seconds, which keeps this file near three minutes on tw
 """
 
 import dataclasses
+import re
 
 import cuda.tile as ct
 import pytest
@@ -413,3 +414,46 @@ def test_forward_schedule_fields_reach_the_machine_code():
                                                                           latency_v=1))
 
 
+
+
+# The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the two
+# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-03, the
+# arch's default config; two copies of the K-loop body, the unmasked and the masked run]:
+# D=64 (64x64 o3) 2 + 2 a body, D=128 (128x128 nww8) 4 + 4 per warp group, D=256 (128x64
+# nww8) 8 + 2.
+FP8_QGMMA = {64: (4, 4), 128: (8, 8), 256: (16, 4)}
+_QK = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, gdesc")  # A from shared memory: Q K^T
+_PV = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, R\d+, gdesc")  # A from registers: P V
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", sorted(FP8_QGMMA))
+def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, causal):
+    sass = aot.disassemble(aot.compile_forward("sm_90", head_dim=head_dim, causal=causal,
+                                               even_n=not causal, fp8=True))
+    summary = aot.summarize(sass)
+    assert (len(_QK.findall(sass)), len(_PV.findall(sass))) == FP8_QGMMA[head_dim]
+    assert summary["tensor_core"] == sum(FP8_QGMMA[head_dim])  # no HGMMA left
+    assert summary["local_memory"] == 0
+    assert summary["tma_load"] > 0
+
+
+@pytest.mark.parametrize("arch,op", [("sm_100", "UTCQMMA"), ("sm_120", "QMMA")])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_forward_uses_e4m3_tensor_cores_on_blackwell(arch, op, head_dim):
+    sass = aot.disassemble(aot.compile_forward(arch, head_dim=head_dim, causal=True,
+                                               even_n=False, fp8=True))
+    assert re.search(rf"\b{op}\b", sass) and ".E4M3" in sass
+    assert not re.search(r"\b(HMMA|HGMMA|UTCHMMA)\b", sass)
+    assert aot.summarize(sass)["local_memory"] == 0
+
+
+def test_fp8_forward_composes_with_varlen_and_the_score_features():
+    """VARLEN (V^T read through a row-stepping view), GQA-independent score features, sinks
+    and a window: one sm_90 compile, still QGMMA for both matmuls."""
+    sass = aot.disassemble(aot.compile_forward("sm_90", head_dim=128, causal=False,
+                                               window=(100, 20), softcap=True, alibi=True,
+                                               sinks=True, varlen=True, seqused_k=True,
+                                               fp8=True))
+    assert _QK.search(sass) and _PV.search(sass)
+    assert not re.search(r"\bHGMMA\b", sass)

@@ -89,7 +89,7 @@ def test_every_bench_suite_names_a_script_of_the_source_tree():
 
     folder = pathlib.Path(__file__).parent.parent / "bench"
     assert sorted(BENCHMARKS) == ["backward", "context-parallel", "decode", "features",
-                                  "forward", "launch", "sinks", "variants", "varlen"]
+                                  "forward", "fp8", "launch", "sinks", "variants", "varlen"]
     for suite, script in BENCHMARKS.items():
         assert (folder / script).is_file(), suite
 

@@ -42,8 +42,13 @@ def test_kernel_modules_import_only_cuda_tile_and_math():
 
 def test_public_api():
     """The exported functions are flash-attn's seven and torch's SDPA, and each documents its
-    layout and causal alignment."""
-    functions = [name for name in flash_tile.__all__ if name != "__version__"]
+    layout and causal alignment; beside them the FP8 forward's two helpers, which document
+    their layout and the FP8 dtype."""
+    helpers = ["hadamard_rotate", "quantize_fp8"]
+    for name in helpers:
+        doc = getattr(flash_tile, name).__doc__
+        assert "float8_e4m3fn" in doc or "FP8" in doc, name
+    functions = [name for name in flash_tile.__all__ if name not in ("__version__", *helpers)]
     assert sorted(functions) == ["flash_attn_func", "flash_attn_kvpacked_func",
                                  "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
                                  "flash_attn_varlen_kvpacked_func",

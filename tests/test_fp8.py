@@ -1,0 +1,298 @@
+"""The FP8 forward on the CPU: its float64 twin against plain dequantized attention, the
+quantize and Hadamard helpers, and every FP8 error raised before a launch."""
+
+import math
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import _launch, _ops_fp8, _validate, api, variants
+from flash_tile.fp8 import E4M3_MAX, hadamard_matrix
+from flash_tile.reference import attention_dense, attention_tiles, round_e4m3, visible_keys
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fa3_inputs(batch, length, heads, head_dim, seed=0):
+    """N(0, 1) with 0.1% of the entries N(0, 10) (FA3's Table 3), [B, L, H, D] bf16."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, heads, head_dim, generator=g)
+    outliers = torch.rand(batch, length, heads, head_dim, generator=g) < 1e-3
+    return torch.where(outliers, 10 * torch.randn(x.shape, generator=g), x).bfloat16()
+
+
+def _quantized(q, k, v, per="head", rotate=False):
+    """(q8, k8, v8 as [B, H, L, D] views, descale [3, B, H_kv]) of [B, L, H, D] inputs."""
+    if rotate:
+        q, k = flash_tile.hadamard_rotate(q.float(), k.float())
+    batch, kv_heads = k.shape[0], k.shape[2]
+    q8, qd = flash_tile.quantize_fp8(q, per, kv_heads=kv_heads)
+    k8, kd = flash_tile.quantize_fp8(k, per)
+    v8, vd = flash_tile.quantize_fp8(v, per)
+    descale = _validate.fp8_descales(batch, kv_heads, torch.device("cpu"), q_descale=qd,
+                                     k_descale=kd, v_descale=vd)
+    return (*(t.transpose(1, 2) for t in (q8, k8, v8)), descale)
+
+
+def _dequantized(q8, k8, v8, descale):
+    """float64 d * x8 of [B, H, L, D] e4m3 views, each query head with its group's factor."""
+    group = q8.shape[1] // k8.shape[1]
+    d = descale.double()[..., None, None]
+    return (q8.double() * d[0].repeat_interleave(group, 1), k8.double() * d[1],
+            v8.double() * d[2])
+
+
+CASES = {
+    "plain": dict(q_len=100, k_len=100),
+    "causal-lq<lk": dict(q_len=37, k_len=130, window=(-1, 0)),
+    "window-gqa": dict(q_len=90, k_len=90, window=(20, 5), heads=4, kv_heads=2),
+    "softcap-mqa": dict(q_len=50, k_len=70, softcap=15.0, heads=4, kv_heads=1),
+    "one-key": dict(q_len=17, k_len=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_twin_is_dequantized_attention_within_the_rounding_of_p(name):
+    """The twin (the kernel's tiles, P rounded to e4m3) against softmax(S) V of the
+    dequantized inputs: P in [0, 1] rounds with a relative error of at most 2^-4 where it is
+    normal (>= 2^-6) and an absolute one of at most 2^-10 below, and l sums the unrounded P,
+    so |o_i - o_ref_i| <= sum_j max(2^-4 p_ij, 2^-10) |v_j| / l_i, p the reference's. The
+    twin must also differ from the reference (the rounding is there) but for one key."""
+    case = dict(heads=2, kv_heads=2, window=(-1, -1), softcap=0.0) | CASES[name]
+    batch, d = 2, 64
+    q = fa3_inputs(batch, case["q_len"], case["heads"], d, 1)
+    k, v = (fa3_inputs(batch, case["k_len"], case["kv_heads"], d, s) for s in (2, 3))
+    q8, k8, v8, descale = _quantized(q, k, v)
+    diag = case["k_len"] - case["q_len"]
+    out, lse = attention_tiles(q8, k8, v8, diag_offset=diag, window=case["window"],
+                               softcap=case["softcap"], fp8_descale=descale)
+    qd, kd, vd = _dequantized(q8, k8, v8, descale)
+    ref, ref_lse = attention_dense(qd, kd, vd, diag_offset=diag, window=case["window"],
+                                   softcap=case["softcap"], return_lse=True)
+    # The reference's P with each row's max at 1 (the kernel's P is relative to its running
+    # max, which only shrinks it: alpha <= 1 scales its rounding error down too).
+    group = case["heads"] // case["kv_heads"]
+    kr, vr = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    scores = qd @ kr.transpose(-1, -2) / math.sqrt(d)
+    if case["softcap"]:
+        scores = case["softcap"] * torch.tanh(scores / case["softcap"])
+    scores = scores.masked_fill(~visible_keys(case["q_len"], case["k_len"], diag,
+                                              case["window"]), -math.inf)
+    p = torch.exp(scores - scores.amax(-1, keepdim=True)).nan_to_num(0.0)
+    err_p = torch.maximum(p * 2.0**-4, torch.full_like(p, 2.0**-10)) * (p > 0)
+    bound = (err_p @ vr.abs()) / p.sum(-1, keepdim=True).clamp(min=1.0)
+    err = (out - ref).abs()
+    assert (err <= bound + 1e-12).all(), (err - bound).max()
+    assert (err.max() > 0) == (case["k_len"] > 1)  # one key: P = 1, exact in e4m3
+    assert torch.allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("per", ["head", "tensor"])
+def test_twin_meets_fa3_rmse_targets(per):
+    """Issue 26's targets, on the twin (the kernel's rounding, simulated), at L = 1024, 4
+    heads, D = 128, four draws: RMSE of the output against fp64 attention of the original
+    bf16 inputs <= 2.4e-2 plain (FA3's baseline FP8) on every draw, and <= 1.0e-2 with the
+    Hadamard rotation of q and k on average, below plain on every draw. Measured: 1.2-1.6e-2
+    plain, 0.75-1.06e-2 rotated: the rotation cannot reach v's quantization error (an outlier
+    of v sets its head's scale), so single draws land either side of 1.0e-2."""
+    rotated = []
+    for seed in range(4):
+        q, k, v = (fa3_inputs(1, 1024, 4, 128, 10 * seed + s) for s in (4, 5, 6))
+        ref = attention_dense(*(t.double().transpose(1, 2) for t in (q, k, v)))
+        rmse = []
+        for rotate in (False, True):
+            q8, k8, v8, descale = _quantized(q, k, v, per, rotate)
+            out, _ = attention_tiles(q8, k8, v8, fp8_descale=descale, tile_m=128, tile_n=128)
+            rmse.append((out - ref).pow(2).mean().sqrt().item())
+        assert rmse[0] <= 2.4e-2 and rmse[1] < rmse[0]
+        rotated.append(rmse[1])
+    assert sum(rotated) / len(rotated) <= 1.0e-2
+
+
+def test_round_e4m3_grid():
+    values = torch.tensor([1.0, 1.0625, 1.1875, 0.5 + 2**-5, 2.0**-9, 2.0**-11, 0.0],
+                          dtype=torch.float64)
+    # 1.0625 is halfway between 1 and 1.125: ties to even (1); 2^-11 is below half the
+    # smallest subnormal (2^-9) and flushes to 0.
+    assert round_e4m3(values).tolist() == [1.0, 1.0, 1.25, 0.5, 2.0**-9, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("per,kv_heads", [("head", None), ("head", 2), ("tensor", None)])
+def test_quantize_round_trip(per, kv_heads):
+    x = fa3_inputs(2, 33, 4, 64, 7).float()
+    x8, descale = flash_tile.quantize_fp8(x, per, kv_heads=kv_heads)
+    assert x8.dtype == E4M3 and descale.dtype == torch.float32
+    shape = {"tensor": (), "head": (2, kv_heads or 4)}[per]
+    assert tuple(descale.shape) == shape
+    scale = descale if per == "tensor" else descale.repeat_interleave(
+        4 // shape[1], 1)[:, None, :, None]
+    back = x8.float() * scale
+    # e4m3: relative error <= 2^-4 for normals (|x| / scale >= 2^-6), absolute
+    # 2^-10 * scale below; the group's largest magnitude maps to 448 exactly.
+    assert ((back - x).abs() <= torch.maximum(x.abs() * 2**-4, 2**-10 * scale)).all()
+    assert x8.float().abs().amax() == E4M3_MAX
+
+
+def test_quantize_zero_group_and_errors():
+    x = torch.zeros(1, 4, 2, 16)
+    x[:, :, 1] = 3.0
+    x8, descale = flash_tile.quantize_fp8(x)
+    assert descale[0, 0] == 1.0 and (x8[:, :, 0].float() == 0).all()
+    assert (x8[:, :, 1].float() * descale[0, 1] == 3.0).all()
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_tile.quantize_fp8(x[0])
+    with pytest.raises(ValueError, match="per"):
+        flash_tile.quantize_fp8(x, per="row")
+    with pytest.raises(ValueError, match="kv_heads"):
+        flash_tile.quantize_fp8(torch.zeros(1, 4, 3, 16), kv_heads=2)
+
+
+def test_hadamard_is_orthonormal_and_keeps_scores():
+    h = hadamard_matrix(128, torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(128, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(h, h.T)
+    q, k = fa3_inputs(1, 40, 2, 128, 8).float(), fa3_inputs(1, 50, 2, 128, 9).float()
+    qr, kr = flash_tile.hadamard_rotate(q, k)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k)
+    assert torch.allclose(torch.einsum("bihd,bjhd->bhij", qr, kr), scores, atol=1e-3)
+    back, _ = flash_tile.hadamard_rotate(qr, kr)  # H H = I: rotating twice gives q back
+    assert torch.allclose(back, q, atol=1e-5)
+    # An outlier spreads over the head dim: the largest magnitude per head drops.
+    assert qr.abs().amax() < q.abs().amax() / 2
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_matrix(96)
+
+
+# Errors: all raised before anything launches.
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def launched(*args, **kwargs):
+        raise AssertionError("the kernel was reached before validation rejected the input")
+
+    monkeypatch.setattr(api, "attention_forward", launched)
+    monkeypatch.setattr(api, "fp8_attention", launched)
+
+
+def _fp8(batch=2, length=16, heads=4, head_dim=64):
+    return torch.randn(batch, length, heads, head_dim).to(E4M3)
+
+
+def test_fp8_dtype_mixes(no_launch):
+    q = _fp8()
+    with pytest.raises(ValueError, match="all be torch.float8_e4m3fn"):
+        flash_tile.flash_attn_func(q, q, q.bfloat16())
+    with pytest.raises(ValueError, match="takes torch.float8_e4m3fn"):
+        flash_tile.flash_attn_func(q, q, q.to(torch.float8_e5m2))
+    bf = q.bfloat16()
+    with pytest.raises(ValueError, match="v_descale: descale factors apply"):
+        flash_tile.flash_attn_func(bf, bf, bf, v_descale=torch.ones(2, 4))
+
+
+@pytest.fixture
+def hopper(monkeypatch, no_launch):
+    """CPU tensors pass the device checks as a GPU of ``capability`` (settable)."""
+    state = {"capability": (9, 0)}
+    monkeypatch.setattr(_validate, "check_device", lambda *t: torch.device("cpu"))
+    monkeypatch.setattr(_validate, "device_properties",
+                        lambda device: (state["capability"], "a test GPU"))
+    return state
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (8, 0)])
+def test_fp8_needs_sm90(hopper, capability):
+    hopper["capability"] = capability
+    q = _fp8()
+    with pytest.raises(RuntimeError, match="9.0 or newer.*sm_89"):
+        flash_tile.flash_attn_func(q, q, q)
+
+
+def test_fp8_has_no_backward_nor_dropout(hopper):
+    q = _fp8()
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flash_tile.flash_attn_func(q.clone().requires_grad_(), q, q)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        flash_tile.flash_attn_func(q, q, q, dropout_p=0.1)
+    qkv = torch.randn(2, 16, 3, 4, 64).to(E4M3)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        flash_tile.flash_attn_qkvpacked_func(qkv.requires_grad_())
+
+
+def test_fp8_descale_checks(hopper):
+    q, k = _fp8(), _fp8(heads=2)
+    with pytest.raises(ValueError, match=r"q_descale must have shape \[2, 2\]"):
+        flash_tile.flash_attn_func(q, k, k, q_descale=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="k_descale must be a float32 tensor"):
+        flash_tile.flash_attn_func(q, k, k, k_descale=torch.ones(2, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="k_descale must be a float32 tensor"):
+        flash_tile.flash_attn_func(q, k, k, k_descale=0.5)
+    descale = _validate.fp8_descales(2, 2, torch.device("cpu"), q_descale=torch.tensor(2.0),
+                                     k_descale=None, v_descale=torch.full((1,), 3.0))
+    assert descale.shape == (3, 2, 2) and descale.is_contiguous()
+    assert descale[:, 1, 1].tolist() == [2.0, 1.0, 3.0]
+    with pytest.raises(ValueError, match="must be on meta"):
+        _validate.fp8_descales(2, 2, torch.device("meta"), q_descale=torch.ones(2, 2))
+
+
+def test_fp8_kv_cache_is_not_supported(no_launch):
+    cache = torch.randn(2, 64, 2, 64).to(E4M3)
+    with pytest.raises(NotImplementedError, match="FP8 q or KV cache"):
+        flash_tile.flash_attn_with_kvcache(torch.randn(2, 1, 4, 64).bfloat16(), cache, cache)
+
+
+def test_fp8_varlen_checks(hopper):
+    q = torch.randn(30, 4, 64).to(E4M3)
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="9.0 or newer"):
+        hopper["capability"] = (8, 9)
+        flash_tile.flash_attn_varlen_func(q, q, q, cu, cu, 20, 20)
+
+
+# The launch: arguments against the AOT signature, V copied keys-major.
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
+    from contextlib import nullcontext
+
+    from flash_tile import aot
+    calls = []
+    monkeypatch.setattr(_launch.ct, "launch",
+                        lambda stream, grid, kernel, args: calls.append((grid, kernel, args)))
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    monkeypatch.setattr(_ops_fp8, "device_properties", lambda device: ((9, 0), "H200"))
+    descale = torch.rand(3, 2, 2)
+    if varlen:
+        q, k, v = torch.randn(40, 4, 128).to(E4M3), *(torch.randn(50, 2, 128).to(E4M3)
+                                                       for _ in range(2))
+        cu_q, cu_k = (torch.tensor([0, 15, n], dtype=torch.int32) for n in (40, 50))
+        out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, 25, 35, descale, None,
+                                             0.1, 0.0, -1, 0, True)
+        v4 = v.transpose(0, 1)[None]
+    else:
+        q = torch.randn(2, 4, 40, 128).to(E4M3)
+        k, v = (torch.randn(2, 2, 50, 128).to(E4M3) for _ in range(2))
+        out, lse = _ops_fp8._fp8_forward_impl(q, k, v, descale, None, 0.1, 0.0, 10, -1, 0, True)
+        v4 = v
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    (_, _, args), = calls
+    v_t = args[2]
+    assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
+    assert v_t.stride(2) % 16 == 0 and torch.equal(v_t.float(), v4.transpose(2, 3).float())
+    assert args[11] is descale and args[-1] is True  # Descale, FP8
+    config = variants.default_config((9, 0), 128)
+    sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, False, True,
+                                config, varlen=varlen, fp8=True)
+    params = sig.parameters
+    assert len(args) == len(params)
+    dtypes = {0: "float8_e4m3fn", 1: "float8_e4m3fn", 2: "float8_e4m3fn", 3: "bfloat16",
+              11: "float32"}
+    for i, name in dtypes.items():
+        assert params[i].dtype.name == name and str(args[i].dtype).endswith(name), i
+    for i, (arg, param) in enumerate(zip(args, params)):
+        if type(param).__name__ == "ArrayConstraint":
+            assert arg.dim() == param.ndim, i
+        elif type(param).__name__ != "ScalarConstraint":
+            assert arg == param.value, (i, arg, param.value)
+    assert math.isclose(args[12], 0.1, rel_tol=1e-6)
