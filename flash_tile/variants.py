@@ -124,7 +124,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # FP8 (the forward's FP8 switch) launches these same defaults, never tuned and not yet timed:
 # on sm_90 they compile to QGMMA for both matmuls with no spills at D=64/128/256 (80, 168
 # and 168 registers; at D=256 only with the tensor core accumulating P V itself, else 521
-# LDL/STL; docs/kernel-internals.md, "FP8") [tileiras 13.4 SASS, 2026-12-03]. At D=256
+# LDL/STL; docs/kernel-internals.md, "FP8") [tileiras 13.4 SASS, 2026-12-02]. At D=256
 # every other tile tried spilled with the precise accumulation too (64x64: 229, 128x32
 # nww8: 164, 64x128: 488 LDL/STL).
 

@@ -66,7 +66,7 @@ permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, 
 tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
 reading V as stored costs a shared-memory transpose on the hot path (sm_90 SASS: 240-390
 more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 13.4,
-2026-12-03).
+2026-12-02).
 
 Masking. Row i sees key j iff
 

@@ -417,7 +417,7 @@ def test_forward_schedule_fields_reach_the_machine_code():
 
 
 # The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the two
-# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-03, the
+# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-02, the
 # arch's default config; two copies of the K-loop body, the unmasked and the masked run]:
 # D=64 (64x64 o3) 2 + 2 a body, D=128 (128x128 nww8) 4 + 4 per warp group, D=256 (128x64
 # nww8) 8 + 2.
