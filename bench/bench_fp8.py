@@ -52,16 +52,6 @@ CUDNN_PUBLISHED = ("1042-1062 TFLOP/s (cudnn-frontend's published H200 results, 
                    "64/8, D=128)")
 
 
-def fa3_inputs(batch, length, heads, head_dim, seed):
-    """N(0, 1) with 0.1% of the entries N(0, 10), [B, L, H, D] bf16 on the GPU."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (batch, length, heads, head_dim)
-    x = torch.randn(shape, generator=g, device="cuda")
-    outliers = torch.rand(shape, generator=g, device="cuda") < 1e-3
-    return torch.where(outliers, 10 * torch.randn(shape, generator=g, device="cuda"),
-                       x).bfloat16()
-
-
 def cudnn_reason():
     """Why the cuDNN FP8 column is null."""
     try:
@@ -101,7 +91,8 @@ def bench_row(length, head_dim, causal, seed=0):
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "tflops": dict.fromkeys(BACKENDS), "ratio_vs_bf16": None,
            "rmse": None, "skipped": {"cudnn_fp8": cudnn_reason()}}
-    q, k, v = (fa3_inputs(batch, length, heads, head_dim, seed + s) for s in range(3))
+    q, k, v = (reference.outlier_inputs(batch, length, heads, head_dim, seed + s, "cuda")
+               for s in range(3))
     (q8, qd), (k8, kd), (v8, vd) = (flash_tile.quantize_fp8(t) for t in (q, k, v))
     runs = {"flash_tile_fp8": lambda: flash_tile.flash_attn_func(
                 q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd),

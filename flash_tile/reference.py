@@ -557,3 +557,15 @@ def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,
     err_pt = (out_pt - ref).abs().max().item()
     ok = err <= factor * err_pt + 2 * floor + atol and not out.isnan().any().item()
     return {"ok": ok, "max_err": err, "max_err_torch": err_pt, "floor": floor}
+
+
+def outlier_inputs(batch: int, length: int, heads: int, head_dim: int, seed: int = 0,
+                   device: str = "cpu") -> torch.Tensor:
+    """FA3's accuracy inputs (its Table 3): N(0, 1) with 0.1% of the entries N(0, 10),
+    [B, L, H, D] bf16, from a generator on ``device`` seeded with ``seed``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, length, heads, head_dim)
+    x = torch.randn(shape, generator=g, device=device)
+    outliers = torch.rand(shape, generator=g, device=device) < 1e-3
+    return torch.where(outliers, 10 * torch.randn(shape, generator=g, device=device),
+                       x).bfloat16()

@@ -9,17 +9,10 @@ import torch
 import flash_tile
 from flash_tile import _launch, _ops_fp8, _validate, api, variants
 from flash_tile.fp8 import E4M3_MAX, hadamard_matrix
-from flash_tile.reference import attention_dense, attention_tiles, round_e4m3, visible_keys
+from flash_tile.reference import (attention_dense, attention_tiles, outlier_inputs, round_e4m3,
+                                  visible_keys)
 
 E4M3 = torch.float8_e4m3fn
-
-
-def fa3_inputs(batch, length, heads, head_dim, seed=0):
-    """N(0, 1) with 0.1% of the entries N(0, 10) (FA3's Table 3), [B, L, H, D] bf16."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, length, heads, head_dim, generator=g)
-    outliers = torch.rand(batch, length, heads, head_dim, generator=g) < 1e-3
-    return torch.where(outliers, 10 * torch.randn(x.shape, generator=g), x).bfloat16()
 
 
 def _quantized(q, k, v, per="head", rotate=False):
@@ -61,8 +54,8 @@ def test_twin_is_dequantized_attention_within_the_rounding_of_p(name):
     twin must also differ from the reference (the rounding is there) but for one key."""
     case = dict(heads=2, kv_heads=2, window=(-1, -1), softcap=0.0) | CASES[name]
     batch, d = 2, 64
-    q = fa3_inputs(batch, case["q_len"], case["heads"], d, 1)
-    k, v = (fa3_inputs(batch, case["k_len"], case["kv_heads"], d, s) for s in (2, 3))
+    q = outlier_inputs(batch, case["q_len"], case["heads"], d, 1)
+    k, v = (outlier_inputs(batch, case["k_len"], case["kv_heads"], d, s) for s in (2, 3))
     q8, k8, v8, descale = _quantized(q, k, v)
     diag = case["k_len"] - case["q_len"]
     out, lse = attention_tiles(q8, k8, v8, diag_offset=diag, window=case["window"],
@@ -98,7 +91,7 @@ def test_twin_meets_fa3_rmse_targets(per):
     of v sets its head's scale), so single draws land either side of 1.0e-2."""
     rotated = []
     for seed in range(4):
-        q, k, v = (fa3_inputs(1, 1024, 4, 128, 10 * seed + s) for s in (4, 5, 6))
+        q, k, v = (outlier_inputs(1, 1024, 4, 128, 10 * seed + s) for s in (4, 5, 6))
         ref = attention_dense(*(t.double().transpose(1, 2) for t in (q, k, v)))
         rmse = []
         for rotate in (False, True):
@@ -120,7 +113,7 @@ def test_round_e4m3_grid():
 
 @pytest.mark.parametrize("per,kv_heads", [("head", None), ("head", 2), ("tensor", None)])
 def test_quantize_round_trip(per, kv_heads):
-    x = fa3_inputs(2, 33, 4, 64, 7).float()
+    x = outlier_inputs(2, 33, 4, 64, 7).float()
     x8, descale = flash_tile.quantize_fp8(x, per, kv_heads=kv_heads)
     assert x8.dtype == E4M3 and descale.dtype == torch.float32
     shape = {"tensor": (), "head": (2, kv_heads or 4)}[per]
@@ -152,7 +145,7 @@ def test_hadamard_is_orthonormal_and_keeps_scores():
     h = hadamard_matrix(128, torch.float64)
     assert torch.allclose(h @ h.T, torch.eye(128, dtype=torch.float64), atol=1e-12)
     assert torch.equal(h, h.T)
-    q, k = fa3_inputs(1, 40, 2, 128, 8).float(), fa3_inputs(1, 50, 2, 128, 9).float()
+    q, k = outlier_inputs(1, 40, 2, 128, 8).float(), outlier_inputs(1, 50, 2, 128, 9).float()
     qr, kr = flash_tile.hadamard_rotate(q, k)
     scores = torch.einsum("bihd,bjhd->bhij", q, k)
     assert torch.allclose(torch.einsum("bihd,bjhd->bhij", qr, kr), scores, atol=1e-3)

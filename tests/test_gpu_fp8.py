@@ -22,6 +22,7 @@ The outputs the ops allocate start as NaN (tests/conftest.py), and the twin
 shapes, within the same bound.
 """
 
+import functools
 import math
 
 import pytest
@@ -33,21 +34,13 @@ from flash_tile import _validate, reference
 pytestmark = pytest.mark.gpu
 
 E4M3 = torch.float8_e4m3fn
+outlier_inputs = functools.partial(reference.outlier_inputs, device="cuda")  # FA3's Table 3
 
 
 @pytest.fixture(autouse=True)
 def hopper_or_newer():
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 forward needs compute capability 9.0+")
-
-
-def fa3_inputs(batch, length, heads, head_dim, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (batch, length, heads, head_dim)
-    x = torch.randn(shape, generator=g, device="cuda")
-    outliers = torch.rand(shape, generator=g, device="cuda") < 1e-3
-    return torch.where(outliers, 10 * torch.randn(shape, generator=g, device="cuda"),
-                       x).bfloat16()
 
 
 def quantized(q, k, v, per="head"):
@@ -141,8 +134,8 @@ FEATURES = {
 def test_fp8_forward_within_the_rounding_bound(shape, feature, per):
     batch, q_len, k_len, heads, kv_heads, d = shape
     f = FEATURES[feature]
-    q = fa3_inputs(batch, q_len, heads, d, 1)
-    k, v = (fa3_inputs(batch, k_len, kv_heads, d, s) for s in (2, 3))
+    q = outlier_inputs(batch, q_len, heads, d, 1)
+    k, v = (outlier_inputs(batch, k_len, kv_heads, d, s) for s in (2, 3))
     q8, k8, v8, descales, stack = quantized(q, k, v, per)
     out, lse = flash_tile.flash_attn_func(q8, k8, v8, causal=f["causal"],
                                           window_size=f["window"], softcap=f["softcap"],
@@ -172,7 +165,7 @@ def test_fp8_forward_within_the_rounding_bound(shape, feature, per):
 def test_fp8_rmse_against_the_bf16_inputs(head_dim, causal):
     """FA3's measure at L = 1024, 4 heads: RMSE <= 2.4e-2 against the original inputs,
     lower again with the Hadamard rotation of q and k."""
-    q, k, v = (fa3_inputs(1, 1024, 4, head_dim, s) for s in (4, 5, 6))
+    q, k, v = (outlier_inputs(1, 1024, 4, head_dim, s) for s in (4, 5, 6))
     ref = bf16_reference(q, k, v, causal, (-1, -1), 0.0)
     q8, k8, v8, descales, _ = quantized(q, k, v)
     plain = rmse(flash_tile.flash_attn_func(q8, k8, v8, causal=causal, **descales), ref)
@@ -184,7 +177,7 @@ def test_fp8_rmse_against_the_bf16_inputs(head_dim, causal):
 
 
 def test_fp8_packed_and_per_tensor_forms_agree():
-    q, k, v = (fa3_inputs(2, 96, 4, 128, s) for s in (7, 8, 9))
+    q, k, v = (outlier_inputs(2, 96, 4, 128, s) for s in (7, 8, 9))
     q8, k8, v8, descales, _ = quantized(q, k, v, "tensor")
     out = flash_tile.flash_attn_func(q8, k8, v8, causal=True, **descales)
     # The packed views have other strides (another specialisation of the same kernel): equal
@@ -207,9 +200,9 @@ def test_fp8_varlen_matches_each_sequence_alone():
     bit (the VARLEN switch's tiles differ in masking, not in arithmetic)."""
     lengths = [1, 17, 113, 203]
     heads, kv_heads, d = 4, 2, 128
-    qs = [fa3_inputs(1, n, heads, d, 10 + i)[0] for i, n in enumerate(lengths)]
-    ks = [fa3_inputs(1, n, kv_heads, d, 20 + i)[0] for i, n in enumerate(lengths)]
-    vs = [fa3_inputs(1, n, kv_heads, d, 30 + i)[0] for i, n in enumerate(lengths)]
+    qs = [outlier_inputs(1, n, heads, d, 10 + i)[0] for i, n in enumerate(lengths)]
+    ks = [outlier_inputs(1, n, kv_heads, d, 20 + i)[0] for i, n in enumerate(lengths)]
+    vs = [outlier_inputs(1, n, kv_heads, d, 30 + i)[0] for i, n in enumerate(lengths)]
     q, k, v = (torch.cat(t) for t in (qs, ks, vs))
     q8, k8, v8 = (t.to(E4M3) for t in (q, k, v))
     descale = torch.rand(len(lengths), kv_heads, device="cuda") + 0.5
