@@ -43,7 +43,8 @@ from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, i
 from bench_attention import machine_info, md_table, save_json, write_report
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
-KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attention_bwd_dkdv")
+KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attention_bwd_dkdv",
+           "attention_bwd_preprocess", "attention_bwd_dq_convert")
 # --baseline's timing: interleaved rounds, each the median of ITERS launches after WARMUP.
 ROUNDS, WARMUP, ITERS = 5, 3, 10
 

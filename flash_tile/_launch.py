@@ -409,7 +409,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def sinks_workspace(shape: tuple[int, int, int], varlen: bool,
                     device: torch.device) -> tuple[torch.Tensor]:
-    """The dQ kernel's shares of the sinks' gradient, fp32 [B, H, query tiles]: every program
+    """The shares of the sinks' gradient that the kernel forming Delta stores (the dQ kernel,
+    or the one pass's preprocess), fp32 [B, H, query tiles]: every program
     stores its share, but under VARLEN those past their sequence's end store nothing, so
     there it starts as zeros (a memset launch) and elsewhere uninitialised."""
     return ((torch.zeros if varlen else torch.empty)(shape, dtype=torch.float32, device=device),)
