@@ -89,10 +89,12 @@ def test_summarize_counts_known_listing():
         /*0120*/              @!P0 UTMALDG.4D [UR8], [UR4] ;
         /*0130*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
         /*0140*/                   LDL R2, [R1] ;
+        /*0150*/                   UTMAREDG.4D.ADD [UR8], [UR4] ;
     """
     summary = aot.summarize(listing)
-    assert summary == {"tensor_core": 1, "tma_load": 1, "tma_store": 0, "exp2": 1, "barrier": 1,
-                       "global_load": 0, "local_memory": 1, "instructions": 5}
+    assert summary == {"tensor_core": 1, "tma_load": 1, "tma_store": 0, "tma_reduce": 1,
+                       "exp2": 1, "barrier": 1, "global_load": 0, "local_memory": 1,
+                       "instructions": 6}
     fp8 = """
         /*0100*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], R24 ;
         /*0110*/                   QMMA.16832.F32.E4M3.E4M3 R4, R8, R12, R4 ;
