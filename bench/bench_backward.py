@@ -1,7 +1,8 @@
 """Backward benchmark: forward+backward and backward-only TFLOP/s and peak memory against SDPA.
 
-flash_tile runs twice: its default backward (the one-pass form on Hopper, ``flash_tile``)
-and the deterministic two passes (``flash_tile_2pass``).
+flash_tile runs twice: its default backward (``flash_tile``: on Hopper the one-pass form at
+head dims above 128, or where the autotuner picks it) and the deterministic two passes
+(``flash_tile_2pass``).
 
 Peak memory of a forward+backward is also measured against naive attention, over lengths.
 

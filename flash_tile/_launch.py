@@ -3,7 +3,8 @@
 This is the one place that knows the kernels' parameter order: the JIT launches here and the
 ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
 ``ForwardSpec`` (``constants`` for the forward, ``dq_constants`` and ``dkdv_constants`` for
-the backward). Callers pass checked tensors; the one check here is the backward's 32-bit
+the backward, ``preprocess_constants`` and ``convert_constants`` for the one-pass form's small
+kernels). Callers pass checked tensors; the one check here is the backward's 32-bit
 indexing on the arrays it really gets.
 """
 
@@ -354,7 +355,9 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     With ``sinks`` (the forward's) returns their gradient [H] fp32: per-tile shares of the
     kernel that forms Delta, summed here in a fixed order (deterministic); else None.
     """
-    arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)))
+    dq_acc = dq_accumulator(q) if config.one_pass else None
+    arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)),
+              *(() if dq_acc is None else (dq_acc,)))
     if needs_int64_index(*arrays):
         raise NotImplementedError("the backward kernels index in 32 bits: an array of 2**31 "
                                   "elements or more reached them; split the batch")
@@ -366,7 +369,6 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0, sinks is not None)
                      for c in (config, dq_config))
-    dq_acc = dq_accumulator(q) if config.one_pass else None
     if varlen is not None:
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
         q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch

@@ -77,6 +77,8 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     k_len = config.tile_n * 4 + (0 if even_n else 16 if aligned else 1)
     rows_aligned = k_len % 16 == 0  # 16-byte aligned key rows, as the JIT would see them
     kind = MASK_KINDS[attn_mask]
+    if DTYPES[dtype] == ct.float8_e4m3fn and not fp8:
+        raise ValueError("float8_e4m3fn inputs compile only the FP8 forward: pass fp8=True")
     spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
                         store_lse, dropout, fp8=fp8)
     length = k_len if rows_aligned else 1
@@ -157,8 +159,11 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
     dq_spec = dataclasses.replace(dq_spec, sinks=sinks)
     cc = CallingConvention.cutile_python_v1()
     cu = (_index_array(1), _index_array(1))
-    # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator).
-    acc = _array(ct.float32, 4, row=-(-head_dim // 4) * 4)
+    # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator): the
+    # strides of the padded rows, the extents of the head dim.
+    acc = dataclasses.replace(_array(ct.float32, 4, row=-(-head_dim // 4) * 4),
+                              shape_divisible_by=_array(ct.float32, 4,
+                                                        row=head_dim).shape_divisible_by)
     dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *cu,
                             _index_array(1), *scalars,
                             *spec.dkdv_constants(group, config.group_inner, config.one_pass)],

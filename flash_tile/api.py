@@ -139,10 +139,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softcap: if > 0, scores become softcap * tanh(scores / softcap) (after the scale).
         alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
         deterministic: run the two-pass backward, bitwise reproducible (the forward always
-            is). By default the backward is the one-pass form where the GPU has one (Hopper):
-            faster, but dQ is summed by atomic adds in whatever order the programs run, so
-            its last bits can differ between runs (dK and dV do not).
-            ``torch.use_deterministic_algorithms(True)`` has the same effect.
+            is). Otherwise the backward may run the one-pass form, where it is the default
+            (Hopper at head dims above 128, where it measured faster) or the autotuner picks
+            it: dQ is then summed by atomic adds in whatever order the programs run, so its
+            last bits can differ between runs (dK and dV do not).
+            ``torch.use_deterministic_algorithms(True)`` has the same effect. FP8 inputs have
+            no backward, so it changes nothing for them.
         return_attn_probs: must be False (probabilities are not returned).
         return_lse: also return the row log-sum-exp of the final scores; gradients flow
             through it too (as ring attention needs when it merges partial results).
@@ -247,9 +249,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns:
         [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
         the autocast dtype first, as torch does. Gradients flow to query, key and value (not
-        to attn_mask) through flash_tile's backward kernels: the one-pass form where the GPU
-        has one, or under ``torch.use_deterministic_algorithms(True)`` the two-pass form,
-        bitwise reproducible (see ``flash_attn_func``'s ``deterministic``).
+        to attn_mask) through flash_tile's backward kernels: the one-pass form where it is
+        the default or the autotuner's pick, or under
+        ``torch.use_deterministic_algorithms(True)`` the two-pass form, bitwise reproducible
+        (see ``flash_attn_func``'s ``deterministic``).
     """
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 

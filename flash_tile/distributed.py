@@ -127,7 +127,9 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
 
     Returns:
         This rank's shard of the output, [B, L_local, H, Dv] in q's dtype. Gradients reach
-        q, k and v of every rank (dK/dV summed back to their owners).
+        q, k and v of every rank (dK/dV summed back to their owners); the local backward is
+        ``flash_attn_func``'s default form, so under ``torch.use_deterministic_algorithms(True)``
+        the two-pass one (bitwise reproducible locally).
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)

@@ -121,9 +121,10 @@ SM100_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 
-# FP8 (the forward's FP8 switch) launches these same defaults, never tuned and not yet timed:
-# on sm_90 they compile to QGMMA for both matmuls with no spills at D=64/128/256 (80, 168
-# and 168 registers; at D=256 only with the tensor core accumulating P V itself, else 521
+# FP8 (the forward's FP8 switch) launches these same defaults, never tuned (timed only as
+# they are: bench/results/fp8-h200.md, 2026-12-02, 0.53-1.24x the bf16 forward): on sm_90
+# they compile to QGMMA for both matmuls with no spills at D=64/128/256 (80, 168 and 168
+# registers; at D=256 only with the tensor core accumulating P V itself, else 521
 # LDL/STL; docs/kernel-internals.md, "FP8") [tileiras 13.4 SASS, 2026-12-02]. At D=256
 # every other tile tried spilled with the precise accumulation too (64x64: 229, 128x32
 # nww8: 164, 64x128: 488 LDL/STL).
@@ -256,7 +257,9 @@ _PLAIN_BACKWARD = {SM90_BACKWARD_O2_NARROW: SM90_BACKWARD_O2}
 # with 8 worker warps spills nowhere at D 64/128 (96 HGMMA at D=128, 16 UTMAREDG); 64x64 o2
 # spills nowhere either; 64x128 with one warp group spills 972-2778 LDL/STL [2026-12-02].
 SM90_ONE_PASS = TileConfig(tile_m=64, tile_n=128, num_worker_warps=8, one_pass=True)
-SM90_ONE_PASS_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, one_pass=True)
+# D=256: the two-pass default's tiles (dK/dV on 64x64 with 8 worker warps; 128-row preprocess
+# and convert programs) in the one-pass form.
+SM90_ONE_PASS_WIDE = replace(SM90_BACKWARD_WIDE, one_pass=True)
 # Against the two-pass default (64x64 o2 in both kernels) the one pass on SM90_ONE_PASS took
 # 1.03-1.35x the time at L 1k/4k and 0.96-1.02x at 16k (D 64/128, causal and not); 64x64 o2
 # in the one-pass form 1.01-1.56x SM90_ONE_PASS's [H200, 2026-12-02, bf16, bench_variants.py
@@ -266,7 +269,9 @@ SM90_ONE_PASS_WIDE = TileConfig(tile_m=64, tile_n=64, num_worker_warps=8, one_pa
 # the two passes' dQ kernel steps 32 keys, SM90_ONE_PASS_WIDE took 0.78-0.90x the time of
 # SM90_BACKWARD_WIDE on every row (L 1k/4k/16k, causal and not) [H200, 2026-12-02, bf16,
 # bench_variants.py --backward;
-# docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass-d256.md].
+# docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass-d256.md]. The backward grid
+# of that day (bench/results/backward-h200.md, commit 2a6c423) ran it with 64-row preprocess
+# and convert programs: 0.97-1.24x less time than the two passes, 1.03x more at 1k causal.
 # The default unless ``deterministic``: (largest head dim, config) per family, as
 # _BACKWARD_DEFAULTS's families, None for the two passes (also past the last entry).
 _ONE_PASS_DEFAULTS = {

@@ -101,7 +101,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: [total_q, H, D] float16, bfloat16 or float8_e4m3fn CUDA tensor, the sequences'
             queries one after another, D from 1 to 256; k: [total_k, H_kv, D] and v:
-            [total_k, H_kv, Dv] likewise (GQA: H a multiple of H_kv). Any strides (a strided last dim is copied).
+            [total_k, H_kv, Dv] likewise (GQA: H a multiple of H_kv). Any strides (a strided
+            last dim is copied).
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
             consecutive offsets are a sequence of length 0.
@@ -115,7 +116,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale, softcap: as ``flash_attn_func``; alibi_slopes [H] or [B, H] fp32 (one
             row per sequence).
         deterministic: the two-pass backward, bitwise reproducible, as ``flash_attn_func``'s
-            (by default the one-pass form where the GPU has one; its dQ's last bits vary).
+            (otherwise the one-pass form where it is the default: Hopper at head dims above
+            128; its dQ's last bits vary).
         seqused_k: optional int32 [B] on q's device (FA3's): sequence b uses only the first
             seqused_k[b] of its cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (a cache row
             partly filled); its band aligns bottom-right to them, and the unused keys get zero
@@ -152,8 +154,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *, return_lse=False,
-                                     sinks=None):
-    """``flash_attn_varlen_func`` on a packed qkv [total, 3, H, D] (fp16 or bf16), read in
+                                     sinks=None, q_descale=None, k_descale=None,
+                                     v_descale=None):
+    """``flash_attn_varlen_func`` on a packed qkv [total, 3, H, D] (fp16, bf16 or, with the
+    descales, float8_e4m3fn), read in
     place (its gradient comes back in the same layout), with one cu_seqlens int32 [B + 1] and
     max_seqlen for queries and keys; the output is [total, H, D]. causal and windows align
     bottom-right per sequence (here the same as top-left: Lq = Lk). Other arguments and the
@@ -164,7 +168,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(1)
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, None, return_lse, sinks)
+                   return_attn_probs, None, return_lse, sinks,
+                   (q_descale, k_descale, v_descale))
 
 
 @accepts_cupy
@@ -173,15 +178,18 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False, *, return_lse=False,
-                                    sinks=None):
+                                    sinks=None, q_descale=None, k_descale=None,
+                                    v_descale=None):
     """``flash_attn_varlen_func`` on q [total_q, H, D] and a packed kv [total_k, 2, H_kv, D]
-    (fp16 or bf16), read in place, with cu_seqlens_q / cu_seqlens_k int32 [B + 1]; the output
-    is [total_q, H, D]. causal and windows align bottom-right per sequence. Other arguments
-    and the results as ``flash_attn_varlen_func``."""
+    (fp16, bf16 or, with the descales, float8_e4m3fn), read in place, with cu_seqlens_q /
+    cu_seqlens_k int32 [B + 1]; the output is [total_q, H, D]. causal and windows align
+    bottom-right per sequence. Other arguments and the results as
+    ``flash_attn_varlen_func``."""
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [total, 2, heads, head_dim], got shape "
                          f"{tuple(kv.shape)}")
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_attn_probs, None, return_lse, sinks)
+                   return_attn_probs, None, return_lse, sinks,
+                   (q_descale, k_descale, v_descale))

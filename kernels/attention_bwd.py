@@ -64,7 +64,8 @@ their dQ adds are clipped to the sequence as its stores are. dQacc [B, H, Lq, D]
 Sinks (SINKS). With the forward's LSE including the sink, P, Delta and every formula above are
 unchanged; the sink's own gradient is dsink_h = sum_i dL/dsink = -sum_i p_i,sink Delta_i with
 p_i,sink = exp(sink_h - lse_i) (the dLSE term is in Delta). The kernel that forms Delta (the
-dQ pass, or the preprocess of the one-pass form) stores each query tile's share; the launcher sums the shares (a fixed order: deterministic).
+dQ pass, or the preprocess of the one-pass form) stores each query tile's share; the launcher
+sums the shares (a fixed order: deterministic).
 """
 
 import math

@@ -75,15 +75,16 @@ def poisoned_outputs(request, monkeypatch):
 
 @pytest.fixture(params=["two_pass", "one_pass"])
 def backward_form(request, monkeypatch):
-    """Runs a test under each backward form: the two passes (every family's default) and the
-    one-pass form (dQ by TMA reduce-adds), made the default of sm_90 for the test. The one
-    pass is registered for sm_90 only: elsewhere its parameter skips."""
-    if request.param == "one_pass":
-        from flash_tile import autotune, variants
+    """Runs a test under each backward form, made the default of every head dim for the test:
+    the two passes (what ``deterministic`` runs) and the one-pass form (dQ by TMA
+    reduce-adds). The one pass is registered for sm_90 only: elsewhere its parameter skips."""
+    from flash_tile import autotune, variants
 
-        if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
-            pytest.skip("the one-pass backward is registered for sm_90 only")
-        monkeypatch.setitem(variants._ONE_PASS_DEFAULTS, (9, 0), (
-            (128, variants.SM90_ONE_PASS), (256, variants.SM90_ONE_PASS_WIDE)))
-        monkeypatch.setattr(autotune, "decided", {})  # choices made under the real table
+    one_pass = ((128, variants.SM90_ONE_PASS), (256, variants.SM90_ONE_PASS_WIDE))
+    if request.param == "one_pass" and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the one-pass backward is registered for sm_90 only")
+    monkeypatch.setitem(variants._ONE_PASS_DEFAULTS, (9, 0),
+                        one_pass if request.param == "one_pass" else ())
+    monkeypatch.setattr(autotune, "decided", {})  # choices made under the real table
     return request.param

@@ -1,6 +1,6 @@
-"""The backward on a GPU, in both forms (the default one-pass on Hopper, the deterministic two
-passes): gradients against an fp32 reference with flash-attn's 3x rule, determinism, the
-custom-op contract (opcheck, torch.compile) and a small training run."""
+"""The backward on a GPU, in both forms (the one pass, Hopper's default at D = 256, and the
+deterministic two passes): gradients against an fp32 reference with flash-attn's 3x rule,
+determinism, the custom-op contract (opcheck, torch.compile) and a small training run."""
 
 import math
 

@@ -166,7 +166,8 @@ def test_spec_orders_the_sinks_switch():
     spec = _launch.forward_spec(variants.default_config((9, 0), 64), 64, 64, 128, (-1, 0),
                                 False, False, 0, True, False, True)
     # SINKS, then SEQUSED_K (then the forward's FP8); the dK/dV kernel has no SINKS (its last
-    # two: VARLEN, SEQUSED_K).
+    # three: VARLEN, SEQUSED_K, DQ_ACCUM).
     assert spec.constants()[-3:] == (True, False, False) and spec.dq_constants(False)[-2:] == (True,
                                                                                        False)
-    assert spec.dkdv_constants(1, False)[-2:] == (False, False)
+    assert spec.dkdv_constants(1, False)[-3:] == (False, False, False)
+    assert spec.dkdv_constants(1, False, dq_accum=True)[-3:] == (False, False, True)
