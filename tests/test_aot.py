@@ -311,7 +311,7 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     dict(window=(64, -1), softcap=True, alibi=True, attn_mask="bool")],
     ids=["plain", "dropout", "gqa4-lse-grad", "varlen-sinks", "window-softcap-alibi-mask"])
 def test_sm90_d256_one_pass_default(features):
-    """At D=256 the sm_90 default is the one-pass form (measured 0.78-0.90x the two passes'
+    """At D=256 the sm_90 default is the one-pass form (timed alone 0.78-0.90x the two passes'
     time, variants.py): its dK/dV adds dQ by TMA reduce-adds (UTMAREDG) on HGMMA, and none of
     its three kernels spills, under every feature; ``deterministic`` keeps the two passes."""
     config = variants.default_backward_config((9, 0), 256)
