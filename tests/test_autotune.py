@@ -269,12 +269,15 @@ def test_plain_classes_get_their_own_backward_default_only_where_one_is_register
                 "64x64 num_worker_warps=8 dq=128x32", "128x64 occupancy=2 dq=64x64",
                 "128x64 num_worker_warps=8",
                 "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8",
-                "64x128 num_worker_warps=8 one_pass", "64x64 num_worker_warps=8 one_pass"]),
+                "64x128 num_worker_warps=8 one_pass",
+                "64x64 num_worker_warps=8 one_pass dq=128x32"]),
     (128, True, ["32x64 occupancy=2 dq=64x64", "64x64 num_worker_warps=8 dq=128x32",
                  "64x64 occupancy=2", "128x64 num_worker_warps=8",
                  "64x128 num_worker_warps=8 dq=128x64", "64x64 num_worker_warps=8",
-                 "64x128 num_worker_warps=8 one_pass", "64x64 num_worker_warps=8 one_pass"]),
-    (256, True, ["64x64 num_worker_warps=8 one_pass", "64x64 num_worker_warps=8 dq=128x32",
+                 "64x128 num_worker_warps=8 one_pass",
+                "64x64 num_worker_warps=8 one_pass dq=128x32"]),
+    (256, True, ["64x64 num_worker_warps=8 one_pass dq=128x32",
+                 "64x64 num_worker_warps=8 dq=128x32",
                  "64x64 num_worker_warps=8"]),
 ])
 def test_sm90_candidates_are_those_registered_for_the_head_dim(head_dim, backward, expected):
