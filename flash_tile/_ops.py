@@ -36,16 +36,20 @@ from flash_tile._launch import (NO_DROPOUT, Dropout, Varlen, launch_backward,
 from flash_tile._validate import device_properties
 
 
-def _empty_blhd(shape, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised [B, H, L, D] tensor whose memory is laid out as [B, L, H, D]."""
+def _empty_blhd(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised [B, H, L, D] tensor whose memory is laid out as [B, L, H, D], in
+    ``like``'s dtype unless ``dtype`` says otherwise."""
     batch, heads, length, dim = shape
     return torch.empty_strided(shape, (length * heads * dim, dim, heads * dim, 1),
-                               dtype=like.dtype, device=like.device)
+                               dtype=dtype or like.dtype, device=like.device)
 
 
-def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
+def _forward_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool,
+                     dtype: torch.dtype | None = None):
+    """(out [B, H, Lq, Dv] laid out as [B, Lq, H, Dv] in q's dtype or ``dtype`` (the FP8
+    forward's bf16), lse [B, H, Lq] fp32 or an empty tensor)."""
     batch, heads, q_len, _ = q.shape
-    out = _empty_blhd((batch, heads, q_len, v.shape[-1]), q)
+    out = _empty_blhd((batch, heads, q_len, v.shape[-1]), q, dtype)
     lse_shape = (batch, heads, q_len) if return_lse else (0,)
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
@@ -300,9 +304,12 @@ def _packed(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(0, 1)[None] for t in tensors]
 
 
-def _varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
-    """(out [total_q, H, Dv] in q's dtype, lse [H, total_q] fp32 or an empty tensor)."""
-    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device)
+def _varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool,
+                    dtype: torch.dtype | None = None):
+    """(out [total_q, H, Dv] in q's dtype or ``dtype``, lse [H, total_q] fp32 or an empty
+    tensor)."""
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype or q.dtype,
+                      device=q.device)
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
@@ -477,11 +484,15 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, blo
     return _decode_outputs(q, v_cache.shape[-1], return_lse)
 
 
+def op_or_body(op, impl, args: tuple):
+    """``op(*args)`` where something traces the call (a graph needs the op and its fake),
+    else ``impl(*args)``, the op's body: for the forward-only ops (no autograd to build);
+    ``args`` begin with three tensors (q, k, v or q and the caches)."""
+    return op(*args) if _seen_by_a_tracer(*args[:3]) else impl(*args)
+
+
 def kvcache_attention(*args):
     """(out, lse) of ``flash_attn_with_kvcache``, arguments as the
     ``flash_tile::kvcache_attention`` op's: the op where something traces the call (a graph
     needs it and its fake, which declares the caches mutated by the append), else its body."""
-    q, k_cache, v_cache = args[:3]
-    if _seen_by_a_tracer(q, k_cache, v_cache):
-        return kvcache_op(*args)
-    return _kvcache_impl(*args)
+    return op_or_body(kvcache_op, _kvcache_impl, args)

@@ -13,21 +13,11 @@ import torch
 
 from flash_tile import variants
 from flash_tile._launch import Varlen, keys_major, launch_forward
-from flash_tile._ops import _packed, _seen_by_a_tracer
+from flash_tile import _ops
+from flash_tile._ops import _packed, op_or_body
 from flash_tile._validate import device_properties
 
 OUT_DTYPE = torch.bfloat16
-
-
-def _fp8_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
-    """(out [B, H, Lq, Dv] bf16 laid out as [B, Lq, H, Dv], lse [B, H, Lq] fp32 or empty)."""
-    batch, heads, q_len, _ = q.shape
-    v_dim = v.shape[-1]
-    out = torch.empty_strided((batch, heads, q_len, v_dim), (q_len * heads * v_dim, v_dim,
-                                                             heads * v_dim, 1),
-                              dtype=OUT_DTYPE, device=q.device)
-    lse_shape = (batch, heads, q_len) if return_lse else (0,)
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
 def _config(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:
@@ -40,9 +30,10 @@ def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       softcap: float, diag_offset: int, window_left: int, window_right: int,
                       return_lse: bool, sinks: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's body: q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] e4m3 views
-    (unit last stride); V is copied keys-major (``keys_major``), then one launch."""
-    out, lse = _fp8_outputs(q, v, return_lse)
+    """The op's body: q [B, H, Lq, D], k [B, H_kv, Lk, D] e4m3 views with a unit last stride,
+    v [B, H_kv, Lk, Dv] e4m3 of any strides: copied keys-major (``keys_major``), then one
+    launch."""
+    out, lse = _ops._forward_outputs(q, v, return_lse, OUT_DTYPE)
     launch_forward(q, k, keys_major(v), out, lse if return_lse else None, alibi_slopes, None,
                    scale, softcap, diag_offset, (window_left, window_right), _config(q, v),
                    sinks=sinks, descale=descale)
@@ -56,21 +47,13 @@ fp8_forward_op = torch.library.custom_op("flash_tile::fp8_forward", _fp8_forward
 @fp8_forward_op.register_fake
 def _fp8_forward_fake(q, k, v, descale, alibi_slopes, scale, softcap, diag_offset,
                       window_left, window_right, return_lse, sinks=None):
-    return _fp8_outputs(q, v, return_lse)
+    return _ops._forward_outputs(q, v, return_lse, OUT_DTYPE)
 
 
 def fp8_attention(*args):
     """(out, lse) of the FP8 forward, arguments as the ``flash_tile::fp8_forward`` op's: the
     op where something traces the call, else its body."""
-    q, k, v = args[:3]
-    return fp8_forward_op(*args) if _seen_by_a_tracer(q, k, v) else _fp8_forward_impl(*args)
-
-
-def _fp8_varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool):
-    """(out [total_q, H, Dv] bf16, lse [H, total_q] fp32 or empty)."""
-    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=OUT_DTYPE, device=q.device)
-    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
-    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    return op_or_body(fp8_forward_op, _fp8_forward_impl, args)
 
 
 def _fp8_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -83,7 +66,7 @@ def _fp8_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The varlen op's body: packed q [total_q, H, D], k [total_k, H_kv, D], v [total_k,
     H_kv, Dv] e4m3; descale [3, B, H_kv] per sequence."""
-    out, lse = _fp8_varlen_outputs(q, v, return_lse)
+    out, lse = _ops._varlen_outputs(q, v, return_lse, OUT_DTYPE)
     q4, k4, v4, out4 = _packed(q, k, v, out)
     launch_forward(q4, k4, keys_major(v4), out4, lse[None] if return_lse else None,
                    alibi_slopes, None, scale, softcap, 0, (window_left, window_right),
@@ -101,11 +84,10 @@ fp8_varlen_op = torch.library.custom_op("flash_tile::fp8_varlen_forward", _fp8_v
 def _fp8_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descale,
                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
                      sinks=None, seqused_k=None):
-    return _fp8_varlen_outputs(q, v, return_lse)
+    return _ops._varlen_outputs(q, v, return_lse, OUT_DTYPE)
 
 
 def fp8_varlen_attention(*args):
     """(out, lse) of the FP8 varlen forward, arguments as the ``flash_tile::fp8_varlen_forward``
     op's, dispatched as ``fp8_attention``."""
-    q, k, v = args[:3]
-    return fp8_varlen_op(*args) if _seen_by_a_tracer(q, k, v) else _fp8_varlen_impl(*args)
+    return op_or_body(fp8_varlen_op, _fp8_varlen_impl, args)

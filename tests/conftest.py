@@ -67,9 +67,6 @@ def poisoned_outputs(request, monkeypatch):
     accumulator = _launch.dq_accumulator
     monkeypatch.setattr(_launch, "dq_accumulator", lambda q: accumulator(q).fill_(float("nan")))
     monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
-    from flash_tile import _ops_fp8
-    monkeypatch.setattr(_ops_fp8, "_fp8_outputs", poisoned(_ops_fp8._fp8_outputs))
-    monkeypatch.setattr(_ops_fp8, "_fp8_varlen_outputs", poisoned(_ops_fp8._fp8_varlen_outputs))
     monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
 
 
