@@ -81,6 +81,7 @@ def _backward_only(run, q, k, v, dout):
 
 # The backends whose backward is timed on the device alone, and its rounds and calls a round.
 DEVICE_BACKENDS = ("flash_tile", "flash_tile_2pass", "sdpa_cudnn", "sdpa_flash")
+DEVICE_ROUNDS, DEVICE_ITERS = 3, 10
 
 
 def _two_pass(q, k, v, causal):
@@ -88,7 +89,6 @@ def _two_pass(q, k, v, causal):
     on the same [B, H, L, D] tensors, read in place as [B, L, H, D]."""
     return flash_tile.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                       causal=causal, deterministic=True).transpose(1, 2)
-DEVICE_ROUNDS, DEVICE_ITERS = 3, 10
 
 
 def bench_row(batch, heads, length, head_dim, causal, dtype, backends, missing):
