@@ -436,11 +436,13 @@ class DecodeSpec:
     batch_idx: bool
     store_lse: bool
     sinks: bool = False
+    leftpad: bool = False
 
     def constants(self) -> tuple:
         return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
                 self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
-                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse, self.sinks)
+                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse, self.sinks,
+                self.leftpad)
 
 
 @functools.cache
@@ -480,7 +482,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                   alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                   window: tuple[int, int], new_len: int, num_splits: int,
-                  config: DecodeConfig, sinks: torch.Tensor | None = None) -> int:
+                  config: DecodeConfig, sinks: torch.Tensor | None = None,
+                  leftpad: torch.Tensor | None = None) -> int:
     """Launch the decode (and, with more than one split, the combine) on q's current stream.
 
     q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
@@ -490,7 +493,9 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     alibi_slopes [B, H] fp32 or None. ``window`` (left, right) as ``launch_forward``, aligned
     bottom-right per sequence.
     ``num_splits`` 0 picks the split count (``decode_splits``); ``sinks`` [H] fp32 or None,
-    as ``launch_forward``'s. Returns the split count.
+    as ``launch_forward``'s; ``leftpad`` [B] int32 or None, the cache row of each sequence's
+    first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1). Returns the split
+    count.
     """
     batch, q_len, heads, head_dim = q.shape
     kv_heads, group = k_cache.shape[2], heads // k_cache.shape[2]
@@ -504,20 +509,21 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
                       tile_width(v_cache.shape[3]), window[0] >= 0, window[1] >= 0,
                       softcap > 0.0, alibi_slopes is not None, paged, batch_idx is not None,
-                      lse is not None, sinks is not None)
+                      lse is not None, sinks is not None, leftpad is not None)
     out_split, lse_split = (decode_workspace(splits, batch, q_len, heads, v_cache.shape[3],
                                              q.device) if splits > 1 else (None, None))
     slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
     sinks = None if sinks is None else sinks.view(kv_heads, group)
     lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
-    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks = _fill_unused(
+    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
         q.device, (lse_g, 4), (None if out_split is None else
                                out_split.view(splits, batch, q_len, kv_heads, group, -1), 6),
         (None if lse_split is None else lse_split.view(splits, batch, q_len, kv_heads, group),
-         5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2))
+         5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
     args = (q.view(batch, q_len, kv_heads, group, head_dim), k_cache.transpose(1, 2),
             v_cache.transpose(1, 2), out.view(batch, q_len, kv_heads, group, -1), lse_g,
-            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, sinks, float(scale),
+            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, sinks, leftpad,
+            float(scale),
             float(softcap), int(window[0]), int(window[1]), int(new_len), *spec.constants())
     stream = torch.cuda.current_stream(q.device)
     with torch.cuda.device(q.device):
@@ -539,21 +545,48 @@ def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim
             torch.empty((splits, batch, q_len, heads), dtype=torch.float32, device=device))
 
 
-def launch_cache_append(k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                        batch_idx: torch.Tensor | None,
-                        block_table: torch.Tensor | None) -> None:
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary embedding the append applies: cos/sin [L_ro, rotary_dim / 2] in q's dtype,
+    GPT-J's interleaved pairs or GPT-NeoX's halves, and the query rows' position step (1 for
+    a causal or windowed call, 0: every row at the cache's length)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    q_step: int
+
+
+def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, batch_idx: torch.Tensor | None,
+                        block_table: torch.Tensor | None, q: torch.Tensor | None = None,
+                        q_rot: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
     """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
     ``launch_decode``) at position cache_seqlens[b] of each sequence b, on the current stream
-    of their device."""
-    batch, new_len, kv_heads, head_dim = k_new.shape
-    batch_idx_arg, table = _fill_unused(k_new.device, (batch_idx, 1), (block_table, 2))
-    with torch.cuda.device(k_new.device):
-        ct.launch(torch.cuda.current_stream(k_new.device), (new_len, kv_heads, batch),
+    of their device. With ``rotary`` the keys are rotated at their positions on the way, and
+    q [B, Lq, H, D] is rotated into q_rot (its shape) in the same launch; k_new and v_new may
+    then be None (no new rows: q alone is rotated)."""
+    device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
+    new_len = 0 if k_new is None else k_new.shape[1]
+    batch = q.shape[0] if k_new is None else k_new.shape[0]
+    k_new, v_new, batch_idx_arg, table = _fill_unused(device, (k_new, 4), (v_new, 4),
+                                                      (batch_idx, 1), (block_table, 2))
+    rows, group = new_len, 1
+    rotary_args = (*_fill_unused(device, (None, 5), (None, 5), (None, 2), (None, 2)), 0, 0)
+    if rotary is not None:
+        rows, group = max(new_len, q.shape[1]), q.shape[2] // kv_heads
+        shape = (batch, q.shape[1], kv_heads, group, head_dim)
+        rotary_args = (q.view(shape), q_rot.view(shape), rotary.cos, rotary.sin,
+                       2 * rotary.cos.shape[1], rotary.q_step)
+    with torch.cuda.device(device):
+        ct.launch(torch.cuda.current_stream(device), (rows, kv_heads, batch),
                   cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
-                  (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg,
-                                 table, tile_width(head_dim), tile_width(v_new.shape[3]),
-                                 block_table is not None, batch_idx is not None))
+                  (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
+                   *rotary_args[:4], new_len, *rotary_args[4:], tile_width(head_dim),
+                   tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
+                   batch_idx is not None, rotary is not None,
+                   rotary is not None and rotary.interleaved))
 
 
 @functools.cache

@@ -31,7 +31,7 @@ with ``FLASH_TILE_AUTOTUNE=0``
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import (NO_DROPOUT, Dropout, Varlen, launch_backward,
+from flash_tile._launch import (NO_DROPOUT, Dropout, Rotary, Varlen, launch_backward,
                                 launch_cache_append, launch_decode, launch_forward, mask_name)
 from flash_tile._validate import device_properties
 
@@ -457,19 +457,30 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                   alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                   window_left: int, window_right: int, num_splits: int,
-                  return_lse: bool, sinks: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KV-cache op's body: append k/v (when given) into the caches at cache_seqlens, then
-    attend (``flash_tile.kvcache.flash_attn_with_kvcache`` checked every argument)."""
+                  return_lse: bool, sinks: torch.Tensor | None = None,
+                  cache_leftpad: torch.Tensor | None = None,
+                  rotary_cos: torch.Tensor | None = None,
+                  rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
+                  rotary_q_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-cache op's body: append k/v (when given, rotated with q under rotary_cos/sin)
+    into the caches at cache_seqlens, then attend (``flash_tile.kvcache
+    .flash_attn_with_kvcache`` checked every argument)."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
     new_len = 0 if k is None else k.shape[1]
-    if new_len:
-        launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table)
+    if new_len or rotary_cos is not None:
+        rotary = q_rot = None
+        if rotary_cos is not None:
+            rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
+            q_rot = torch.empty_like(q)
+        launch_cache_append(k if new_len else None, v if new_len else None, k_cache, v_cache,
+                            cache_seqlens, cache_batch_idx, block_table, q, q_rot, rotary)
+        q = q if q_rot is None else q_rot
     config = variants.default_decode_config(device_properties(q.device)[0],
                                             max(q.shape[-1], v_cache.shape[-1]))
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
-                  (window_left, window_right), new_len, num_splits, config, sinks)
+                  (window_left, window_right), new_len, num_splits, config, sinks,
+                  cache_leftpad)
     return out, lse
 
 
@@ -480,7 +491,8 @@ kvcache_op = torch.library.custom_op("flash_tile::kvcache_attention", _kvcache_i
 @kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   alibi_slopes, scale, softcap, window_left, window_right, num_splits,
-                  return_lse, sinks=None):
+                  return_lse, sinks=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
+                  rotary_interleaved=True, rotary_q_step=0):
     return _decode_outputs(q, v_cache.shape[-1], return_lse)
 
 

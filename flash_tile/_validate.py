@@ -406,6 +406,37 @@ def check_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, batch: int,
     return k.shape[1]
 
 
+def check_rotary(rotary_cos, rotary_sin, q: torch.Tensor, capacity: int,
+                 appends: bool) -> None:
+    """The fused rotary embedding's tables: both given, with new k/v to rotate, 2-D
+    [L_ro, rotary_dim / 2] alike in q's dtype and on its device, rotary_dim even and at most
+    the head dim, and a row for every position the cache can hold (L_ro >= its capacity), so
+    that no position indexes past the tables whatever cache_seqlens holds."""
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("pass both rotary_cos and rotary_sin, or neither")
+    if not appends:
+        raise ValueError("rotary_cos/rotary_sin rotate the new keys and q: pass k and v too "
+                         "(as flash-attn requires)")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [seqlen_ro, rotary_dim / 2], got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} with q, got {t.device}")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape, got "
+                         f"{list(rotary_cos.shape)} and {list(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= 2 * half <= q.shape[-1]:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {2 * half}) must be from 2 "
+                         f"to the head dim {q.shape[-1]}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows for a cache of "
+                         f"{capacity} positions: give a row for every position")
+
+
 def check_decode_index(*tensors: torch.Tensor) -> None:
     """The decode kernels index the caches in 64 bits where they need it (their _int64
     entry points), every other array in 32: q, the new k/v (and so the output) must stay

@@ -283,7 +283,8 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
                       window: tuple[int, int] = (-1, -1), softcap: bool = False,
                       alibi: bool = False, batch_idx: bool = False, splits: int = 4,
                       store_lse: bool = True, int64_index: bool = False,
-                      sinks: bool = False) -> dict[str, tuple]:
+                      sinks: bool = False, leftpad: bool = False,
+                      rotary: str | None = None) -> dict[str, tuple]:
     """{name: (kernel, signature)} of the decode path on ``config``'s tiles, in
     ``_launch.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
@@ -291,7 +292,7 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
-                      alibi, page_size is not None, batch_idx, store_lse, sinks)
+                      alibi, page_size is not None, batch_idx, store_lse, sinks, leftpad)
     qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
     index = ct.int64 if int64_index else ct.int32
     k, v = (_array(DTYPES[dtype], 4, d, index) for d in (head_dim, v_head_dim))
@@ -305,16 +306,22 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     kernels = {"decode": (decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
          _index_array(1), _index_array(2), _array(ct.float32, 3), _array(ct.float32, 2),
-         *scalars, *spec.constants()], cc))}
+         _index_array(1), *scalars, *spec.constants()], cc))}
     if splits > 1:
         kernels["combine"] = (decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
              _array(ct.float32, 3), variants.tile_width(splits, 1),
              variants.tile_width(v_head_dim), store_lse], cc))
+    rotated = (_array(DTYPES[dtype], 5, head_dim), _array(DTYPES[dtype], 5, head_dim),
+               _array(DTYPES[dtype], 2, head_dim // 2), _array(DTYPES[dtype], 2, head_dim // 2))
+    if rotary is None:
+        rotated = (_array(ct.float32, 5), _array(ct.float32, 5), _array(ct.float32, 2),
+                   _array(ct.float32, 2))
     kernels["append"] = (append, KernelSignature(
-        [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2),
-         variants.tile_width(head_dim), variants.tile_width(v_head_dim),
-         page_size is not None, batch_idx], cc))
+        [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2), *rotated,
+         *[ScalarConstraint(ct.int32)] * 3, variants.tile_width(head_dim),
+         variants.tile_width(v_head_dim), variants.tile_width(group, 1) if rotary else 1,
+         page_size is not None, batch_idx, rotary is not None, rotary == "interleaved"], cc))
     return kernels
 
 
@@ -324,16 +331,19 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                    window: tuple[int, int] = (-1, -1), softcap: bool = False,
                    alibi: bool = False, batch_idx: bool = False, splits: int = 4,
                    store_lse: bool = True, config: variants.DecodeConfig | None = None,
-                   int64_index: bool = False, sinks: bool = False) -> dict[str, bytes]:
+                   int64_index: bool = False, sinks: bool = False, leftpad: bool = False,
+                   rotary: str | None = None) -> dict[str, bytes]:
     """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
     ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
     ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
-    elements or more, ``sinks`` the SINKS switch; other arguments as ``compile_forward``."""
+    elements or more, ``sinks`` the SINKS switch, ``leftpad`` LEFTPAD, ``rotary`` the append's
+    rotary embedding ("interleaved", "neox" or None); other arguments as
+    ``compile_forward``."""
     config = config or variants.default_decode_config(variants.capability_of(arch),
                                                       max(head_dim, v_head_dim or head_dim))
     kernels = decode_signatures(config, dtype, head_dim, v_head_dim, group, q_len, page_size,
                                 causal, window, softcap, alibi, batch_idx, splits, store_lse,
-                                int64_index, sinks)
+                                int64_index, sinks, leftpad, rotary)
     return {name: _export(kernel, sig, arch) for name, (kernel, sig) in kernels.items()}
 
 

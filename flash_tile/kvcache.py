@@ -53,10 +53,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k, v: optional new keys/values [B, L_new, H_kv, D / Dv], written into the cache in
             place at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1 before the
             attention reads it (so it attends to cache_seqlens + L_new keys).
-        rotary_cos, rotary_sin, cache_leftpad: not supported yet (NotImplementedError):
-            rotate q and k before the call; keep sequences left-aligned in the cache.
+        rotary_cos, rotary_sin: optional [L_ro, rotary_dim / 2] in q's dtype, L_ro at least
+            the cache's capacity, rotary_dim even and at most D: the rotary embedding of the
+            first rotary_dim columns of q and of the new k (so k and v must be given), fused
+            into the append. The new key at cache position p is rotated at position p; query
+            row i at cache_seqlens[b] + i when the call is causal or windowed (a window bound
+            below the capacity), else every row at cache_seqlens[b] (flash-attn's rule). The
+            rotated keys are what the cache stores; q itself is left as it was.
+        rotary_interleaved: True rotates pairs of columns (2f, 2f + 1) (GPT-J), False pairs
+            (f, f + rotary_dim / 2) (GPT-NeoX, Llama).
+        cache_leftpad: optional [B] int32: sequence b's keys start at cache position
+            cache_leftpad[b] (left-padded batches); the positions before it are never read.
+            Causal alignment, windows and ALiBi count keys from that start, as flash-attn's.
         cache_seqlens: int or [B] int32 tensor: the keys already in each sequence's cache
-            (None: the whole cache, L_cache or max_blocks * page_size).
+            (None: the whole cache, L_cache or max_blocks * page_size); with cache_leftpad
+            the end of its keys (the pad counted), where new rows are written.
         cache_batch_idx: optional [B] int32: the cache row of each sequence (contiguous
             caches only).
         block_table: optional [B, max_blocks] int32: sequence b's key p lives in page
@@ -83,19 +94,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Not checked (checking would need a device sync): that every block_table entry a sequence
     uses is a valid page, that cache_batch_idx entries are valid rows, and that the entries
-    of a cache_seqlens tensor plus L_new fit the capacity (an int is checked). Violating them
+    of a cache_seqlens tensor plus L_new fit the capacity (an int is checked); a cache_leftpad
+    entry past its sequence's end leaves the sequence no key (out 0, LSE +inf). Violating them
     reads or writes outside the cache (an illegal-address error, or another sequence's
     keys). Forward only: no gradients; inputs are not cast under ``torch.autocast`` (a cache
     is written in place, so it cannot be a cast copy). Caches of 2**31 elements or more are
     indexed in 64 bits; q or new k/v that large raise NotImplementedError.
     """
-    if rotary_cos is not None or rotary_sin is not None:
-        raise NotImplementedError("rotary_cos/rotary_sin: the fused rotary embedding is not "
-                                  "supported yet; apply the rotation to q and k before the "
-                                  "call")
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad is not supported yet; keep each sequence's "
-                                  "keys at the start of its cache row")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
@@ -147,9 +152,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens = _seqlens(cache_seqlens, batch, capacity, new_len, device)
     num_splits = _validate.check_num_splits(num_splits)
     _validate.check_decode_index(q, *new)
+    if cache_leftpad is not None:
+        cache_leftpad = _validate.check_index_tensor(cache_leftpad, "cache_leftpad", (batch,),
+                                                     device)
+    q_step = 0
+    if rotary_cos is not None or rotary_sin is not None:
+        _validate.check_rotary(rotary_cos, rotary_sin, q, capacity, bool(new))
+        q_step = int(0 <= left < capacity or 0 <= right < capacity)
 
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,
-                                 bool(return_softmax_lse), sinks)
+                                 bool(return_softmax_lse), sinks, cache_leftpad,
+                                 rotary_cos, rotary_sin, bool(rotary_interleaved), q_step)
     return (out, lse) if return_softmax_lse else out

@@ -405,20 +405,44 @@ def varlen_sequences(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
                     batch_idx: torch.Tensor | None = None,
-                    block_table: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+                    block_table: torch.Tensor | None = None,
+                    leftpad: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Each sequence's keys and values, [1, H_kv, k_len_b, D] pairs, read from a KV cache in
     flash-attn's layout ([Bc, L_cache, H_kv, D], row batch_idx[b] or b) or from its pages
-    ([num_blocks, page_size, H_kv, D] through block_table [B, max_blocks])."""
+    ([num_blocks, page_size, H_kv, D] through block_table [B, max_blocks]): positions
+    leftpad[b] (or 0) to seqlens_k[b] - 1."""
     seqs = []
     for b, k_len in enumerate(seqlens_k.tolist()):
+        start = 0 if leftpad is None else min(int(leftpad[b]), k_len)
         if block_table is None:
             row = b if batch_idx is None else int(batch_idx[b])
             k, v = k_cache[row, :k_len], v_cache[row, :k_len]
         else:
             pages = block_table[b, :cdiv(k_len, k_cache.shape[1])].long()
             k, v = (c[pages].flatten(0, 1)[:k_len] for c in (k_cache, v_cache))
-        seqs.append(tuple(t.transpose(0, 1)[None] for t in (k, v)))
+        seqs.append(tuple(t[start:].transpose(0, 1)[None] for t in (k, v)))
     return seqs
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """flash-attn's rotary embedding of x [B, L, H, D] with row (b, i) at positions[b, i]:
+    the first rotary_dim = 2 * cos.shape[1] columns taken as pairs, (2f, 2f + 1) when
+    ``interleaved`` (GPT-J), else (f, f + rotary_dim / 2) (GPT-NeoX), each pair (a, b)
+    turned into (a cos - b sin, b cos + a sin) at its frequency f; the other columns pass
+    through. Computed in float32 (float64 for float64 x) and returned in x's dtype, rounded
+    once, as the append kernel does."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    half = cos.shape[1]
+    c, s = (t.to(work)[positions.long()][:, :, None, :] for t in (cos, sin))  # [B, L, 1, R/2]
+    rot, rest = x[..., :2 * half].to(work), x[..., 2 * half:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        turned = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        turned = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return torch.cat((turned.to(x.dtype), rest), dim=-1)
 
 
 def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch.Tensor]],

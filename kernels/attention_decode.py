@@ -25,6 +25,13 @@ Masking. Causal and windows are aligned bottom-right per sequence, as flash-attn
     i + k_len - Lq - window_left <= j        (when MASK_LEFT)
     j <= i + k_len - Lq + window_right       (when MASK_RIGHT; causal: window_right = 0)
 
+Under LEFTPAD sequence b's keys start at cache row LeftPad[b] (flash-attn's ``cache_leftpad``):
+its keys are rows LeftPad[b] .. k_len - 1, k_len counting the pad. The kernel works in cache
+rows throughout: with key j' = j - LeftPad[b] and k_len' = k_len - LeftPad[b] counted from the
+first key, i + k_len' - Lq - window_left <= j' is i + k_len - Lq - window_left <= j (and so
+for the right bound and ALiBi's distance), so the pad is one more lower bound, j >= LeftPad[b],
+and the key tiles wholly before it are skipped.
+
 A row that sees no key gets an output of 0 and an LSE of +inf, as the forward. Under SINKS
 the head's sink starts split 0's running max and sum (as the forward's SINKS switch), so that
 the combine counts it once; a row that sees no key then gets 0 and an LSE of the sink.
@@ -41,7 +48,15 @@ Lq, H_kv, G, Dv] and LseSplit [NUM_SPLITS, B, Lq, H_kv, G], fp32. D and Dv need 
 of two: tiles are zero-padded by the loads and clipped by the stores, as in the forward.
 
 ``cache_append`` writes new keys and values into the cache at each sequence's length before
-the attention reads it: one program per (new row, key/value head, sequence).
+the attention reads it: one program per (new row, key/value head, sequence). Under ROTARY it
+rotates the new keys on the way (rotary embedding at their cache positions) and writes the
+rotated queries to QRot, which the decode then reads: column d < R (R = rotary_dim) of a row at
+position t becomes
+
+    x_d cos(t, f(d)) -/+ x_partner(d) sin(t, f(d))      (minus when d is its pair's first),
+
+with pairs (2f, 2f + 1) under INTERLEAVED (GPT-J) and (f, f + R/2) otherwise (GPT-NeoX), cos
+and sin [L_ro, R/2] given; the columns from R on pass through. Computed in fp32, rounded once.
 """
 
 import math
@@ -65,7 +80,7 @@ def _kv_tile(A, kv, j, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
     """Key tile j of K (as K^T, [COLS, TILE_N], through the permuted load order) or of V
     ([TILE_N, COLS]): one tile load, from the sequence's cache row, or under PAGED from the
     page the block table names for the tile's keys (TILE_N divides the page size)."""
-    _, _, BlockTable, cache_row, batch, kv_head, page_size = kv
+    _, _, BlockTable, cache_row, batch, kv_head, page_size, _ = kv
     row, tile = cache_row, j
     if PAGED:
         start = j * TILE_N
@@ -91,40 +106,48 @@ def _slopes(Slopes, batch, kv_head, TILE_LQ: ConstInt, TILE_G: ConstInt, ALIBI: 
     return _per_row(slope.reshape((1, TILE_G)), TILE_LQ, TILE_G)
 
 
-def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES):
+def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES,
+                    LEFTPAD: ConstBool):
     """One online-softmax step over key tile j; returns (m_i, l_i, acc). Every tile is
     masked (the band, and k_len): the cost of decode is the K/V read. V's rows past k_len
-    are zeroed too: a stale cache may hold NaN there, and the zero probabilities of those
-    keys would still make 0 * NaN = NaN in P V. Only in the tile that k_len cuts: the branch
-    is the same for the whole CTA (j is a scalar), and the select in every step cost 8-24%
-    of the GB/s on the H200 (2026-12-02, occupancy 2, B 1-128, L 4k-128k)."""
-    K, V = kv[0], kv[1]
+    (and under LEFTPAD before the first key) are zeroed too: a stale cache may hold NaN there,
+    and the zero probabilities of those keys would still make 0 * NaN = NaN in P V. Only in
+    the tile that k_len (or the pad) cuts: the branch is the same for the whole CTA (j is a
+    scalar), and the select in every step cost 8-24% of the GB/s on the H200 (2026-12-02,
+    occupancy 2, B 1-128, L 4k-128k)."""
+    K, V, k_lo = kv[0], kv[1], kv[7]
     TILE_M, TILE_N, TILE_D, TILE_DV, PAGED = TILES
     k_t = _kv_tile(K, kv, j, TILE_N, TILE_D, PAGED, True)  # [TILE_D, TILE_N]
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
                                FEATURES, False, True)
+    cut = (j + 1) * TILE_N > band[0]
+    if LEFTPAD:
+        padded = j * TILE_N < k_lo
+        if padded:
+            s = ct.where(offs_n >= k_lo, s, -math.inf)
+        cut = cut | padded
     m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * factor)
     m_sub = ct.where(m_new == -math.inf, 0.0, m_new)  # rows that saw nothing yet
     p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     v = _kv_tile(V, kv, j, TILE_N, TILE_DV, PAGED, False)  # [TILE_N, TILE_DV]
-    if (j + 1) * TILE_N > band[0]:  # the tile k_len cuts
+    if cut:
         offs_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
-        v = ct.where(offs_v < band[0], v, 0.0).astype(v.dtype)
+        v = ct.where((offs_v < band[0]) & (offs_v >= k_lo), v, 0.0).astype(v.dtype)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc
 
 
 def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, qk_scale, softcap, window_left, window_right, new_len,
+                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
                  NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                  TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                  PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                 STORE_LSE: ConstBool, SINKS: ConstBool):
+                 STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
     """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
     sequence bid(2)."""
     TILE_M = TILE_LQ * TILE_G
@@ -153,6 +176,10 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     n_lo = 0
     if MASK_LEFT:
         n_lo = max(min(first_row + diag_offset - window_left, k_len), 0) // TILE_N
+    k_lo = 0
+    if LEFTPAD:
+        k_lo = ct.load(LeftPad, (batch,), shape=()).item()
+        n_lo = max(n_lo, k_lo // TILE_N)
     n_hi = ct.cdiv(k_len, TILE_N)
     if MASK_RIGHT:
         n_hi = ct.cdiv(max(min(last_row + diag_offset + window_right + 1, k_len), 0), TILE_N)
@@ -168,10 +195,10 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
             m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
             l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
-    kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size)
+    kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size, k_lo)
     for j in range(n_start, n_end):
         m_i, l_i, acc = _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES,
-                                        FEATURES)
+                                        FEATURES, LEFTPAD)
 
     empty = l_i == 0.0
     out = acc * (1.0 / ct.where(empty, 1.0, l_i))  # [TILE_M, TILE_DV], 0 where empty
@@ -192,40 +219,42 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
 @ct.kernel
 def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
-                     Slopes, Sinks, qk_scale: float, softcap: float, window_left: int,
+                     Slopes, Sinks, LeftPad, qk_scale: float, softcap: float, window_left: int,
                      window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
                      TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
                      ALIBI: ConstBool, PAGED: ConstBool, BATCH_IDX: ConstBool,
-                     SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool):
+                     SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool,
+                     LEFTPAD: ConstBool):
     """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
     OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
     under BATCH_IDX, BlockTable under PAGED; the window bounds under their MASK_ switch.
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
     new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
-    holds each query head's sink logit."""
+    holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
+    sequence's first key."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS,
-                 TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                 PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS)
+                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
+                 NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                 SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
 
 
 @ct.kernel
 def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
                            OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
-                           qk_scale: float, softcap: float, window_left: int,
+                           LeftPad, qk_scale: float, softcap: float, window_left: int,
                            window_right: int, new_len: int, NUM_SPLITS: ConstInt,
                            TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                            TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                            MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                            PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                           STORE_LSE: ConstBool, SINKS: ConstBool):
+                           STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
     """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, qk_scale, softcap, window_left, window_right, new_len, NUM_SPLITS,
-                 TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI,
-                 PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS)
+                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
+                 NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                 SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
 
 
 @ct.kernel
@@ -254,38 +283,98 @@ def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: Cons
         ct.store(Lse, index=(batch, head, row), tile=lse.reshape((1, 1, 1)))
 
 
-def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
-                 TILE_DV: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool):
-    """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache."""
+def _rotary_lanes(rotary_dim, TILE_D: ConstInt, INTERLEAVED: ConstBool):
+    """For the columns d of a [1, TILE_D] row: (d, the column d is paired with, its frequency
+    f(d), whether d is its pair's first, whether d rotates (d < rotary_dim))."""
+    d = ct.arange(TILE_D, dtype=ct.int32)[None, :]
+    if INTERLEAVED:  # pairs (2f, 2f + 1)
+        first = (d & 1) == 0
+        partner = d ^ 1
+        freq = d >> 1
+    else:  # pairs (f, f + R/2)
+        half = rotary_dim // 2
+        first = d < half
+        partner = ct.where(first, d + half, d - half)
+        freq = ct.where(first, d, d - half)
+    return d, partner, freq, first, d < rotary_dim
+
+
+def _rotate(x, x_partner, pos, Cos, Sin, lanes):
+    """Rows x [R, TILE_D] at positions ``pos`` ([R, 1] or a scalar) rotated, fp32; x_partner
+    holds each column's pair partner (0 where it does not rotate). Cos/Sin gather 1 and 0 for
+    the columns that pass through."""
+    _, _, freq, first, rotates = lanes
+    cos = ct.gather(Cos, (pos, freq), mask=rotates, padding_value=1.0).astype(ct.float32)
+    sin = ct.gather(Sin, (pos, freq), mask=rotates).astype(ct.float32)
+    x_partner = x_partner.astype(ct.float32)
+    return x.astype(ct.float32) * cos + ct.where(first, -x_partner, x_partner) * sin
+
+
+def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
+                 new_len, rotary_dim, q_step, TILE_D: ConstInt, TILE_DV: ConstInt, TILE_G: ConstInt,
+                 PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
+                 INTERLEAVED: ConstBool):
+    """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache
+    (rotated under ROTARY), and under ROTARY query row bid(0) of the head's group into QRot."""
     i = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)
-    pos = ct.load(CacheSeqLens, (batch,), shape=()).item() + i
-    row = _cache_row(BatchIdx, batch, BATCH_IDX)
-    if PAGED:
-        page_size = K.shape[1]
-        row = ct.load(BlockTable, (batch, pos // page_size), shape=()).item()
-        pos = pos % page_size
-    k = ct.load(KNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_D), padding_mode=ZERO)
-    ct.store(K, index=(row, pos, kv_head, 0), tile=k)
-    v = ct.load(VNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_DV), padding_mode=ZERO)
-    ct.store(V, index=(row, pos, kv_head, 0), tile=v)
+    seqlen = ct.load(CacheSeqLens, (batch,), shape=()).item()
+    if i < new_len:
+        pos = seqlen + i
+        row = _cache_row(BatchIdx, batch, BATCH_IDX)
+        if PAGED:
+            page_size = K.shape[1]
+            row = ct.load(BlockTable, (batch, pos // page_size), shape=()).item()
+            pos = pos % page_size
+        if ROTARY:
+            lanes = _rotary_lanes(rotary_dim, TILE_D, INTERLEAVED)
+            k = _rotate(ct.gather(KNew, (batch, i, kv_head, lanes[0])),
+                        ct.gather(KNew, (batch, i, kv_head, lanes[1]), mask=lanes[4]),
+                        seqlen + i, Cos, Sin, lanes).astype(K.dtype).reshape((1, 1, 1, TILE_D))
+        else:
+            k = ct.load(KNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_D),
+                        padding_mode=ZERO)
+        ct.store(K, index=(row, pos, kv_head, 0), tile=k)
+        v = ct.load(VNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_DV),
+                    padding_mode=ZERO)
+        ct.store(V, index=(row, pos, kv_head, 0), tile=v)
+    if ROTARY:
+        if i < Q.shape[1]:
+            lanes = _rotary_lanes(rotary_dim, TILE_D, INTERLEAVED)
+            heads = ct.arange(TILE_G, dtype=ct.int32)[:, None]
+            q = _rotate(ct.gather(Q, (batch, i, kv_head, heads, lanes[0])),
+                        ct.gather(Q, (batch, i, kv_head, heads, lanes[1]), mask=lanes[4]),
+                        seqlen + i * q_step, Cos, Sin, lanes)  # [TILE_G, TILE_D]
+            ct.store(QRot, index=(batch, i, kv_head, 0, 0),
+                     tile=q.astype(QRot.dtype).reshape((1, 1, 1, TILE_G, TILE_D)))
 
 
 @ct.kernel
-def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt,
-                 TILE_DV: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool):
-    """Grid (L_new, H_kv, B): row bid(0) of KNew/VNew [B, L_new, H_kv, D / Dv] into the cache
+def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
+                 new_len: int, rotary_dim: int, q_step: int, TILE_D: ConstInt,
+                 TILE_DV: ConstInt, TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool,
+                 ROTARY: ConstBool, INTERLEAVED: ConstBool):
+    """Grid (L_new, H_kv, B), under ROTARY (max(L_new, Lq), H_kv, B): row bid(0) < new_len of
+    KNew/VNew [B, L_new, H_kv, D / Dv] (placeholders when L_new = 0) into the cache
     (flash-attn's layout: [Bc, L_cache, H_kv, D], or pages [num_blocks, page_size, H_kv, D]
-    under PAGED) at position CacheSeqLens[b] + bid(0) of sequence b."""
-    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D, TILE_DV, PAGED,
-                 BATCH_IDX)
+    under PAGED) at position CacheSeqLens[b] + bid(0) of sequence b. Under ROTARY the key row
+    is rotated at that position, and query row bid(0) of Q [B, Lq, H_kv, G, D] (TILE_G >= G)
+    at CacheSeqLens[b] + bid(0) * q_step (q_step 1 for a causal or windowed call, 0
+    otherwise: flash-attn's rule) into QRot of Q's shape;
+    Cos/Sin [L_ro, rotary_dim / 2] in Q's dtype."""
+    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
+                 new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
+                 INTERLEAVED)
 
 
 @ct.kernel
 def cache_append_int64(KNew, VNew, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64,
-                       CacheSeqLens, BatchIdx, BlockTable, TILE_D: ConstInt, TILE_DV: ConstInt,
-                       PAGED: ConstBool, BATCH_IDX: ConstBool):
+                       CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin, new_len: int,
+                       rotary_dim: int, q_step: int, TILE_D: ConstInt, TILE_DV: ConstInt,
+                       TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
+                       INTERLEAVED: ConstBool):
     """``cache_append`` with 64-bit shapes and strides for the caches; the same body."""
-    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, TILE_D, TILE_DV, PAGED,
-                 BATCH_IDX)
+    _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
+                 new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
+                 INTERLEAVED)

@@ -125,8 +125,6 @@ def _q(*shape, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(rotary_cos=_q(4, 8), rotary_sin=_q(4, 8)), NotImplementedError, "rotary"),
-    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "leftpad"),
     (dict(window_size=(1,)), ValueError, "window_size"),
     (dict(softmax_scale=-1.0), ValueError, "scale"),
     (dict(softcap=-2.0), ValueError, "softcap"),
@@ -199,6 +197,39 @@ def test_new_kv_checks():
                                True)
 
 
+def test_rotary_checks():
+    q, cos = _q(2, 1, 4, 64), _q(32, 16)
+    _validate.check_rotary(cos, cos, q, 32, True)
+    for args, match in [((cos, None, q, 32, True), "both"),
+                        ((cos, cos, q, 32, False), "pass k and v"),
+                        ((cos[0], cos[0], q, 32, True), "2-D"),
+                        ((cos.half(), cos.half(), q, 32, True), "dtype"),
+                        ((cos, cos[:, :8], q, 32, True), "one shape"),
+                        ((_q(32, 40), _q(32, 40), q, 32, True), "head dim 64"),
+                        ((cos, cos, q, 33, True), "33 positions")]:
+        with pytest.raises(ValueError, match=match):
+            _validate.check_rotary(*args)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotary_reference_turns_each_pair_by_its_angle(interleaved):
+    """``reference.rotary_embedding`` against the complex form: pair (a, b) at position t and
+    frequency f is a + ib times exp(i angle[t, f]); columns past rotary_dim pass through."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, 20, generator=gen, dtype=torch.float64)
+    angle = torch.rand(50, 6, generator=gen, dtype=torch.float64) * 2 * math.pi
+    pos = torch.tensor([[0, 7, 49], [3, 3, 10]])
+    out = reference.rotary_embedding(x, angle.cos(), angle.sin(), pos, interleaved)
+    rot = x[..., :12]
+    pairs = (torch.stack((rot[..., 0::2], rot[..., 1::2]), -1) if interleaved else
+             torch.stack((rot[..., :6], rot[..., 6:]), -1))
+    turn = torch.polar(torch.ones((), dtype=torch.float64), angle[pos])[:, :, None]
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn)
+    expect = turned.flatten(-2) if interleaved else turned.transpose(-1, -2).flatten(-2)
+    torch.testing.assert_close(out[..., :12], expect)
+    assert torch.equal(out[..., 12:], x[..., 12:])
+
+
 @pytest.mark.parametrize("arch", variants.ARCHS)
 def test_decode_kernels_compile_with_tensor_cores(arch):
     """Split decode, combine and append compile for every architecture; the decode's two
@@ -216,6 +247,18 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
         single = aot.compile_decode(arch, splits=1, group=4, q_len=4, head_dim=256)
         assert set(single) == {"decode", "append"}
         assert aot.summarize(aot.disassemble(single["decode"]))["tma_load"] > 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+@pytest.mark.parametrize("rotary", ["interleaved", "neox"])
+def test_leftpad_and_rotary_compile(arch, rotary):
+    """The LEFTPAD decode and the rotary append (a group of 6 heads, D = 80: padded tiles)
+    compile without spills; the decode keeps its tensor cores."""
+    cubins = aot.compile_decode(arch, head_dim=80, group=6, q_len=3, splits=2, leftpad=True,
+                                rotary=rotary)
+    decode, append = (aot.summarize(aot.disassemble(cubins[n])) for n in ("decode", "append"))
+    assert decode["tensor_core"] > 0 and decode["local_memory"] == 0, decode
+    assert append["local_memory"] == 0, append
 
 
 def test_fake_kvcache_op_shapes():
@@ -285,17 +328,45 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert append[0] is k_new and append[2] is k_cache and append[4] is lens
     assert append[5] is idx and append[6] is None
     (dq, dk, dv, dout, dlse, dlens, didx, dtable, dslopes, scale, softcap, window, new_len,
-     splits, config, dsinks) = decode
+     splits, config, dsinks, dpads) = decode
     assert dq is q and dk is k_cache and dv is v_cache and dout is out and dlse is lse
     assert dlens is lens and didx is idx and dtable is None and dslopes is None
     assert dsinks is None
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
     assert config == variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
+    assert append[7:] == (q, None, None) and dpads is None  # no rotary, no pad
     calls.clear()
     flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
     assert [name for name, _ in calls] == ["decode"]
     assert calls[0][1][5].tolist() == [7, 7] and calls[0][1][4] is None  # no LSE asked
+
+
+@pytest.mark.parametrize("causal,window,q_step", [(True, (-1, -1), 1), (False, (-1, -1), 0),
+                                                  (False, (5, -1), 1), (False, (100, 100), 0)])
+def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_step):
+    """The rotary tables reach the append with q and a fresh buffer for the rotated q, which
+    the decode then reads; q rows step through positions when the call is causal or has a
+    window bound below the capacity (100 here), as flash-attn's; the pads reach the decode."""
+    from flash_tile import _ops
+
+    calls = []
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "launch_cache_append", lambda *a: calls.append(("append", a)))
+    monkeypatch.setattr(_ops, "launch_decode", lambda *a: calls.append(("decode", a)))
+    q, k_cache, k_new = _q(2, 3, 8, 64), _q(2, 100, 2, 64), _q(2, 1, 2, 64)
+    cos, sin = _q(100, 16), _q(100, 16)
+    lens, pads = (torch.tensor(x, dtype=torch.int32) for x in ([5, 90], [2, 0]))
+    flash_tile.flash_attn_with_kvcache(q, k_cache, k_cache, k_new, k_new, rotary_cos=cos,
+                                       rotary_sin=sin, cache_seqlens=lens, cache_leftpad=pads,
+                                       causal=causal, window_size=window,
+                                       rotary_interleaved=False)
+    (_, append), (_, decode) = calls
+    q_arg, q_rot, rotary = append[7:]
+    assert q_arg is q and q_rot.shape == q.shape and q_rot is not q
+    assert rotary == _launch.Rotary(cos, sin, False, q_step)
+    assert decode[0] is q_rot and decode[-1] is pads
 
 
 @pytest.mark.parametrize("arch,page_size", [("sm_90", None), ("sm_90", 64), ("sm_80", None)])

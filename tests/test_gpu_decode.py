@@ -17,9 +17,12 @@ from flash_tile import reference
 pytestmark = pytest.mark.gpu
 
 
-def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, seqlens, gen):
-    """(k_cache, v_cache, block_table): random keys below each length, NaN above; paged caches
-    get shuffled pages plus unused NaN pages."""
+def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, seqlens, gen,
+           leftpad=None):
+    """(k_cache, v_cache, block_table): random keys from each sequence's left pad (0 without
+    ``leftpad``) to its length, NaN elsewhere; paged caches get shuffled pages plus unused NaN
+    pages."""
+    starts = leftpad or [0] * batch
     def rand(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
 
@@ -27,7 +30,8 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
         k, v = rand(batch, capacity, kv_heads, head_dim), rand(batch, capacity, kv_heads,
                                                                v_head_dim)
         pos = torch.arange(capacity, device="cuda")[None, :, None, None]
-        stale = pos >= torch.tensor(seqlens, device="cuda")[:, None, None, None]
+        stale = (pos >= torch.tensor(seqlens, device="cuda")[:, None, None, None]) | (
+            pos < torch.tensor(starts, device="cuda")[:, None, None, None])
         return k.masked_fill(stale, math.nan), v.masked_fill(stale, math.nan), None
     per_seq = -(-capacity // page_size)
     pages = batch * per_seq + 3  # some never used
@@ -37,7 +41,7 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
     used = torch.zeros(pages, page_size, dtype=torch.bool, device="cuda")
     for b, n in enumerate(seqlens):
         flat = used[table[b].long()].flatten()
-        flat[:n] = True
+        flat[starts[b]:n] = True
         used[table[b].long()] = flat.view(per_seq, page_size)
     k = k.masked_fill(~used[..., None, None], math.nan)
     v = v.masked_fill(~used[..., None, None], math.nan)
@@ -45,9 +49,10 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
 
 
 def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
-           alibi_slopes=None, batch_idx=None, block_table=None, sinks=None):
+           alibi_slopes=None, batch_idx=None, block_table=None, sinks=None, leftpad=None):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
-    seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table)
+    seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table,
+                                     leftpad)
     for b, (k, v) in enumerate(seqs):
         qb = q[b:b + 1].transpose(1, 2)
         diag = k.shape[2] - q.shape[1]
@@ -239,3 +244,65 @@ def test_group_of_six_heads_append_with_batch_idx_and_an_int_length():
                                                   causal=True, return_softmax_lse=True)
     assert torch.equal(k_cache[2, 40:42], k_new[0]) and torch.equal(v_cache[0, 40:42], v_new[1])
     _check(q, k_cache, v_cache, out, lse, [42, 42], (-1, 0), batch_idx=idx)
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (30, 2)])
+def test_leftpad(page_size, num_splits, window):
+    """Left-padded sequences (cache_leftpad): keys from the pad on, NaN before it; a sequence
+    padded to its end sees no key. Causal, windows and ALiBi count from the pad."""
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    seqlens, leftpad = [300, 1, 170, 399, 64], [37, 1, 0, 250, 63]
+    k_cache, v_cache, table = _cache(5, 400, 2, 128, 128, torch.bfloat16, page_size, seqlens,
+                                     gen, leftpad)
+    q = torch.randn(5, 3, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens, pads = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (seqlens, leftpad))
+    slopes = torch.rand(8, device="cuda") if window == (30, 2) else None
+    out, lse = flash_tile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, block_table=table,
+        window_size=window, alibi_slopes=slopes, num_splits=num_splits,
+        return_softmax_lse=True)
+    _check(q, k_cache, v_cache, out, lse, seqlens, window, alibi_slopes=slopes,
+           block_table=table, leftpad=pads)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("q_len, new_len, causal, rotary_dim",
+                         [(3, 3, True, 128), (4, 1, False, 64), (1, 3, True, 64),
+                          (2, 0, False, 128)])
+def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causal,
+                                   rotary_dim):
+    """The fused rotary embedding: the new keys land in the cache rotated at their positions,
+    q is rotated at cache_seqlens (+ its row when causal), as ``reference.rotary_embedding``
+    does; with left pads, a group of 6 heads, and no new rows (q alone rotated)."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    batch, cap, kvh, heads, d = 3, 512, 2, 12, 128
+    seqlens, leftpad = [0, 250, 509 - new_len], [0, 20, 100]
+    k_cache, v_cache, table = _cache(batch, cap, kvh, d, d, torch.bfloat16, page_size, seqlens,
+                                     gen, leftpad)
+    q = torch.randn(batch, q_len, heads, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, new_len, kvh, d, generator=gen, device="cuda").to(
+        torch.bfloat16) for _ in range(2))
+    angle = torch.rand(cap, rotary_dim // 2, generator=gen, device="cuda") * 2 * math.pi
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    lens, pads = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (seqlens, leftpad))
+    q_before = q.clone()
+    out = flash_tile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+        cache_leftpad=pads, block_table=table, causal=causal, rotary_interleaved=interleaved)
+    assert torch.equal(q, q_before)  # q is read, not rotated in place
+    base = lens.long()[:, None]
+    k_ro = reference.rotary_embedding(k_new, cos, sin, base + torch.arange(new_len,
+                                                                           device="cuda"),
+                                      interleaved)
+    q_ro = reference.rotary_embedding(q, cos, sin, base + (torch.arange(q_len, device="cuda")
+                                                           if causal else 0), interleaved)
+    grown = [n + new_len for n in seqlens]
+    seqs = reference.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
+    for b, (k, v) in enumerate(seqs):  # the rotated keys landed where they belong
+        torch.testing.assert_close(k[0, :, seqlens[b]:].transpose(0, 1), k_ro[b])
+        assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])
+    _check(q_ro, k_cache, v_cache, out, None, grown, (-1, 0) if causal else (-1, -1),
+           block_table=table, leftpad=pads)
