@@ -33,8 +33,8 @@ from tqdm import tqdm
 import flash_tile
 from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
                              save_json, write_report)
-from bench_launch import host_us
-from flash_tile import _ops, reference
+from bench_launch import decode_layers, host_us
+from flash_tile import reference
 
 BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
             "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
@@ -131,22 +131,15 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
 
 
 def host_row(heads, kv_heads, head_dim):
-    """Host microseconds per call, B = 1, L = 1k, Lq = 1 (the GPU is never the bottleneck),
-    with flash_tile's call taken apart: the op's body without the checks, and one split (one
-    launch, no workspace, no combine) against the chosen count (two launches)."""
+    """Host microseconds per call, B = 1, L = 1k, Lq = 1 (the GPU is never the bottleneck):
+    ``bench_launch.decode_layers``, and SDPA's backends as the grid calls them."""
     q = torch.randn(1, 1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(1, 1024, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
     lens = torch.full((1,), 1024, dtype=torch.int32, device="cuda")
     calls = {n: f for n, f in runners(q, k, v, lens).items()
-             if n in ("flash_tile", "sdpa_cudnn", "sdpa_flash", "flash_attn_func")}
-    calls["flash_tile, one split"] = functools.partial(
-        flash_tile.flash_attn_with_kvcache, q, k, v, cache_seqlens=lens, causal=True,
-        num_splits=1)
-    for splits in (0, 1):
-        calls[f"op body, num_splits={splits}"] = functools.partial(
-            _ops._kvcache_impl, q, k, v, None, None, lens, None, None, None,
-            head_dim ** -0.5, 0.0, -1, 0, splits, False)
+             if n in ("sdpa_cudnn", "sdpa_flash", "flash_attn_func")}
+    calls.update(decode_layers(heads, kv_heads, head_dim))
     return {name: round(us, 1) for name, us in host_us(calls).items()}
 
 

@@ -38,6 +38,9 @@ single calls, as the benchmarks take them, count the gap when the host is slower
 GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace. The backward's
 layers have no "with grad" column: every one of them is a training step's.
 
+A third table takes a decode step (``flash_attn_with_kvcache``) apart the same way
+(``decode_layers``).
+
     python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
 
 Writes <out>.json and <out>.md.
@@ -120,6 +123,72 @@ def backward_layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     }
 
 
+def graph_replay(call):
+    """A zero-argument replay of ``call`` captured once in a CUDA graph (after a warm-up call
+    outside the capture): what a serving loop that captures its decode step pays a call."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) -> dict:
+    """Zero-argument callables, one per layer of a decode step (B = 1, Lq = 1, a cache of
+    ``length`` keys, bf16, causal), beside SDPA's with ``enable_gqa``:
+
+      flash_attn_with_kvcache     the public call, the chosen split count (two launches when
+                                  it splits), then with num_splits=1 (one launch)
+      op body                     ``_ops._kvcache_impl``: without the checks
+      launch_decode               the output allocation and ``_launch.launch_decode``
+      ct.launch                   cuTile's launch of the decode kernel's prebuilt arguments
+      graph replay                the public call captured in a CUDA graph, replayed
+      sdpa, sdpa graph replay     SDPA (torch's backend choice), plain and replayed
+    """
+    q = torch.randn(1, 1, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, length, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    lens = torch.full((1,), length, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    config = variants.default_decode_config(torch.cuda.get_device_capability(), head_dim)
+    out = torch.empty_like(q)
+    prebuilt = []
+    real_launch = _launch.ct.launch
+
+    def record(*args, **kwargs):  # the launch_decode's own arguments, kept once
+        prebuilt.append(args)
+        return real_launch(*args, **kwargs)
+
+    _launch.ct.launch = record
+    try:
+        _launch.launch_decode(q, k, v, out, None, lens, None, None, None, scale, 0.0, (-1, 0),
+                              0, 1, config)
+    finally:
+        _launch.ct.launch = real_launch
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def public(splits=0):
+        return flash_tile.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True,
+                                                  num_splits=splits)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    return {
+        "flash_attn_with_kvcache": public,
+        "flash_attn_with_kvcache, one split": functools.partial(public, 1),
+        "op body": functools.partial(_ops._kvcache_impl, q, k, v, None, None, lens, None, None,
+                                     None, scale, 0.0, -1, 0, 0, False),
+        "launch_decode, one split": lambda: _launch.launch_decode(
+            q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,
+            1, config),
+        "ct.launch": functools.partial(ct.launch, *prebuilt[0]),
+        "graph replay": graph_replay(public),
+        "sdpa": sdpa,
+        "sdpa graph replay": graph_replay(sdpa),
+    }
+
+
 def wall_us(fn, iters: int = ITERS) -> float:
     """Wall microseconds per call of ``iters`` back-to-back calls, synchronised at the end."""
     for _ in range(3):
@@ -161,6 +230,7 @@ def main():
                                args.causal))
     tiny_bwd = host_us(backward_layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16,
                                                True), args.causal))
+    decode = host_us(decode_layers(32, 8, 128))
     batch, heads = grid_shape(args.length, args.head_dim)
     problem = (batch, heads, args.length, args.head_dim, torch.bfloat16)
     row = layers(*inputs(*problem), args.causal)
@@ -189,8 +259,12 @@ def main():
     body += "\n\nThe backward (same shapes):\n\n" + md_table(
         ["layer", "host us (B=1, H=1, L=128)", f"ms per call ({shape})", "device ms (queued)"],
         [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]] for r in bwd_rows])
+    decode_rows = [{"layer": name, "host_us": round(us, 1)} for name, us in decode.items()]
+    body += ("\n\nA decode step (B=1, Lq=1, H=32, H_kv=8, D=128, a 1k cache, bf16):\n\n" +
+             md_table(["layer", "host us"], [[r["layer"], r["host_us"]] for r in decode_rows]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    save_json(args.out, info, shape=shape, rows=rows, backward_rows=bwd_rows)
+    save_json(args.out, info, shape=shape, rows=rows, backward_rows=bwd_rows,
+              decode_rows=decode_rows)
     print(write_report(args.out, "Host cost per forward and backward call, layer by layer,",
                        info, body))
 

@@ -497,43 +497,83 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1). Returns the split
     count.
     """
-    batch, q_len, heads, head_dim = q.shape
-    kv_heads, group = k_cache.shape[2], heads // k_cache.shape[2]
     paged = block_table is not None
-    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, k_cache.shape[1] if paged else None,
-                                           config)
-    q_tiles = -(-q_len // tile_lq)
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n),
-                           _sm_count(q.device), config)
-    spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
-                      tile_width(v_cache.shape[3]), window[0] >= 0, window[1] >= 0,
-                      softcap > 0.0, alibi_slopes is not None, paged, batch_idx is not None,
-                      lse is not None, sinks is not None, leftpad is not None)
-    out_split, lse_split = (decode_workspace(splits, batch, q_len, heads, v_cache.shape[3],
-                                             q.device) if splits > 1 else (None, None))
+    plan = _decode_plan(q.shape, k_cache.shape, v_cache.shape[3],
+                        block_table.shape[1] if paged else None, num_splits,
+                        (window[0] >= 0, window[1] >= 0, softcap > 0.0,
+                         alibi_slopes is not None, batch_idx is not None, lse is not None,
+                         sinks is not None, leftpad is not None),
+                        needs_int64_index(k_cache, v_cache), config, _sm_count(q.device))
+    batch, q_len, kv_heads, group, head_dim = plan.q_view
+    device = q.device
+    out_split = lse_split = None
+    if plan.splits > 1:
+        out_split, lse_split = decode_workspace(plan.splits, batch, q_len, kv_heads * group,
+                                                v_cache.shape[3], device)
     slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
     sinks = None if sinks is None else sinks.view(kv_heads, group)
     lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
     lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
-        q.device, (lse_g, 4), (None if out_split is None else
-                               out_split.view(splits, batch, q_len, kv_heads, group, -1), 6),
-        (None if lse_split is None else lse_split.view(splits, batch, q_len, kv_heads, group),
-         5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
-    args = (q.view(batch, q_len, kv_heads, group, head_dim), k_cache.transpose(1, 2),
-            v_cache.transpose(1, 2), out.view(batch, q_len, kv_heads, group, -1), lse_g,
-            ws_out, ws_lse, seqlens_k, batch_idx, block_table, slopes, sinks, leftpad,
-            float(scale),
-            float(softcap), int(window[0]), int(window[1]), int(new_len), *spec.constants())
-    stream = torch.cuda.current_stream(q.device)
-    with torch.cuda.device(q.device):
-        ct.launch(stream, (splits * q_tiles, kv_heads, batch),
-                  _decode_kernel(config, needs_int64_index(k_cache, v_cache)), args)
-        if splits > 1:
-            ct.launch(stream, (q_len, heads, batch), decode_combine,
-                      (out_split, lse_split, out, _fill_unused(q.device, (lse, 3))[0],
-                       tile_width(splits, 1), tile_width(v_cache.shape[3]), lse is not None))
-    return splits
+        device, (lse_g, 4), (None if out_split is None else
+                             out_split.view(plan.splits, *plan.out_view), 6),
+        (None if lse_split is None else lse_split.view(plan.splits, *plan.out_view[:4]), 5),
+        (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
+    args = (q.view(plan.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+            out.view(plan.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx, block_table,
+            slopes, sinks, leftpad, float(scale), float(softcap), int(window[0]),
+            int(window[1]), int(new_len), *plan.constants)
+    stream = torch.cuda.current_stream(device)
+    with torch.cuda.device(device):
+        ct.launch(stream, plan.grid, plan.kernel, args)
+        if plan.splits > 1:
+            ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
+                      (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
+                       *plan.combine_constants))
+    return plan.splits
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What a decode launch takes from its arguments' shapes and switches, worked out once
+    per signature (``_decode_plan``): the host's time per call is the cost of decode at
+    small batch."""
+
+    splits: int
+    grid: tuple[int, int, int]
+    kernel: object
+    constants: tuple
+    combine_constants: tuple
+    q_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, D]
+    out_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, Dv]
+
+
+@functools.cache
+def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
+                 table_blocks: int | None, num_splits: int, switches: tuple,
+                 int64_index: bool, config: DecodeConfig, sms: int) -> _DecodePlan:
+    """The decode launch's plan for q [B, Lq, H, D], a cache [.., page_size or L_cache,
+    H_kv, D] (paged when ``table_blocks``, the block table's width, is given), the
+    ``num_splits`` asked for and the DecodeSpec ``switches`` (mask_left, mask_right, softcap,
+    alibi, batch_idx, store_lse, sinks, leftpad)."""
+    batch, q_len, heads, head_dim = q_shape
+    kv_heads = cache_shape[2]
+    group = heads // kv_heads
+    paged = table_blocks is not None
+    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, cache_shape[1] if paged else None,
+                                           config)
+    q_tiles = -(-q_len // tile_lq)
+    capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
+    splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
+                           config)
+    mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad = switches
+    spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
+                      tile_width(v_head_dim), mask_left, mask_right, softcap, alibi, paged,
+                      batch_idx, store_lse, sinks, leftpad)
+    return _DecodePlan(splits, (splits * q_tiles, kv_heads, batch),
+                       _decode_kernel(config, int64_index), spec.constants(),
+                       (tile_width(splits, 1), tile_width(v_head_dim), store_lse),
+                       (batch, q_len, kv_heads, group, head_dim),
+                       (batch, q_len, kv_heads, group, v_head_dim))
 
 
 def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim: int,
@@ -570,8 +610,9 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
     device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
     new_len = 0 if k_new is None else k_new.shape[1]
     batch = q.shape[0] if k_new is None else k_new.shape[0]
-    k_new, v_new, batch_idx_arg, table = _fill_unused(device, (k_new, 4), (v_new, 4),
-                                                      (batch_idx, 1), (block_table, 2))
+    if k_new is None:  # typed as the cache: the append's store must compile, never runs
+        k_new = v_new = _placeholder(device, 4, k_cache.dtype)
+    batch_idx_arg, table = _fill_unused(device, (batch_idx, 1), (block_table, 2))
     rows, group = new_len, 1
     rotary_args = (*_fill_unused(device, (None, 5), (None, 5), (None, 2), (None, 2)), 0, 0)
     if rotary is not None:
