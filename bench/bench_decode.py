@@ -143,6 +143,40 @@ def host_row(heads, kv_heads, head_dim):
     return {name: round(us, 1) for name, us in host_us(calls).items()}
 
 
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sweep_row(batch, length, heads, kv_heads, head_dim):
+    """K/V GB/s of flash_tile's decode (Lq = 1, causal, contiguous) at each split count of
+    SWEEP_SPLITS, and the count ``num_splits=0`` picks: the measurements that set
+    ``DecodeConfig``'s split policy."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + length)
+    q = torch.randn(batch, 1, heads, head_dim, generator=gen, device="cuda",
+                    dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, length, kv_heads, head_dim, generator=gen, device="cuda",
+                        dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    nbytes = batch * length * kv_heads * head_dim * 2 * 2
+    gbps = {}
+    for splits in (0, *SWEEP_SPLITS):
+        call = functools.partial(flash_tile.flash_attn_with_kvcache, q, k, v,
+                                 cache_seqlens=lens, causal=True, num_splits=splits)
+        gbps[splits] = round(nbytes / device_ms(call) / 1e6, 1)
+    return {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
+            "head_dim": head_dim, "gbps_by_splits": gbps,
+            "best_splits": max(SWEEP_SPLITS, key=gbps.get)}
+
+
+def sweep_table(rows):
+    head = ["B", "L", "H/H_kv", "chosen (0)", *map(str, SWEEP_SPLITS), "best", "chosen/best"]
+    lines = [[r["batch"], r["seqlen"], f"{r['heads']}/{r['kv_heads']}",
+              *(r["gbps_by_splits"][s] for s in (0, *SWEEP_SPLITS)), r["best_splits"],
+              f"{r['gbps_by_splits'][0] / r['gbps_by_splits'][r['best_splits']]:.2f}"]
+             for r in rows]
+    return "K/V GB/s by split count (Lq = 1, causal, contiguous cache).\n\n" + md_table(
+        head, lines)
+
+
 def table(rows, bandwidth):
     names = [n for n in BACKENDS if any(n in r["gbps"] for r in rows)]
     head = ["B", "L", "H/H_kv", "Lq", "cache MiB", *names, "vs cuDNN", "of bandwidth",
@@ -194,16 +228,24 @@ def main():
     parser.add_argument("--max-cache-gib", type=float, default=34.0,
                         help="rows whose K/V exceed this are left out")
     parser.add_argument("--out", help="output path prefix (default: bench/results/decode-<gpu>)")
+    parser.add_argument("--sweep-splits", action="store_true",
+                        help="time every split count of SWEEP_SPLITS on the grid instead")
     args = parser.parse_args()
     args.out = args.out or results_path("decode")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     info = machine_info()
     info["read_bandwidth_gbps"] = bandwidth = round(read_bandwidth_gbps(), 1)
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads]
-    info["host_us"] = host_row(*heads[0], args.head_dim)
     grid = [(b, n, h, kvh, lq) for h, kvh in heads for lq in args.q_lens
             for b in args.batches for n in args.lengths
             if b * n * kvh * args.head_dim * 4 <= args.max_cache_gib * 2**30]
+    if args.sweep_splits:
+        rows = [sweep_row(b, n, h, kvh, args.head_dim)
+                for b, n, h, kvh, _ in tqdm(grid, desc="split sweep", unit="row")]
+        save_json(args.out, info, rows=rows)
+        print(write_report(args.out, "Decode split counts", info, sweep_table(rows)))
+        return
+    info["host_us"] = host_row(*heads[0], args.head_dim)
     rows = []
     for b, n, h, kvh, lq in tqdm(grid, desc="decode grid", unit="row"):
         rows.append(bench_row(b, n, h, kvh, args.head_dim, lq, args.pages, bandwidth))
