@@ -464,15 +464,17 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
 def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
                   sms: int, config: DecodeConfig) -> int:
     """The split count: ``num_splits`` when given (> 0), capped at the key tiles and at
-    ``config.max_splits``; else enough splits that the grid fills ``config.ctas_per_sm``
-    programs per SM, each split keeping at least ``config.min_tiles_per_split`` key tiles, at
-    most ``config.max_splits``, rounded down to a power of two: the count is a compile-time
-    constant of the kernels, and a cache that grows through a generation then compiles at
-    most seven decode kernels, not one per count."""
+    ``config.max_splits``; else as many splits as keep the grid within one wave of
+    ``config.ctas_per_sm`` programs per SM (a grid that already fills a wave, or nearly,
+    is not split: a second, part-filled wave cost more than it hid), each split keeping at
+    least ``config.min_tiles_per_split`` key tiles, at most ``config.max_splits``, rounded
+    down to a power of two: the count is a compile-time constant of the kernels, and a cache
+    that grows through a generation then compiles at most seven decode kernels, not one per
+    count."""
     if num_splits > 0:
         return max(1, min(num_splits, key_tiles, config.max_splits))
     programs = batch * kv_heads * q_tiles
-    want = -(-sms * config.ctas_per_sm // programs)
+    want = sms * config.ctas_per_sm // programs
     splits = max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
     return 1 << (splits.bit_length() - 1)
 

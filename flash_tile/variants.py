@@ -489,14 +489,19 @@ class DecodeConfig:
     occupancy 2 is 1.19-1.55x no hint on a kernel that masks every V tile, and the kernel as
     it is spills 322 LDL/STL without it; occupancy 4 0.41-0.44x of 2. 128-key steps 1.24-1.37x
     64-key ones. Splits aimed at 2 programs per SM beat 4 and 8 on 5 of 7 rows (at B = 8, 4
-    and 8 were up to 1.18x ahead)."""
+    and 8 were up to 1.18x ahead). Every split count timed on the grid [H200, 2026-12-02,
+    commit 3f3562e, docs/experiments/evidence/2026-12-02-decode-splits-h200-3f3562e.md]: the
+    best count is the most that keeps the grid in one wave of 2 a SM, rounded down (B = 32,
+    L = 1k: no split, 3811 GB/s, where rounding the wave up to 2 splits gave 2720), with
+    splits of one key tile allowed (B = 1, L = 1k: 8 splits, 501 GB/s, where 2 tiles a split
+    gave 4 splits and 426); that rule lands within 2% of the best count on all 15 rows."""
 
     rows: int = 16
     tile_n: int = 128
     occupancy: int | None = 2
     num_worker_warps: int | None = None
     ctas_per_sm: int = 2
-    min_tiles_per_split: int = 2
+    min_tiles_per_split: int = 1
     max_splits: int = 64
 
     def hints(self) -> dict:

@@ -109,11 +109,13 @@ def test_tiles_pack_the_group_and_fit_the_pages():
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
     config = variants.DECODE_DEFAULT
-    # B = 1, 8 KV heads, a 128k cache: 33 splits would make 264 programs for 132 SMs at 2 a
-    # SM; rounded down to a power of two (one compile per power, as a cache grows).
+    # B = 1, 8 KV heads, a 128k cache: 33 splits make 264 programs for 132 SMs at 2 a SM;
+    # rounded down to a power of two (one compile per power, as a cache grows).
     assert _launch.decode_splits(0, 1, 8, 1, 1024, 132, config) == 32
     assert _launch.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
-    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 2  # >= 2 key tiles a split
+    assert _launch.decode_splits(0, 32, 8, 1, 1024, 132, config) == 1  # 256 of 264: no split
+    assert _launch.decode_splits(0, 8, 8, 1, 1024, 132, config) == 4  # 256 programs in 4
+    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 4  # one tile a split at least
     assert _launch.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
     assert _launch.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
     assert _launch.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
