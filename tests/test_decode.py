@@ -381,3 +381,31 @@ def test_int64_entry_points_compile(arch, page_size):
     assert set(cubins) == {"decode", "combine", "append"}
     big = torch.empty(2**31 + 1, dtype=torch.bfloat16, device="meta")
     assert _launch.needs_int64_index(big.view(1, -1, 1, 1))
+
+
+def test_big_caches_run_in_32_bit_launches(monkeypatch):
+    """A contiguous cache of 2**31 elements or more runs in launches of as many sequences as
+    keep every offset below 2**31, on the 32-bit decode kernel; with cache_batch_idx (any
+    row) it stays one launch of the 64-bit kernel. Meta tensors, the launches recorded."""
+    import contextlib
+
+    k = torch.empty(5, 2**20, 4, 128, device="meta", dtype=torch.bfloat16)  # 2**29 a row
+    assert _launch.int32_batch_rows(k, k) == 3 and _launch.int32_batch_rows(k[:, :1]) == 4
+    assert _launch.int32_batch_rows(torch.empty(2, 2**22, 4, 128, device="meta")) == 0
+    launches = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
+    q = torch.empty(5, 1, 4, 128, device="meta", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lens = torch.empty(5, device="meta", dtype=torch.int32)
+    config = variants.DECODE_DEFAULT
+    _launch.launch_decode(q, k, k, out, None, lens, None, None, None, 0.1, 0.0, (-1, 0), 0, 1,
+                          config)
+    assert [args[3][1].shape[0] for args in launches] == [3, 2]  # K of 3, then 2 sequences
+    assert {args[2] for args in launches} == {_launch._decode_kernel(config, False)}
+    launches.clear()
+    _launch.launch_decode(q, k, k, out, None, lens, lens, None, None, 0.1, 0.0, (-1, 0), 0, 1,
+                          config)
+    assert len(launches) == 1 and launches[0][2] is _launch._decode_kernel(config, True)

@@ -306,3 +306,28 @@ def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causa
         assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])
     _check(q_ro, k_cache, v_cache, out, None, grown, (-1, 0) if causal else (-1, -1),
            block_table=table, leftpad=pads)
+
+
+def test_caches_past_2_31_elements():
+    """Five cache rows of 2**29 elements (10 GiB of K and V): the last row starts at offset
+    2**31. Without cache_batch_idx the decode runs in two 32-bit launches (3 + 2 sequences);
+    with it, in one launch of the 64-bit kernel. NaN outside the sequences, as elsewhere."""
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    seqlens = [100, 5000, 1000, 77, 300]
+    caches = []
+    for _ in range(2):
+        cache = torch.full((5, 2**20, 4, 128), math.nan, device="cuda", dtype=torch.bfloat16)
+        for b, n in enumerate(seqlens):
+            cache[b, :n] = torch.randn(n, 4, 128, generator=gen, device="cuda")
+        caches.append(cache)
+    q = torch.randn(5, 2, 8, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    out, lse = flash_tile.flash_attn_with_kvcache(q, *caches, cache_seqlens=lens, causal=True,
+                                                  return_softmax_lse=True)
+    _check(q, *caches, out, lse, seqlens, (-1, 0))
+    idx = torch.tensor([4, 0, 3], dtype=torch.int32, device="cuda")
+    out, lse = flash_tile.flash_attn_with_kvcache(q[:3], *caches, cache_seqlens=lens[idx.long()],
+                                                  cache_batch_idx=idx, causal=True,
+                                                  return_softmax_lse=True)
+    _check(q[:3], *caches, out, lse, [seqlens[i] for i in idx.tolist()], (-1, 0),
+           batch_idx=idx)
