@@ -204,6 +204,51 @@ def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, monkeypatch
     assert all(c[9] and c[10] == ((7, -1) if kind == "mistral" else (-1, -1)) for c in calls)
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_packed_position_ids_reach_the_varlen_kernel_on_cpu(kind, use_cache, monkeypatch):
+    """DataCollatorWithFlattening's default: one row whose position ids restart, no
+    cu_seq_lens. Without a cache transformers builds the block-diagonal mask (checked, then
+    the varlen call); with one it builds none, and the position ids alone must keep the
+    sequences apart. Either way each sequence's logits are as when run alone."""
+    calls = []
+
+    def recording_varlen(*args, sinks):
+        calls.append(args)
+        return _torch_varlen(*args)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    seqs, packed, kwargs = _packing()
+    model = _model(kind, "flash_tile")
+    with torch.no_grad():
+        ours = model(input_ids=packed, position_ids=kwargs["position_ids"],
+                     use_cache=use_cache).logits[0]
+        alone = [model(input_ids=s[None]).logits[0] for s in seqs]
+    torch.testing.assert_close(ours, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 and all(c[3].tolist() == [0, 7, 27, 40] and c[5] == 20
+                                   for c in calls)
+
+
+def test_a_mask_beside_a_packing_is_checked(monkeypatch):
+    """cu_seq_lens with a mask that hides keys within their sequences (padding) raise; packed
+    position ids beside such a mask leave the call to the masked path."""
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func",
+                        lambda *a, sinks: pytest.fail("the varlen kernel ran"))
+    q = torch.randn(1, 4, 10, 16)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()[None, None]
+    causal[..., 2] = False  # key 2 padded
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="hides keys"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, causal, cu_seq_lens_q=cu,
+                                        cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    positions = torch.cat([torch.arange(4), torch.arange(6)])[None]
+    out, _ = flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, causal,
+                                             position_ids=positions)
+    torch.testing.assert_close(out, _torch_sdpa(q, q, q, attn_mask=causal).transpose(1, 2))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
     decode_calls = []
@@ -268,12 +313,16 @@ def test_logits_and_greedy_generation_on_gpu(kind, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packing", ["cu_seq_lens", "position_ids"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_packed_training_step_matches_sequences_one_by_one_on_gpu(kind):
+def test_packed_training_step_matches_sequences_one_by_one_on_gpu(kind, packing):
     """Padding-free training: the packed row through the varlen kernel gives the loss and the
     parameter gradients of the sequences run one by one, within bf16 rounding (the error
-    against fp32 SDPA at most 2x that of bf16 SDPA, plus a floor)."""
+    against fp32 SDPA at most 2x that of bf16 SDPA, plus a floor); the packing given as
+    cu_seq_lens, or as restarting position ids alone (the collator's default)."""
     seqs, packed, kwargs = _packing("cuda")
+    if packing == "position_ids":
+        kwargs = dict(position_ids=kwargs["position_ids"])
     weights = torch.randn(packed.shape[1], 128, device="cuda",
                           generator=torch.Generator(device="cuda").manual_seed(6))
 

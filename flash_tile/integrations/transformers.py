@@ -12,16 +12,21 @@ mask runs the kernel's causal switch (top-left, as torch), GQA runs in the kerne
 (``enable_gqa``), ``scaling`` is the softmax scale; ``softcap`` runs through
 ``flash_attn_func`` when there is no mask. What cannot be honoured raises instead of being
 ignored: attention weights (``output_attentions``), position biases, softcap together with a
-mask. Attention sinks (``s_aux``, gpt-oss) run in the kernels' SINKS switch on every path. Packed variable-length batches (``cu_seq_lens_q/k``
-with ``max_length_q/k``, as ``DataCollatorWithFlattening`` passes them) run
-``flash_attn_varlen_func``. Attention dropout (``dropout``, which models pass only while
-training) runs in the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
+mask. Attention sinks (``s_aux``, gpt-oss) run in the kernels' SINKS switch on every path.
+Packed variable-length batches run ``flash_attn_varlen_func``: with ``cu_seq_lens_q/k`` and
+``max_length_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or from
+``position_ids`` that restart within one row (the collator's default), as flash-attn's path
+in transformers reads them; a mask built beside them is checked against the packing (one
+sync a forward), never ignored. (A packed row whose model keeps a cache gets no mask from
+transformers; without reading its position ids it would run causal attention across its
+sequences.) Attention dropout (``dropout``, which models pass only while training) runs in
+the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
 ``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
-flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``). That is what flash_tile
-wants for the packed and decode paths (transformers then passes ``cu_seq_lens_q/k`` instead of
-building dense masks), but it also makes ``modeling_utils`` preload flash-attn's functions
+flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``) for loading, chunked
+masks and generation (the masks and the keyword arguments an attention function receives are
+the same for both names), and it makes ``modeling_utils`` preload flash-attn's functions
 through ``lazy_import_flash_attention`` when a model is loaded or switched to the name, and for a
 name that is neither flash-attn nor a Hub kernel that preload fails. transformers offers no
 public way to register a local kernel with that loader, so this module wraps the loader: the
@@ -35,6 +40,7 @@ wrapper and stays as the name that does not depend on it. A model class that lis
 """
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -65,9 +71,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sinks = kwargs.get("s_aux")
     sinks = None if sinks is None else sinks.float()
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+    packing = _packing(query, key, attention_mask, bool(is_causal), kwargs)
+    if packing is not None:
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
-                               sinks, kwargs), None
+                               sinks, packing), None
     q_len = query.shape[2]
     if q_len == 1 and attention_mask is None and dropout == 0.0 and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
@@ -100,33 +107,127 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
 
 
+def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+             is_causal: bool, kwargs: dict) -> dict | None:
+    """The packed sequences of this call, as ``_packed_forward`` takes them, or None.
+
+    Either the caller's ``cu_seq_lens_q/k`` with ``max_length_q/k`` (``DataCollatorWithFlattening
+    (return_flash_attn_kwargs=True)``), or, as flash-attn's path in transformers does, one row
+    whose ``position_ids`` restart (the collator's default): a new sequence wherever a position
+    is not the one before plus 1. A mask transformers built beside them is checked, not
+    ignored: the packing is used where the mask lets every pair it attends through (the
+    block-diagonal mask, or the causal or sliding one over the whole row that a model with a
+    cache gets: the packing then keeps the sequences apart, as flash-attn's path does); a mask
+    that hides a pair within a sequence (padding) raises with cu_seq_lens and leaves position
+    ids alone to the masked path."""
+    given = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+    sliding = kwargs.get("sliding_window")
+    if given:
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        if cu_q is None or cu_k is None or max_q is None or max_k is None:
+            raise ValueError("packed sequences need cu_seq_lens_q, cu_seq_lens_k, "
+                             "max_length_q and max_length_k together")
+        if query.shape[0] != 1:
+            raise ValueError(f"packed sequences come as one row of tokens (batch 1), got "
+                             f"batch {query.shape[0]}")
+        packing = dict(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, sliding=sliding)
+        if attention_mask is not None and not _mask_allows(attention_mask, cu_q, cu_k,
+                                                           is_causal, sliding):
+            raise ValueError("the attention mask hides keys within the sequences that "
+                             "cu_seq_lens_q/k delimit (padding?): pass packed sequences "
+                             "without padding, or a mask without cu_seq_lens")
+        return packing
+    position_ids = kwargs.get("position_ids")
+    total = query.shape[2]
+    if (not isinstance(position_ids, torch.Tensor) or query.shape[0] != 1 or total < 2 or
+            key.shape[2] != total or tuple(position_ids.shape) != (1, total)):
+        return None
+    cu = _restarts(position_ids)
+    if cu is None:
+        return None
+    if attention_mask is not None and not _mask_allows(attention_mask, cu[0], cu[0], is_causal,
+                                                       sliding):
+        return None
+    return dict(cu_q=cu[0], cu_k=cu[0], max_q=cu[1], max_k=cu[1], sliding=sliding)
+
+
+# The last answers of _restarts and _mask_allows: every layer of a forward passes the same
+# position_ids and mask objects, so each costs one device sync a forward, not one a layer.
+_SEEN: dict = {}
+
+
+def _remembered(key: tuple, tensor: torch.Tensor, compute):
+    """compute() once for ``tensor`` as it is now (the object and its version counter)."""
+    entry = _SEEN.get(key)
+    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+        return entry[2]
+    value = compute()
+    if len(_SEEN) > 16:
+        _SEEN.clear()
+    _SEEN[key] = (weakref.ref(tensor), tensor._version, value)
+    return value
+
+
+def _restarts(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """(cu_seqlens int32 [B + 1], the longest sequence) of the sequences packed in one row of
+    position ids, or None when the row holds one sequence."""
+    def compute():
+        pos = position_ids[0]
+        restart = torch.ones_like(pos, dtype=torch.bool)
+        restart[1:] = pos[1:] != pos[:-1] + 1
+        starts = restart.nonzero().flatten()
+        if starts.numel() < 2:
+            return None
+        cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+        return cu, int((cu[1:] - cu[:-1]).max())
+    return _remembered(("restarts", id(position_ids)), position_ids, compute)
+
+
+def _mask_allows(mask: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool,
+                 sliding: int | None) -> bool:
+    """Whether ``mask`` (transformers' [1, 1, Lq, Lk] boolean mask) lets query i see every key
+    j that the varlen call lets it see: j in i's packed sequence (and j <= i when causal,
+    i - j < ``sliding`` under a sliding window)."""
+    def compute():
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[:2] != (1, 1) or \
+                not torch.equal(cu_q, cu_k):
+            return False
+        total = mask.shape[-1]
+        if mask.shape[-2] != total or int(cu_q[-1]) != total:
+            return False
+        starts = torch.zeros(total, dtype=torch.int32, device=mask.device)
+        starts[cu_q[1:-1].long()] = 1
+        seq = starts.cumsum(0)
+        i = torch.arange(total, device=mask.device)
+        used = seq[:, None] == seq[None, :]
+        if is_causal:
+            used &= i[None, :] <= i[:, None]
+        if sliding:
+            used &= i[:, None] - i[None, :] < sliding
+        return not bool((used & ~mask[0, 0]).any())
+    return _remembered(("mask", id(mask), id(cu_q), is_causal, sliding), mask, compute)
+
+
 def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     dropout: float, scaling: float | None, is_causal: bool,
                     softcap: float | None, sinks: torch.Tensor | None,
-                    kwargs: dict) -> torch.Tensor:
+                    packing: dict) -> torch.Tensor:
     """Packed sequences (padding-free training, ``DataCollatorWithFlattening``): query
     [1, H, total_q, D] and key/value [1, H_kv, total_k, D] holding the sequences one after
-    another, ``cu_seq_lens_q/k`` int32 [B + 1] and ``max_length_q/k`` as transformers passes
-    them to flash-attn, through ``flash_attn_varlen_func`` (causal bottom-right per sequence;
-    ``sliding_window`` w sees the w most recent keys, as transformers' masks). The mask
-    transformers may also build for the packing is not read: the offsets say the same.
-    Returns [1, total_q, H, Dv]."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    if cu_q is None or cu_k is None or max_q is None or max_k is None:
-        raise ValueError("packed sequences need cu_seq_lens_q, cu_seq_lens_k, max_length_q "
-                         "and max_length_k together")
-    if query.shape[0] != 1:
-        raise ValueError(f"packed sequences come as one row of tokens (batch 1), got batch "
-                         f"{query.shape[0]}")
-    sliding = kwargs.get("sliding_window")
+    another, ``packing`` from ``_packing`` (cu_seqlens int32 [B + 1] and the longest
+    sequences), through ``flash_attn_varlen_func`` (causal bottom-right per sequence;
+    ``sliding_window`` w sees the w most recent keys, as transformers' masks). Returns
+    [1, total_q, H, Dv]."""
+    sliding = packing["sliding"]
     window = (sliding - 1, -1) if sliding else (-1, -1)
     # ints as the collator gives them; a tensor bound is read back (one sync), as flash-attn
     # does with it.
     out = flash_tile.flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-        cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), dropout, scaling,
-        is_causal, window, softcap or 0.0, sinks=sinks)
+        packing["cu_q"].to(torch.int32), packing["cu_k"].to(torch.int32),
+        int(packing["max_q"]), int(packing["max_k"]), dropout, scaling, is_causal, window,
+        softcap or 0.0, sinks=sinks)
     return out[None]
 
 
