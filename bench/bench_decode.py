@@ -21,6 +21,7 @@ Writes <out>.json (rows with ``gbps`` per backend, ``ratio_vs_cudnn`` and
 """
 
 import argparse
+import contextlib
 import functools
 import os
 
@@ -34,7 +35,7 @@ import flash_tile
 from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
                              save_json, write_report)
 from bench_launch import decode_layers, host_us
-from flash_tile import reference
+from flash_tile import _launch, reference
 
 BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
             "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
@@ -162,16 +163,42 @@ def sweep_row(batch, length, heads, kv_heads, head_dim):
         call = functools.partial(flash_tile.flash_attn_with_kvcache, q, k, v,
                                  cache_seqlens=lens, causal=True, num_splits=splits)
         gbps[splits] = round(nbytes / device_ms(call) / 1e6, 1)
+    with without_pdl():
+        gbps["0, no PDL"] = round(nbytes / device_ms(call_chosen(q, k, v, lens)) / 1e6, 1)
     return {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
             "head_dim": head_dim, "gbps_by_splits": gbps,
             "best_splits": max(SWEEP_SPLITS, key=gbps.get)}
 
 
+def call_chosen(q, k, v, lens):
+    return functools.partial(flash_tile.flash_attn_with_kvcache, q, k, v, cache_seqlens=lens,
+                             causal=True)
+
+
+@contextlib.contextmanager
+def without_pdl():
+    """flash_tile's launches without programmatic dependent launch (its A/B): cuTile's launch
+    wrapped to drop the attribute."""
+    launch = _launch.ct.launch
+
+    def plain(*args, programmatic_dependent_launch=False):
+        return launch(*args)
+
+    _launch.ct.launch = plain
+    try:
+        yield
+    finally:
+        _launch.ct.launch = launch
+
+
 def sweep_table(rows):
-    head = ["B", "L", "H/H_kv", "chosen (0)", *map(str, SWEEP_SPLITS), "best", "chosen/best"]
+    head = ["B", "L", "H/H_kv", "chosen (0)", *map(str, SWEEP_SPLITS), "best", "chosen/best",
+            "chosen, no PDL", "PDL gain"]
     lines = [[r["batch"], r["seqlen"], f"{r['heads']}/{r['kv_heads']}",
               *(r["gbps_by_splits"][s] for s in (0, *SWEEP_SPLITS)), r["best_splits"],
-              f"{r['gbps_by_splits'][0] / r['gbps_by_splits'][r['best_splits']]:.2f}"]
+              f"{r['gbps_by_splits'][0] / r['gbps_by_splits'][r['best_splits']]:.2f}",
+              r["gbps_by_splits"]["0, no PDL"],
+              f"{r['gbps_by_splits'][0] / r['gbps_by_splits']['0, no PDL']:.3f}"]
              for r in rows]
     return "K/V GB/s by split count (Lq = 1, causal, contiguous cache).\n\n" + md_table(
         head, lines)

@@ -156,7 +156,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     real_launch = _launch.ct.launch
 
     def record(*args, **kwargs):  # the launch_decode's own arguments, kept once
-        prebuilt.append(args)
+        prebuilt.append((args, kwargs))
         return real_launch(*args, **kwargs)
 
     _launch.ct.launch = record
@@ -182,7 +182,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
         "launch_decode, one split": lambda: _launch.launch_decode(
             q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,
             1, config),
-        "ct.launch": functools.partial(ct.launch, *prebuilt[0]),
+        "ct.launch": functools.partial(ct.launch, *prebuilt[0][0], **prebuilt[0][1]),
         "graph replay": graph_replay(public),
         "sdpa": sdpa,
         "sdpa graph replay": graph_replay(sdpa),

@@ -538,12 +538,16 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             slopes, sinks, leftpad, float(scale), float(softcap), int(window[0]),
             int(window[1]), int(new_len), *plan.constants)
     stream = torch.cuda.current_stream(device)
+    # Under config.pdl both launches may start while their predecessor on the stream (the
+    # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
+    # before its first read (ct.grid_dependency_control_wait).
     with torch.cuda.device(device):
-        ct.launch(stream, plan.grid, plan.kernel, args)
+        ct.launch(stream, plan.grid, plan.kernel, args,
+                  programmatic_dependent_launch=config.pdl)
         if plan.splits > 1:
             ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
                       (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
-                       *plan.combine_constants))
+                       *plan.combine_constants), programmatic_dependent_launch=config.pdl)
     return plan.splits
 
 

@@ -503,6 +503,7 @@ class DecodeConfig:
     ctas_per_sm: int = 2
     min_tiles_per_split: int = 1
     max_splits: int = 64
+    pdl: bool = False  # programmatic dependent launch of the decode and the combine (sm_90+)
 
     def hints(self) -> dict:
         hints = {"occupancy": self.occupancy, "num_worker_warps": self.num_worker_warps}
@@ -515,5 +516,7 @@ DECODE_DEFAULT = DecodeConfig()
 @functools.cache
 def default_decode_config(capability: tuple[int, int], head_dim: int = 128) -> DecodeConfig:
     """The decode config for a GPU and head dim: 64-key steps at D > 128 (the K and V tiles
-    of a step stay at 64 KiB in bf16), 128-key steps below."""
-    return DecodeConfig(tile_n=64) if head_dim > 128 else DECODE_DEFAULT
+    of a step stay at 64 KiB in bf16), 128-key steps below; programmatic dependent launch
+    where the GPU has it (sm_90 and newer)."""
+    config = DecodeConfig(tile_n=64) if head_dim > 128 else DECODE_DEFAULT
+    return replace(config, pdl=tuple(capability) >= (9, 0))

@@ -151,6 +151,11 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
     sequence bid(2)."""
     TILE_M = TILE_LQ * TILE_G
+    # Programmatic dependent launch (sm_90+): the combine may be scheduled while this grid's
+    # last programs run, and this grid while the append's do; each waits for its
+    # predecessor's writes before its first read (a no-op launched without the attribute).
+    ct.grid_dependency_control_launch_dependents()
+    ct.grid_dependency_control_wait()
     split = ct.bid(0) % NUM_SPLITS
     tile_q = ct.bid(0) // NUM_SPLITS
     kv_head = ct.bid(1)
@@ -264,6 +269,7 @@ def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: Cons
     of sequence bid(2). OutSplit [S, B, Lq, H, Dv] and LseSplit [S, B, Lq, H] fp32 (the decode
     workspace with its heads merged); Out [B, Lq, H, Dv], Lse [B, H, Lq] fp32 (under
     STORE_LSE). TILE_S >= S: the padded splits read lse = -inf and weigh nothing."""
+    ct.grid_dependency_control_wait()  # the decode's partials (a PDL launch's successor)
     row = ct.bid(0)
     head = ct.bid(1)
     batch = ct.bid(2)
@@ -316,6 +322,7 @@ def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
                  INTERLEAVED: ConstBool):
     """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache
     (rotated under ROTARY), and under ROTARY query row bid(0) of the head's group into QRot."""
+    ct.grid_dependency_control_launch_dependents()  # the decode waits for these writes
     i = ct.bid(0)
     kv_head = ct.bid(1)
     batch = ct.bid(2)

@@ -393,19 +393,22 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     assert _launch.int32_batch_rows(k, k) == 3 and _launch.int32_batch_rows(k[:, :1]) == 4
     assert _launch.int32_batch_rows(torch.empty(2, 2**22, 4, 128, device="meta")) == 0
     launches = []
-    monkeypatch.setattr(_launch.ct, "launch", lambda *args: launches.append(args))
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: launches.append(
+        (*args, attributes)))
     monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
     q = torch.empty(5, 1, 4, 128, device="meta", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lens = torch.empty(5, device="meta", dtype=torch.int32)
-    config = variants.DECODE_DEFAULT
+    config = variants.default_decode_config((9, 0), 128)
     _launch.launch_decode(q, k, k, out, None, lens, None, None, None, 0.1, 0.0, (-1, 0), 0, 1,
                           config)
     assert [args[3][1].shape[0] for args in launches] == [3, 2]  # K of 3, then 2 sequences
+    assert all(args[4] == {"programmatic_dependent_launch": True} for args in launches)
     assert {args[2] for args in launches} == {_launch._decode_kernel(config, False)}
     launches.clear()
     _launch.launch_decode(q, k, k, out, None, lens, lens, None, None, 0.1, 0.0, (-1, 0), 0, 1,
                           config)
     assert len(launches) == 1 and launches[0][2] is _launch._decode_kernel(config, True)
+    assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only

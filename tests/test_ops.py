@@ -143,7 +143,8 @@ def launched(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_launch.ct, "launch",
-                        lambda stream, grid, kernel, args: calls.append((grid, kernel, args)))
+                        lambda stream, grid, kernel, args, **attributes: calls.append(
+                            (grid, kernel, args)))
     monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     return calls
