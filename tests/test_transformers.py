@@ -94,12 +94,40 @@ def test_mapping_matches_sdpa_on_cpu(kind, name, monkeypatch):
 
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", recording_sdpa)
     ids, mask = _batch()
+    mask[0, 12] = 0  # a hole: no longer one run of tokens a row, so not run as packed
     with torch.no_grad():
         ours = _model(kind, name)(input_ids=ids, attention_mask=mask).logits
         ref = _model(kind, "sdpa")(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert calls and all(c["enable_gqa"] for c in calls)  # GQA runs in the kernel
     assert all(c["attn_mask"] is not None and c["attn_mask"].dtype == torch.bool for c in calls)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_padded_batches_run_as_packed_sequences_on_cpu(kind, side, monkeypatch):
+    """A left- or right-padded batch (a mask of causal attention over each row's tokens, and
+    Mistral's window) runs flash_attn_varlen_func on the rows' tokens: their logits are
+    transformers' SDPA's; the padding's positions are not compared (flash-attn's path leaves
+    them 0, SDPA's whatever its mask gives)."""
+    calls = []
+
+    def recording_varlen(*args, sinks):
+        calls.append(args)
+        return _torch_varlen(*args)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention",
+                        lambda *a, **k: pytest.fail("the masked path ran"))
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    ids, mask = _batch()
+    if side == "right":
+        mask = mask.flip(1)
+    with torch.no_grad():
+        ours = _model(kind, "flash_tile")(input_ids=ids, attention_mask=mask).logits
+        ref = _model(kind, "sdpa")(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(ours[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 and all(c[3].tolist() == [0, 20, 35] for c in calls)
 
 
 def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softcap=0.0,

@@ -19,9 +19,11 @@ Packed variable-length batches run ``flash_attn_varlen_func``: with ``cu_seq_len
 in transformers reads them; a mask built beside them is checked against the packing (one
 sync a forward), never ignored. (A packed row whose model keeps a cache gets no mask from
 transformers; without reading its position ids it would run causal attention across its
-sequences.) Attention dropout (``dropout``, which models pass only while training) runs in
-the kernels. A decode step (one query row, no mask: the whole cache is visible) runs
-``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
+sequences.) Left- or right-padded batches whose mask is causal attention over each row's
+tokens (the common case) run as packed sequences too, the padding's outputs 0; other masks
+take the masked path. Attention dropout (``dropout``, which models pass only while
+training) runs in the kernels. A decode step (one query row, no mask: the whole cache is
+visible) runs ``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
 flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``) for loading, chunked
@@ -75,6 +77,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if packing is not None:
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
                                sinks, packing), None
+    padding = _padding(query, key, attention_mask, bool(is_causal), kwargs.get("sliding_window"))
+    if padding is not None:
+        return _unpadded_forward(query, key, value, dropout, scaling, softcap, sinks,
+                                 kwargs.get("sliding_window"), *padding), None
     q_len = query.shape[2]
     if q_len == 1 and attention_mask is None and dropout == 0.0 and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
@@ -207,6 +213,57 @@ def _mask_allows(mask: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, is_
             used &= i[:, None] - i[None, :] < sliding
         return not bool((used & ~mask[0, 0]).any())
     return _remembered(("mask", id(mask), id(cu_q), is_causal, sliding), mask, compute)
+
+
+def _padding(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+             is_causal: bool, sliding: int | None) -> tuple | None:
+    """(token indices, cu_seqlens int32 [B + 1], the longest sequence) of a left- or
+    right-padded batch, or None. Only a causal self-attention call (Lq = Lk) whose 4-D
+    boolean mask is exactly causal (and sliding) attention over each row's tokens: its
+    diagonal (a token sees itself, a pad nothing) is the padding mask, and the rest of the
+    mask is checked against it (one sync a forward, remembered for the mask object); each
+    row's tokens must be one run, so that their positions shift alike."""
+    if not is_causal or attention_mask is None or attention_mask.dtype != torch.bool or \
+            attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return None
+    batch, _, q_len, k_len = attention_mask.shape
+    if q_len != k_len or q_len < 2 or tuple(query.shape[::2]) != (batch, q_len) or \
+            key.shape[2] != k_len:
+        return None
+
+    def compute():
+        keep = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, L]: who sees itself
+        i = torch.arange(q_len, device=keep.device)
+        want = keep[:, None, :] & (i[None, None, :] <= i[None, :, None])
+        if sliding:
+            want &= (i[:, None] - i[None, :] < sliding)[None]
+        runs = keep[:, 0].int() + (keep[:, 1:] & ~keep[:, :-1]).sum(1)
+        if bool(keep.all()) or not bool((runs <= 1).all()) or \
+                not torch.equal(attention_mask[:, 0], want):
+            return None
+        lengths = keep.sum(1)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return keep.flatten().nonzero().flatten(), cu, int(lengths.max())
+    return _remembered(("padding", id(attention_mask), sliding), attention_mask, compute)
+
+
+def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      dropout: float, scaling: float | None, softcap: float | None,
+                      sinks: torch.Tensor | None, sliding: int | None, indices: torch.Tensor,
+                      cu: torch.Tensor, longest: int) -> torch.Tensor:
+    """A padded batch (``_padding``) as packed sequences: each row's tokens gathered, run
+    through ``flash_attn_varlen_func`` (causal, the sliding window as ``_packed_forward``),
+    and scattered back, the padding's rows 0 (as flash-attn's path leaves them). Returns
+    [B, L, H, Dv]."""
+    batch, heads, length, _ = query.shape
+    q, k, v = (t.transpose(1, 2).reshape(batch * length, *t.shape[1:2], t.shape[3])
+               .index_select(0, indices) for t in (query, key, value))
+    window = (sliding - 1, -1) if sliding else (-1, -1)
+    out = flash_tile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout,
+                                            scaling, True, window, softcap or 0.0,
+                                            sinks=sinks)
+    full = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, indices, out)
+    return full.view(batch, length, heads, out.shape[-1])
 
 
 def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
