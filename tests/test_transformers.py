@@ -258,6 +258,32 @@ def test_packed_position_ids_reach_the_varlen_kernel_on_cpu(kind, use_cache, mon
                                    for c in calls)
 
 
+def test_inference_mode_packed_and_padded(monkeypatch):
+    """Under torch.inference_mode (pipelines, generate), whose tensors keep no version counter:
+    a plain batch-1 call, packed position ids and a padded batch all run (the checks' answers
+    are then recomputed each layer instead of remembered), the packed and padded ones on the
+    varlen kernel."""
+    calls = []
+
+    def recording_varlen(*args, sinks):
+        calls.append(args)
+        return _torch_varlen(*args)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    seqs, packed, kwargs = _packing()
+    ids, mask = _batch()
+    model = _model("llama", "flash_tile")
+    with torch.inference_mode():
+        model(input_ids=ids[:1])
+        assert not calls
+        ours = model(input_ids=packed, position_ids=kwargs["position_ids"]).logits[0]
+        alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])
+        model(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(ours, alone, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4  # two layers, packed then padded
+
+
 def test_a_mask_beside_a_packing_is_checked(monkeypatch):
     """cu_seq_lens with a mask that hides keys within their sequences (padding) raise; packed
     position ids beside such a mask leave the call to the masked path."""

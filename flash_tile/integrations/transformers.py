@@ -118,14 +118,18 @@ def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
     """The packed sequences of this call, as ``_packed_forward`` takes them, or None.
 
     Either the caller's ``cu_seq_lens_q/k`` with ``max_length_q/k`` (``DataCollatorWithFlattening
-    (return_flash_attn_kwargs=True)``), or, as flash-attn's path in transformers does, one row
-    whose ``position_ids`` restart (the collator's default): a new sequence wherever a position
-    is not the one before plus 1. A mask transformers built beside them is checked, not
-    ignored: the packing is used where the mask lets every pair it attends through (the
-    block-diagonal mask, or the causal or sliding one over the whole row that a model with a
-    cache gets: the packing then keeps the sequences apart, as flash-attn's path does); a mask
-    that hides a pair within a sequence (padding) raises with cu_seq_lens and leaves position
-    ids alone to the masked path."""
+    (return_flash_attn_kwargs=True)``), or one row whose ``position_ids`` restart (the
+    collator's default): a new sequence wherever a position is not the one before plus 1
+    (flash-attn's path in transformers splits where a position equals the row's least; the
+    two agree on the collator's ids, which count up by 1 from 0). A mask transformers built
+    beside them is checked, not ignored: the packing is used where the mask lets every pair it
+    attends through (the block-diagonal mask, or the causal or sliding one over the whole row
+    that a model with a cache gets: the packing then keeps the sequences apart, as
+    flash-attn's path does); a mask that hides a pair within a sequence (padding) raises with
+    cu_seq_lens and leaves position ids alone to the masked path. Reading position ids and
+    checking masks needs the data (a device sync): under torch.compile or a CUDA graph
+    capture (``_traced``) packing comes from cu_seq_lens alone, unchecked, as flash-attn's
+    path takes them."""
     given = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     sliding = kwargs.get("sliding_window")
     if given:
@@ -138,8 +142,8 @@ def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
             raise ValueError(f"packed sequences come as one row of tokens (batch 1), got "
                              f"batch {query.shape[0]}")
         packing = dict(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, sliding=sliding)
-        if attention_mask is not None and not _mask_allows(attention_mask, cu_q, cu_k,
-                                                           is_causal, sliding):
+        if attention_mask is not None and not _traced(query) and \
+                not _mask_allows(attention_mask, cu_q, cu_k, is_causal, sliding):
             raise ValueError("the attention mask hides keys within the sequences that "
                              "cu_seq_lens_q/k delimit (padding?): pass packed sequences "
                              "without padding, or a mask without cu_seq_lens")
@@ -147,7 +151,8 @@ def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
     position_ids = kwargs.get("position_ids")
     total = query.shape[2]
     if (not isinstance(position_ids, torch.Tensor) or query.shape[0] != 1 or total < 2 or
-            key.shape[2] != total or tuple(position_ids.shape) != (1, total)):
+            key.shape[2] != total or tuple(position_ids.shape) != (1, total) or
+            _traced(query)):
         return None
     cu = _restarts(position_ids)
     if cu is None:
@@ -158,20 +163,31 @@ def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
     return dict(cu_q=cu[0], cu_k=cu[0], max_q=cu[1], max_k=cu[1], sliding=sliding)
 
 
-# The last answers of _restarts and _mask_allows: every layer of a forward passes the same
-# position_ids and mask objects, so each costs one device sync a forward, not one a layer.
+def _traced(query: torch.Tensor) -> bool:
+    """Whether torch.compile traces this call or a CUDA graph captures it: no device sync."""
+    return torch.compiler.is_compiling() or (
+        query.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+# The last answers of _restarts, _mask_allows and _padding: every layer of a forward passes
+# the same position_ids and mask objects, so each costs one device sync a forward, not one a
+# layer. Inference tensors keep no version counter: their answers are not kept.
 _SEEN: dict = {}
 
 
-def _remembered(key: tuple, tensor: torch.Tensor, compute):
-    """compute() once for ``tensor`` as it is now (the object and its version counter)."""
-    entry = _SEEN.get(key)
-    if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+def _remembered(key: str, tensors: tuple, compute):
+    """compute() once for ``tensors`` as they are now (the objects and their versions)."""
+    if any(t.is_inference() for t in tensors):
+        return compute()
+    ids = (key, *map(id, tensors))
+    entry = _SEEN.get(ids)
+    if entry is not None and all(ref() is t for ref, t in zip(entry[0], tensors)) and \
+            entry[1] == tuple(t._version for t in tensors):
         return entry[2]
     value = compute()
     if len(_SEEN) > 16:
         _SEEN.clear()
-    _SEEN[key] = (weakref.ref(tensor), tensor._version, value)
+    _SEEN[ids] = (tuple(map(weakref.ref, tensors)), tuple(t._version for t in tensors), value)
     return value
 
 
@@ -187,7 +203,30 @@ def _restarts(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
             return None
         cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
         return cu, int((cu[1:] - cu[:-1]).max())
-    return _remembered(("restarts", id(position_ids)), position_ids, compute)
+    return _remembered("restarts", (position_ids,), compute)
+
+
+def _blocks_hold(mask: torch.Tensor, expected, contains: bool) -> bool:
+    """Whether the boolean mask [B, Lq, Lk] equals (``contains``: includes) ``expected(rows)``
+    ([B or 1, len(rows), Lk]) on every block of query rows: compared a few hundred MiB at a
+    time, with one device sync."""
+    bad = torch.zeros((), dtype=torch.bool, device=mask.device)
+    step = max(1, 2**28 // (mask.shape[0] * mask.shape[2]))
+    for start in range(0, mask.shape[1], step):
+        rows = torch.arange(start, min(start + step, mask.shape[1]), device=mask.device)
+        want, got = expected(rows), mask[:, start:start + step]
+        bad |= (want & ~got).any() if contains else (want != got).any()
+    return not bool(bad)
+
+
+def _visible(rows: torch.Tensor, total: int, is_causal: bool, sliding: int | None
+             ) -> torch.Tensor | bool:
+    """[len(rows), total]: key j is within the causal (and sliding) band of query row i."""
+    if not is_causal and not sliding:
+        return True
+    keys = torch.arange(total, device=rows.device)[None, :]
+    band = keys <= rows[:, None] if is_causal else torch.ones_like(keys, dtype=torch.bool)
+    return band & (keys > rows[:, None] - sliding) if sliding else band
 
 
 def _mask_allows(mask: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool,
@@ -205,14 +244,12 @@ def _mask_allows(mask: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, is_
         starts = torch.zeros(total, dtype=torch.int32, device=mask.device)
         starts[cu_q[1:-1].long()] = 1
         seq = starts.cumsum(0)
-        i = torch.arange(total, device=mask.device)
-        used = seq[:, None] == seq[None, :]
-        if is_causal:
-            used &= i[None, :] <= i[:, None]
-        if sliding:
-            used &= i[:, None] - i[None, :] < sliding
-        return not bool((used & ~mask[0, 0]).any())
-    return _remembered(("mask", id(mask), id(cu_q), is_causal, sliding), mask, compute)
+
+        def expected(rows):
+            same = seq[rows][:, None] == seq[None, :]
+            return (same & _visible(rows, total, is_causal, sliding))[None]
+        return _blocks_hold(mask[:, 0], expected, contains=True)
+    return _remembered(f"mask {is_causal} {sliding}", (mask, cu_q, cu_k), compute)
 
 
 def _padding(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -222,9 +259,10 @@ def _padding(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
     boolean mask is exactly causal (and sliding) attention over each row's tokens: its
     diagonal (a token sees itself, a pad nothing) is the padding mask, and the rest of the
     mask is checked against it (one sync a forward, remembered for the mask object); each
-    row's tokens must be one run, so that their positions shift alike."""
+    row's tokens must be one run, so that their positions shift alike. Not while traced
+    (``_traced``): the check needs the data."""
     if not is_causal or attention_mask is None or attention_mask.dtype != torch.bool or \
-            attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+            attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or _traced(query):
         return None
     batch, _, q_len, k_len = attention_mask.shape
     if q_len != k_len or q_len < 2 or tuple(query.shape[::2]) != (batch, q_len) or \
@@ -233,18 +271,16 @@ def _padding(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
 
     def compute():
         keep = attention_mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, L]: who sees itself
-        i = torch.arange(q_len, device=keep.device)
-        want = keep[:, None, :] & (i[None, None, :] <= i[None, :, None])
-        if sliding:
-            want &= (i[:, None] - i[None, :] < sliding)[None]
         runs = keep[:, 0].int() + (keep[:, 1:] & ~keep[:, :-1]).sum(1)
-        if bool(keep.all()) or not bool((runs <= 1).all()) or \
-                not torch.equal(attention_mask[:, 0], want):
+        if bool(keep.all()) or not bool((runs <= 1).all()) or not _blocks_hold(
+                attention_mask[:, 0],
+                lambda rows: keep[:, None, :] & _visible(rows, q_len, True, sliding)[None],
+                contains=False):
             return None
         lengths = keep.sum(1)
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         return keep.flatten().nonzero().flatten(), cu, int(lengths.max())
-    return _remembered(("padding", id(attention_mask), sliding), attention_mask, compute)
+    return _remembered(f"padding {sliding}", (attention_mask,), compute)
 
 
 def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
