@@ -35,7 +35,7 @@ import flash_tile
 from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
                              save_json, write_report)
 from bench_launch import decode_layers, host_us
-from flash_tile import _launch, reference
+from flash_tile import _launch_decode, reference
 
 BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
             "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
@@ -179,16 +179,16 @@ def call_chosen(q, k, v, lens):
 def without_pdl():
     """flash_tile's launches without programmatic dependent launch (its A/B): cuTile's launch
     wrapped to drop the attribute."""
-    launch = _launch.ct.launch
+    launch = _launch_decode.ct.launch
 
     def plain(*args, programmatic_dependent_launch=False):
         return launch(*args)
 
-    _launch.ct.launch = plain
+    _launch_decode.ct.launch = plain
     try:
         yield
     finally:
-        _launch.ct.launch = launch
+        _launch_decode.ct.launch = launch
 
 
 def sweep_table(rows):
@@ -200,7 +200,9 @@ def sweep_table(rows):
               r["gbps_by_splits"]["0, no PDL"],
               f"{r['gbps_by_splits'][0] / r['gbps_by_splits']['0, no PDL']:.3f}"]
              for r in rows]
-    return "K/V GB/s by split count (Lq = 1, causal, contiguous cache).\n\n" + md_table(
+    return ("K/V GB/s by split count (Lq = 1, causal, contiguous cache). A count above the "
+            "key tiles a query tile sees runs as that many splits (one tile each), so columns "
+            "past it repeat the cap's timing.\n\n") + md_table(
         head, lines)
 
 

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_tile
-from flash_tile import _launch, _ops, variants
+from flash_tile import _launch, _launch_decode, _ops, variants
 from flash_tile._timing import grid_shape
 from bench_attention import device_ms, machine_info, md_table, save_json, write_report
 
@@ -140,7 +140,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
       flash_attn_with_kvcache     the public call, the chosen split count (two launches when
                                   it splits), then with num_splits=1 (one launch)
       op body                     ``_ops._kvcache_impl``: without the checks
-      launch_decode               the output allocation and ``_launch.launch_decode``
+      launch_decode               the output allocation and ``_launch_decode.launch_decode``
       ct.launch                   cuTile's launch of the decode kernel's prebuilt arguments
       graph replay                the public call captured in a CUDA graph, replayed
       sdpa, sdpa graph replay     SDPA (torch's backend choice), plain and replayed
@@ -153,18 +153,18 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     config = variants.default_decode_config(torch.cuda.get_device_capability(), head_dim)
     out = torch.empty_like(q)
     prebuilt = []
-    real_launch = _launch.ct.launch
+    real_launch = _launch_decode.ct.launch
 
     def record(*args, **kwargs):  # the launch_decode's own arguments, kept once
         prebuilt.append((args, kwargs))
         return real_launch(*args, **kwargs)
 
-    _launch.ct.launch = record
+    _launch_decode.ct.launch = record
     try:
-        _launch.launch_decode(q, k, v, out, None, lens, None, None, None, scale, 0.0, (-1, 0),
-                              0, 1, config)
+        _launch_decode.launch_decode(q, k, v, out, None, lens, None, None, None, scale, 0.0,
+                                     (-1, 0), 0, 1, config)
     finally:
-        _launch.ct.launch = real_launch
+        _launch_decode.ct.launch = real_launch
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
     def public(splits=0):
@@ -179,7 +179,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
         "flash_attn_with_kvcache, one split": functools.partial(public, 1),
         "op body": functools.partial(_ops._kvcache_impl, q, k, v, None, None, lens, None, None,
                                      None, scale, 0.0, -1, 0, 0, False),
-        "launch_decode, one split": lambda: _launch.launch_decode(
+        "launch_decode, one split": lambda: _launch_decode.launch_decode(
             q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,
             1, config),
         "ct.launch": functools.partial(ct.launch, *prebuilt[0][0], **prebuilt[0][1]),

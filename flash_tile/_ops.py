@@ -31,8 +31,9 @@ with ``FLASH_TILE_AUTOTUNE=0``
 import torch
 
 from flash_tile import autotune, variants
-from flash_tile._launch import (NO_DROPOUT, Dropout, Rotary, Varlen, launch_backward,
-                                launch_cache_append, launch_decode, launch_forward, mask_name)
+from flash_tile._launch import (NO_DROPOUT, Dropout, Varlen, launch_backward, launch_forward,
+                                mask_name)
+from flash_tile._launch_decode import Rotary, launch_cache_append, launch_decode
 from flash_tile._validate import device_properties
 
 

@@ -410,8 +410,9 @@ def check_rotary(rotary_cos, rotary_sin, q: torch.Tensor, capacity: int,
                  appends: bool) -> None:
     """The fused rotary embedding's tables: both given, with new k/v to rotate, 2-D
     [L_ro, rotary_dim / 2] alike in q's dtype and on its device, rotary_dim even and at most
-    the head dim, and a row for every position the cache can hold (L_ro >= its capacity), so
-    that no position indexes past the tables whatever cache_seqlens holds."""
+    the head dim, and a row for each of ``capacity`` positions (those the cache can hold, and
+    those of q's rows past the new keys), so that no position indexes past the tables
+    whatever cache_seqlens holds (within the capacity)."""
     if rotary_cos is None or rotary_sin is None:
         raise ValueError("pass both rotary_cos and rotary_sin, or neither")
     if not appends:
@@ -433,8 +434,9 @@ def check_rotary(rotary_cos, rotary_sin, q: torch.Tensor, capacity: int,
         raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {2 * half}) must be from 2 "
                          f"to the head dim {q.shape[-1]}")
     if seqlen_ro < capacity:
-        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows for a cache of "
-                         f"{capacity} positions: give a row for every position")
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows for {capacity} "
+                         f"positions (the cache's, and q's rows past the new keys): give a "
+                         f"row for every position")
 
 
 def check_decode_index(*tensors: torch.Tensor) -> None:

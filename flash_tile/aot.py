@@ -23,8 +23,9 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
-from flash_tile._launch import (MASK_KINDS, DecodeSpec, decode_tiles, forward_spec,
-                                hinted_backward_kernels, hinted_kernel, kernel_mask)
+from flash_tile._launch import (MASK_KINDS, forward_spec, hinted_backward_kernels,
+                                hinted_kernel, kernel_mask)
+from flash_tile._launch_decode import DecodeSpec, decode_tiles
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
@@ -286,7 +287,7 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
                       sinks: bool = False, leftpad: bool = False,
                       rotary: str | None = None) -> dict[str, tuple]:
     """{name: (kernel, signature)} of the decode path on ``config``'s tiles, in
-    ``_launch.launch_decode``'s order; arguments as ``compile_decode``."""
+    ``_launch_decode.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
     window = (window[0], 0) if causal else tuple(window)
     tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)

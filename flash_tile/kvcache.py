@@ -2,12 +2,14 @@
 chunked prefill), contiguous or paged, with the new keys and values appended in place.
 
 The call validates everything checkable without a device sync, then launches (through the
-``flash_tile::kvcache_attention`` custom op where torch.compile traces) at most three cuTile
-kernels on the current stream (``kernels/attention_decode.py``): the append of the new
-rows, the split-KV decode, and the combine of the splits. It reads nothing back to the host
-and allocates only its outputs and the split workspace (torch's caching allocator), so a step
-captures in a CUDA graph and replays with new values in a ``cache_seqlens`` tensor (an int
-length is made into a tensor at the call, and so is fixed in a captured graph).
+``flash_tile::kvcache_attention`` custom op where torch.compile traces) cuTile kernels on the
+current stream (``kernels/attention_decode.py``): the append of the new rows (with the
+rotary embedding), the split-KV decode, and the combine of the splits; a contiguous cache
+of 2**31 elements or more takes a decode and a combine per group of sequences that 32-bit
+offsets reach. It reads nothing back to the host and allocates only its outputs, the split
+workspace and under rotary the rotated q (torch's caching allocator), so a step captures in a
+CUDA graph and replays with new values in a ``cache_seqlens`` tensor (an int length is made
+into a tensor at the call, and so is fixed in a captured graph).
 """
 
 import math
@@ -54,7 +56,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             place at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1 before the
             attention reads it (so it attends to cache_seqlens + L_new keys).
         rotary_cos, rotary_sin: optional [L_ro, rotary_dim / 2] in q's dtype, L_ro at least
-            the cache's capacity, rotary_dim even and at most D: the rotary embedding of the
+            the cache's capacity (plus Lq - L_new where q has more rows than k and rows
+            step), rotary_dim even and at most D: the rotary embedding of the
             first rotary_dim columns of q and of the new k (so k and v must be given), fused
             into the append. The new key at cache position p is rotated at position p; query
             row i at cache_seqlens[b] + i when the call is causal or windowed (a window bound
@@ -81,7 +84,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         softcap: > 0 caps the scaled scores with softcap * tanh(s / softcap).
         alibi_slopes: [H] or [B, H] float32, bias -slope * |i + k_len - Lq - j|.
         num_splits: 0 picks the number of key splits from B, H_kv, Lq and the cache's
-            capacity so that the GPU's SMs fill (``_launch.decode_splits``); 1 disables
+            capacity so that the GPU's SMs fill (``_launch_decode.decode_splits``); 1 disables
             splitting; a count is capped at the key tiles and at 64; any count gives the
             same result within rounding.
         return_softmax_lse: also return the LSE.
@@ -98,8 +101,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     entry past its sequence's end leaves the sequence no key (out 0, LSE +inf). Violating them
     reads or writes outside the cache (an illegal-address error, or another sequence's
     keys). Forward only: no gradients; inputs are not cast under ``torch.autocast`` (a cache
-    is written in place, so it cannot be a cast copy). Caches of 2**31 elements or more are
-    indexed in 64 bits; q or new k/v that large raise NotImplementedError.
+    is written in place, so it cannot be a cast copy). Caches of 2**31 elements or more run
+    in launches of as many sequences as 32-bit offsets reach (contiguous caches without
+    cache_batch_idx) or are indexed in 64 bits (the rest); q or new k/v that large raise
+    NotImplementedError.
     """
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
@@ -157,8 +162,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                      device)
     q_step = 0
     if rotary_cos is not None or rotary_sin is not None:
-        _validate.check_rotary(rotary_cos, rotary_sin, q, capacity, bool(new))
         q_step = int(0 <= left < capacity or 0 <= right < capacity)
+        # q rows past the new ones sit at positions past the appended keys
+        _validate.check_rotary(rotary_cos, rotary_sin, q, capacity + q_step * max(
+            q_len - new_len, 0), bool(new))
 
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,

@@ -44,7 +44,7 @@ def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""
     if not request.node.get_closest_marker("gpu"):
         return
-    from flash_tile import _launch, _ops
+    from flash_tile import _launch, _launch_decode, _ops
 
     def poisoned(allocate):
         def allocate_nan(*args):
@@ -58,7 +58,8 @@ def poisoned_outputs(request, monkeypatch):
     monkeypatch.setattr(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
     monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     monkeypatch.setattr(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
-    monkeypatch.setattr(_launch, "decode_workspace", poisoned(_launch.decode_workspace))
+    monkeypatch.setattr(_launch_decode, "decode_workspace",
+                        poisoned(_launch_decode.decode_workspace))
     # The sinks' shares: NaN where every program must store (the varlen zeros are meant).
     workspace = _launch.sinks_workspace
     monkeypatch.setattr(_launch, "sinks_workspace", lambda shape, varlen, device: (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, _validate, aot, kvcache, reference, variants
+from flash_tile import _launch, _launch_decode, _validate, aot, kvcache, reference, variants
 
 
 def _contiguous(batch, capacity, kv_heads, head_dim, v_head_dim, seed=0):
@@ -99,27 +99,28 @@ def test_paged_and_contiguous_caches_hold_the_same_sequences():
 
 def test_tiles_pack_the_group_and_fit_the_pages():
     config = variants.DECODE_DEFAULT
-    assert _launch.decode_tiles(1, 8, None, config) == (2, 8, 128)  # 16 rows at least
-    assert _launch.decode_tiles(1, 1, None, config) == (16, 1, 128)
-    assert _launch.decode_tiles(64, 4, None, config) == (4, 4, 128)  # config.rows rows
-    assert _launch.decode_tiles(3, 6, 48, config) == (2, 8, 16)  # 48 = 16 * 3
-    assert _launch.decode_tiles(1, 8, 64, config)[2] == 64
-    assert _launch.decode_tiles(1, 8, 256, config)[2] == 128
+    assert _launch_decode.decode_tiles(1, 8, None, config) == (2, 8, 128)  # 16 rows at least
+    assert _launch_decode.decode_tiles(1, 1, None, config) == (16, 1, 128)
+    assert _launch_decode.decode_tiles(64, 4, None, config) == (4, 4, 128)  # config.rows rows
+    assert _launch_decode.decode_tiles(3, 6, 48, config) == (2, 8, 16)  # 48 = 16 * 3
+    assert _launch_decode.decode_tiles(1, 8, 64, config)[2] == 64
+    assert _launch_decode.decode_tiles(1, 8, 256, config)[2] == 128
 
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
     config = variants.DECODE_DEFAULT
     # B = 1, 8 KV heads, a 128k cache: 33 splits make 264 programs for 132 SMs at 2 a SM;
     # rounded down to a power of two (one compile per power, as a cache grows).
-    assert _launch.decode_splits(0, 1, 8, 1, 1024, 132, config) == 32
-    assert _launch.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
-    assert _launch.decode_splits(0, 32, 8, 1, 1024, 132, config) == 1  # 256 of 264: no split
-    assert _launch.decode_splits(0, 8, 8, 1, 1024, 132, config) == 4  # 256 programs in 4
-    assert _launch.decode_splits(0, 1, 1, 1, 6, 132, config) == 4  # one tile a split at least
-    assert _launch.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
-    assert _launch.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
-    assert _launch.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
-    assert _launch.decode_splits(1000, 1, 8, 1, 10**6, 132, config) == config.max_splits
+    assert _launch_decode.decode_splits(0, 1, 8, 1, 1024, 132, config) == 32
+    assert _launch_decode.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
+    assert _launch_decode.decode_splits(0, 32, 8, 1, 1024, 132, config) == 1  # 256 of 264: no split
+    assert _launch_decode.decode_splits(0, 8, 8, 1, 1024, 132, config) == 4  # 256 programs in 4
+    # One key tile a split at least.
+    assert _launch_decode.decode_splits(0, 1, 1, 1, 6, 132, config) == 4
+    assert _launch_decode.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
+    assert _launch_decode.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
+    assert _launch_decode.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
+    assert _launch_decode.decode_splits(1000, 1, 8, 1, 10**6, 132, config) == config.max_splits
 
 
 def _q(*shape, dtype=torch.bfloat16):
@@ -358,16 +359,26 @@ def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_st
     monkeypatch.setattr(_ops, "launch_cache_append", lambda *a: calls.append(("append", a)))
     monkeypatch.setattr(_ops, "launch_decode", lambda *a: calls.append(("decode", a)))
     q, k_cache, k_new = _q(2, 3, 8, 64), _q(2, 100, 2, 64), _q(2, 1, 2, 64)
-    cos, sin = _q(100, 16), _q(100, 16)
+    cos, sin = _q(102, 16), _q(102, 16)  # q's last two rows may sit 2 past the capacity
     lens, pads = (torch.tensor(x, dtype=torch.int32) for x in ([5, 90], [2, 0]))
-    flash_tile.flash_attn_with_kvcache(q, k_cache, k_cache, k_new, k_new, rotary_cos=cos,
-                                       rotary_sin=sin, cache_seqlens=lens, cache_leftpad=pads,
-                                       causal=causal, window_size=window,
-                                       rotary_interleaved=False)
+
+    def call(cos, sin):
+        flash_tile.flash_attn_with_kvcache(q, k_cache, k_cache, k_new, k_new, rotary_cos=cos,
+                                           rotary_sin=sin, cache_seqlens=lens,
+                                           cache_leftpad=pads, causal=causal,
+                                           window_size=window, rotary_interleaved=False)
+
+    if q_step:
+        with pytest.raises(ValueError, match="101 rows for 102 positions"):
+            call(cos[:101], sin[:101])
+    else:
+        call(cos[:100], sin[:100])  # all of q at cache_seqlens: the capacity is enough
+        calls.clear()
+    call(cos, sin)
     (_, append), (_, decode) = calls
     q_arg, q_rot, rotary = append[7:]
     assert q_arg is q and q_rot.shape == q.shape and q_rot is not q
-    assert rotary == _launch.Rotary(cos, sin, False, q_step)
+    assert rotary == _launch_decode.Rotary(cos, sin, False, q_step)
     assert decode[0] is q_rot and decode[-1] is pads
 
 
@@ -390,25 +401,27 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     import contextlib
 
     k = torch.empty(5, 2**20, 4, 128, device="meta", dtype=torch.bfloat16)  # 2**29 a row
-    assert _launch.int32_batch_rows(k, k) == 3 and _launch.int32_batch_rows(k[:, :1]) == 4
-    assert _launch.int32_batch_rows(torch.empty(2, 2**22, 4, 128, device="meta")) == 0
+    assert _launch_decode.int32_batch_rows(k, k) == 3
+    assert _launch_decode.int32_batch_rows(k[:, :1]) == 4
+    assert _launch_decode.int32_batch_rows(torch.empty(2, 2**22, 4, 128, device="meta")) == 0
     launches = []
-    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: launches.append(
+    monkeypatch.setattr(_launch_decode.ct, "launch", lambda *args, **attributes: launches.append(
         (*args, attributes)))
-    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_launch_decode.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_launch_decode.torch.cuda, "device",
+                        lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
     q = torch.empty(5, 1, 4, 128, device="meta", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lens = torch.empty(5, device="meta", dtype=torch.int32)
     config = variants.default_decode_config((9, 0), 128)
-    _launch.launch_decode(q, k, k, out, None, lens, None, None, None, 0.1, 0.0, (-1, 0), 0, 1,
-                          config)
+    _launch_decode.launch_decode(q, k, k, out, None, lens, None, None, None, 0.1, 0.0, (-1, 0),
+                                 0, 1, config)
     assert [args[3][1].shape[0] for args in launches] == [3, 2]  # K of 3, then 2 sequences
     assert all(args[4] == {"programmatic_dependent_launch": True} for args in launches)
-    assert {args[2] for args in launches} == {_launch._decode_kernel(config, False)}
+    assert {args[2] for args in launches} == {_launch_decode._decode_kernel(config, False)}
     launches.clear()
-    _launch.launch_decode(q, k, k, out, None, lens, lens, None, None, 0.1, 0.0, (-1, 0), 0, 1,
-                          config)
-    assert len(launches) == 1 and launches[0][2] is _launch._decode_kernel(config, True)
+    _launch_decode.launch_decode(q, k, k, out, None, lens, lens, None, None, 0.1, 0.0, (-1, 0),
+                                 0, 1, config)
+    assert len(launches) == 1 and launches[0][2] is _launch_decode._decode_kernel(config, True)
     assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only

@@ -474,9 +474,9 @@ def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
 def test_decode_sinks_launches_match_the_compiled_signatures(launched, page_size, monkeypatch):
     """The decode and combine launches with SINKS (split, paged or not), against the
     signatures the AOT tests compile."""
-    from flash_tile import _launch, aot, variants
+    from flash_tile import _launch_decode, aot, variants
 
-    monkeypatch.setattr(_launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
     batch, heads, kv_heads, d = 2, 16, 2, 64
     if page_size is None:
         k_cache = torch.randn(batch, 256, kv_heads, d).bfloat16()
@@ -488,8 +488,9 @@ def test_decode_sinks_launches_match_the_compiled_signatures(launched, page_size
     out, lse = torch.empty_like(q), torch.empty(batch, heads, 1)
     lens = torch.tensor([100, 200], dtype=torch.int32)
     config = variants.default_decode_config((9, 0), d)
-    splits = _launch.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table, None,
-                                   0.125, 0.0, (-1, 0), 0, 4, config, torch.zeros(heads))
+    splits = _launch_decode.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table,
+                                          None, 0.125, 0.0, (-1, 0), 0, 4, config,
+                                          torch.zeros(heads))
     (_, _, decode), (_, _, combine) = launched
     sigs = aot.decode_signatures(config, head_dim=d, group=heads // kv_heads,
                                  page_size=page_size, splits=splits, sinks=True)

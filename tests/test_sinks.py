@@ -65,7 +65,7 @@ def test_a_sink_lowers_the_output_by_its_weight():
 
 def test_varlen_twin_with_sinks_per_sequence():
     gen = torch.Generator().manual_seed(2)
-    lengths_q, lengths_k = [5, 0, 17, 3], [7, 4, 17, 0]
+    # Query lengths 5, 0, 17, 3 against key lengths 7, 4, 17, 0.
     cu_q = torch.tensor([0, 5, 5, 22, 25], dtype=torch.int32)
     cu_k = torch.tensor([0, 7, 11, 28, 28], dtype=torch.int32)
     q, k, v = _randn(gen, 25, 4, 16), _randn(gen, 28, 2, 16), _randn(gen, 28, 2, 16)

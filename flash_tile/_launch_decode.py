@@ -1,0 +1,280 @@
+"""Builds the grids and argument tuples of the KV-cache path's kernels and launches them:
+the append (with the rotary embedding), the split-KV decode and the combine
+(``kernels/attention_decode.py``). As ``flash_tile._launch`` for the forward and backward,
+this is the one place that knows their parameter order: the JIT launches here and the
+ahead-of-time compiles in ``flash_tile.aot`` take their compile-time constants from
+``DecodeSpec``. Callers pass checked tensors (``flash_tile.kvcache``).
+"""
+
+import functools
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from flash_tile._launch import _fill_unused, _placeholder, _with_hints, needs_int64_index
+from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
+                                                 cache_append, cache_append_int64,
+                                                 decode_combine)
+from flash_tile.variants import DecodeConfig, tile_width
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """The compile-time constants of one decode kernel instance, in the kernel's order."""
+
+    num_splits: int
+    tile_lq: int
+    tile_g: int
+    tile_n: int
+    tile_d: int
+    tile_dv: int
+    mask_left: bool
+    mask_right: bool
+    softcap: bool
+    alibi: bool
+    paged: bool
+    batch_idx: bool
+    store_lse: bool
+    sinks: bool = False
+    leftpad: bool = False
+
+    def constants(self) -> tuple:
+        return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
+                self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
+                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse, self.sinks,
+                self.leftpad)
+
+
+@functools.cache
+def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig
+                 ) -> tuple[int, int, int]:
+    """(TILE_LQ, TILE_G, TILE_N): the group's heads padded to a power of two, as many query
+    rows with them as make ``config.rows`` packed rows (at least 16: the smallest tensor-core
+    tile), and ``config.tile_n`` keys a step, fewer where a page is smaller: a key tile must
+    lie in one page (the largest power of two that divides the page size)."""
+    tile_g = tile_width(group, 1)
+    tile_lq = min(tile_width(q_len, 1), max(config.rows // tile_g, 1))
+    tile_lq = max(tile_lq, 16 // min(tile_g, 16))
+    tile_n = config.tile_n
+    if page_size is not None:
+        tile_n = min(tile_n, page_size & -page_size)
+    return tile_lq, tile_g, tile_n
+
+
+def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
+                  sms: int, config: DecodeConfig) -> int:
+    """The split count: ``num_splits`` when given (> 0), capped at the key tiles and at
+    ``config.max_splits``; else as many splits as keep the grid within one wave of
+    ``config.ctas_per_sm`` programs per SM (a grid that already fills a wave, or nearly,
+    is not split: a second, part-filled wave cost more than it hid), each split keeping at
+    least ``config.min_tiles_per_split`` key tiles, at most ``config.max_splits``, rounded
+    down to a power of two: the count is a compile-time constant of the kernels, and a cache
+    that grows through a generation then compiles at most seven decode kernels, not one per
+    count."""
+    if num_splits > 0:
+        return max(1, min(num_splits, key_tiles, config.max_splits))
+    programs = batch * kv_heads * q_tiles
+    want = sms * config.ctas_per_sm // programs
+    splits = max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
+    return 1 << (splits.bit_length() - 1)
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
+                  batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                  alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                  window: tuple[int, int], new_len: int, num_splits: int,
+                  config: DecodeConfig, sinks: torch.Tensor | None = None,
+                  leftpad: torch.Tensor | None = None) -> int:
+    """Launch the decode (and, with more than one split, the combine) on q's current stream.
+
+    q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
+    layout, or pages [num_blocks, page_size, H_kv, D] with ``block_table`` [B, max_blocks]
+    int32; out [B, Lq, H, Dv] in q's dtype; lse [B, H, Lq] fp32 or None; sequence b has
+    seqlens_k[b] + ``new_len`` keys (seqlens_k [B] int32); batch_idx [B] int32 or None;
+    alibi_slopes [B, H] fp32 or None. ``window`` (left, right) as ``launch_forward``, aligned
+    bottom-right per sequence.
+    ``num_splits`` 0 picks the split count (``decode_splits``); ``sinks`` [H] fp32 or None,
+    as ``launch_forward``'s; ``leftpad`` [B] int32 or None, the cache row of each sequence's
+    first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1). Returns the split
+    count.
+    """
+    paged = block_table is not None
+    if not paged and batch_idx is None and k_cache.shape[0] > q.shape[0]:
+        # sequence b is row b: the rows past the batch are never read (nor indexed)
+        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    chunk = 0
+    if not paged and batch_idx is None and needs_int64_index(k_cache, v_cache):
+        chunk = int32_batch_rows(k_cache, v_cache)
+    if 0 < chunk < q.shape[0]:  # launches of fewer sequences keep 32-bit indices
+        splits = 0
+        for b0 in range(0, q.shape[0], chunk):
+            rows = slice(b0, b0 + chunk)
+            splits = launch_decode(
+                q[rows], k_cache[rows], v_cache[rows], out[rows],
+                None if lse is None else lse[rows], seqlens_k[rows], None, None,
+                None if alibi_slopes is None else alibi_slopes[rows], scale, softcap, window,
+                new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows])
+        return splits
+    plan = _decode_plan(q.shape, k_cache.shape, v_cache.shape[3],
+                        block_table.shape[1] if paged else None, num_splits,
+                        (window[0] >= 0, window[1] >= 0, softcap > 0.0,
+                         alibi_slopes is not None, batch_idx is not None, lse is not None,
+                         sinks is not None, leftpad is not None),
+                        needs_int64_index(k_cache, v_cache), config, _sm_count(q.device))
+    batch, q_len, kv_heads, group, head_dim = plan.q_view
+    device = q.device
+    out_split = lse_split = None
+    if plan.splits > 1:
+        out_split, lse_split = decode_workspace(plan.splits, batch, q_len, kv_heads * group,
+                                                v_cache.shape[3], device)
+    slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
+    sinks = None if sinks is None else sinks.view(kv_heads, group)
+    lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
+    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
+        device, (lse_g, 4), (None if out_split is None else
+                             out_split.view(plan.splits, *plan.out_view), 6),
+        (None if lse_split is None else lse_split.view(plan.splits, *plan.out_view[:4]), 5),
+        (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
+    args = (q.view(plan.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+            out.view(plan.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx, block_table,
+            slopes, sinks, leftpad, float(scale), float(softcap), int(window[0]),
+            int(window[1]), int(new_len), *plan.constants)
+    stream = torch.cuda.current_stream(device)
+    # Under config.pdl both launches may start while their predecessor on the stream (the
+    # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
+    # before its first read (ct.grid_dependency_control_wait).
+    with torch.cuda.device(device):
+        ct.launch(stream, plan.grid, plan.kernel, args,
+                  programmatic_dependent_launch=config.pdl)
+        if plan.splits > 1:
+            ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
+                      (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
+                       *plan.combine_constants), programmatic_dependent_launch=config.pdl)
+    return plan.splits
+
+
+def int32_batch_rows(*caches: torch.Tensor) -> int:
+    """How many leading cache rows (sequences) of contiguous [Bc, L_cache, H_kv, D] caches a
+    launch can take with every element offset below 2**31, 0 where one row alone reaches it.
+    A cache past 2**31 elements then runs in launches of that many sequences on the 32-bit
+    kernel, which read the H200's 16 GiB grid rows 1.1x faster than the 64-bit one
+    (2026-12-02, bench/results/decode-h200.md at 9ad8d76: 0.90-0.92x cuDNN there)."""
+    rows = []
+    for cache in caches:
+        inner = sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))
+        room = 2**31 - 1 - inner  # row offsets (r - 1) * stride(0) must stay below it
+        rows.append(0 if room <= 0 else (room - 1) // max(cache.stride(0), 1) + 1)
+    return min(rows)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What a decode launch takes from its arguments' shapes and switches, worked out once
+    per signature (``_decode_plan``): the host's time per call is the cost of decode at
+    small batch."""
+
+    splits: int
+    grid: tuple[int, int, int]
+    kernel: object
+    constants: tuple
+    combine_constants: tuple
+    q_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, D]
+    out_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, Dv]
+
+
+@functools.cache
+def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
+                 table_blocks: int | None, num_splits: int, switches: tuple,
+                 int64_index: bool, config: DecodeConfig, sms: int) -> _DecodePlan:
+    """The decode launch's plan for q [B, Lq, H, D], a cache [.., page_size or L_cache,
+    H_kv, D] (paged when ``table_blocks``, the block table's width, is given), the
+    ``num_splits`` asked for and the DecodeSpec ``switches`` (mask_left, mask_right, softcap,
+    alibi, batch_idx, store_lse, sinks, leftpad)."""
+    batch, q_len, heads, head_dim = q_shape
+    kv_heads = cache_shape[2]
+    group = heads // kv_heads
+    paged = table_blocks is not None
+    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, cache_shape[1] if paged else None,
+                                           config)
+    q_tiles = -(-q_len // tile_lq)
+    capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
+    splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
+                           config)
+    mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad = switches
+    spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
+                      tile_width(v_head_dim), mask_left, mask_right, softcap, alibi, paged,
+                      batch_idx, store_lse, sinks, leftpad)
+    return _DecodePlan(splits, (splits * q_tiles, kv_heads, batch),
+                       _decode_kernel(config, int64_index), spec.constants(),
+                       (tile_width(splits, 1), tile_width(v_head_dim), store_lse),
+                       (batch, q_len, kv_heads, group, head_dim),
+                       (batch, q_len, kv_heads, group, v_head_dim))
+
+
+def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split partials, fp32 [S, B, Lq, H, Dv] outputs and [S, B, Lq, H] LSEs, from torch's
+    caching allocator (a graph capture gets them from its own pool)."""
+    return (torch.empty((splits, batch, q_len, heads, v_head_dim), dtype=torch.float32,
+                        device=device),
+            torch.empty((splits, batch, q_len, heads), dtype=torch.float32, device=device))
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """The rotary embedding the append applies: cos/sin [L_ro, rotary_dim / 2] in q's dtype,
+    GPT-J's interleaved pairs or GPT-NeoX's halves, and the query rows' position step (1 for
+    a causal or windowed call, 0: every row at the cache's length)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    q_step: int
+
+
+def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        cache_seqlens: torch.Tensor, batch_idx: torch.Tensor | None,
+                        block_table: torch.Tensor | None, q: torch.Tensor | None = None,
+                        q_rot: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
+    """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
+    ``launch_decode``) at position cache_seqlens[b] of each sequence b, on the current stream
+    of their device. With ``rotary`` the keys are rotated at their positions on the way, and
+    q [B, Lq, H, D] is rotated into q_rot (its shape) in the same launch; k_new and v_new may
+    then be None (no new rows: q alone is rotated)."""
+    device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
+    new_len = 0 if k_new is None else k_new.shape[1]
+    batch = q.shape[0] if k_new is None else k_new.shape[0]
+    if k_new is None:  # typed as the cache: the append's store must compile, never runs
+        k_new = v_new = _placeholder(device, 4, k_cache.dtype)
+    batch_idx_arg, table = _fill_unused(device, (batch_idx, 1), (block_table, 2))
+    rows, group = new_len, 1
+    rotary_args = (*_fill_unused(device, (None, 5), (None, 5), (None, 2), (None, 2)), 0, 0)
+    if rotary is not None:
+        rows, group = max(new_len, q.shape[1]), q.shape[2] // kv_heads
+        shape = (batch, q.shape[1], kv_heads, group, head_dim)
+        rotary_args = (q.view(shape), q_rot.view(shape), rotary.cos, rotary.sin,
+                       2 * rotary.cos.shape[1], rotary.q_step)
+    with torch.cuda.device(device):
+        ct.launch(torch.cuda.current_stream(device), (rows, kv_heads, batch),
+                  cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
+                  (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
+                   *rotary_args[:4], new_len, *rotary_args[4:], tile_width(head_dim),
+                   tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
+                   batch_idx is not None, rotary is not None,
+                   rotary is not None and rotary.interleaved))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _decode_kernel(config: DecodeConfig, int64_index: bool = False):
+    """The decode entry point (32- or 64-bit indexing of the caches) with ``config``'s
+    compiler hints, made once per pair."""
+    kernel = attention_decode_int64 if int64_index else attention_decode
+    return _with_hints(kernel, tuple(config.hints().items()))
