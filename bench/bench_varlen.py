@@ -25,7 +25,8 @@ queued behind a sleep (``bench_attention.device_ms``).
     python bench/bench_varlen.py --tokens 16384 --head-dims 128 --out /tmp/v
 
 Writes <out>.json (rows with ``tflops`` and ``fwd_bwd_tflops`` per backend,
-``ratio_vs_fa2`` and ``fwd_bwd_ratio_vs_fa2``), <out>.md and <out>.png.
+``ratio_vs_fa2_varlen`` and ``ratio_vs_dense``, with ``fwd_bwd_`` the same for
+forward+backward), <out>.md and <out>.png.
 """
 
 import argparse
@@ -182,27 +183,45 @@ def bench_row(tokens, head_dim, causal, dtype):
             row["fwd_bwd_tflops"][name] = round(3.5 * f / device_ms(fwd_bwd) / 1e9, 1)
         except Exception as e:  # noqa: BLE001 - a backend that cannot run this row
             row["skipped"][name] = failure(e)
-    for key, ratio in (("tflops", "ratio_vs_fa2"), ("fwd_bwd_tflops", "fwd_bwd_ratio_vs_fa2")):
-        ours, fa2 = row[key].get("flash_tile"), row[key].get("fa2_varlen")
-        row[ratio] = round(ours / fa2, 3) if ours and fa2 else None
+    for key, prefix in (("tflops", ""), ("fwd_bwd_tflops", "fwd_bwd_")):
+        ours = row[key].get("flash_tile")
+        for peer, ratio in (("fa2_varlen", "ratio_vs_fa2_varlen"),
+                            ("flash_tile_dense", "ratio_vs_dense")):
+            theirs = row[key].get(peer)
+            row[prefix + ratio] = round(ours / theirs, 3) if ours and theirs else None
     return row
+
+
+def misses(row, prefix):
+    """The targets this row's pass misses: >= 1.3x FA2's varlen kernel, >= 0.9x the dense
+    kernel per token."""
+    out = []
+    for ratio, target, label in (("ratio_vs_fa2_varlen", 1.3, "FA2"),
+                                 ("ratio_vs_dense", 0.9, "dense")):
+        value = row[prefix + ratio]
+        if value is not None and value < target:
+            out.append(f"vs {label} < {target}")
+    return ", ".join(out) or "met"
 
 
 def table(rows):
     head = ["dtype", "tokens", "seqs", "max L", "D", "causal", "pass",
-            *BACKENDS, "vs FA2 varlen"]
+            *BACKENDS, "vs FA2 varlen", "vs dense", "targets"]
     lines = []
     for r in rows:
-        for key, label, ratio in (("tflops", "fwd", "ratio_vs_fa2"),
-                                  ("fwd_bwd_tflops", "fwd+bwd", "fwd_bwd_ratio_vs_fa2")):
+        for key, label, prefix in (("tflops", "fwd", ""), ("fwd_bwd_tflops", "fwd+bwd",
+                                                          "fwd_bwd_")):
             lines.append([r["dtype"], r["tokens"], r["sequences"], r["max_seqlen"],
                           r["head_dim"], r["causal"], label,
                           *(r[key].get(n, "-") for n in BACKENDS),
-                          f"{r[ratio]:.2f}x" if r[ratio] else "-"])
+                          *(f"{r[prefix + ratio]:.2f}x" if r[prefix + ratio] else "-"
+                            for ratio in ("ratio_vs_fa2_varlen", "ratio_vs_dense")),
+                          misses(r, prefix)])
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r["skipped"].items()})
     note = ("\n\nNot timed: " + "; ".join(skipped)) if skipped else ""
     return ("TFLOP/s (each sequence's own FLOPs); `flash_tile_dense` is an equal-length batch "
-            "of the same token count (length in the JSON's `dense_seqlen`).\n\n"
+            "of the same token count (length in the JSON's `dense_seqlen`). Targets: varlen "
+            ">= 1.3x FA2's varlen kernel and >= 0.9x flash_tile's dense kernel.\n\n"
             + md_table(head, lines) + note)
 
 

@@ -81,15 +81,13 @@ class ForwardSpec:
 @dataclass(frozen=True)
 class Varlen:
     """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
-    of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids cover
-    ``max_seqlen_q`` query rows (and the dK/dV grid ``max_seqlen_k`` keys) for every sequence
-    (the caller's bounds: nothing is read back). With ``seqused_k`` (int32 [B]) sequence b
-    uses only the first seqused_k[b] of its keys."""
+    of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids are
+    flattened over every sequence's tiles (``varlen_grid``), so no longest length is needed
+    and nothing is read back. With ``seqused_k`` (int32 [B]) sequence b uses only the first
+    seqused_k[b] of its keys."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
     seqused_k: torch.Tensor | None = None
 
     @property
@@ -240,6 +238,14 @@ def forward_grid(q_len: int, heads: int, batch: int, config: TileConfig) -> tupl
     return (ct.cdiv(q_len, config.tile_m), heads, batch)
 
 
+def varlen_grid(total: int, tile: int, heads: int, batch: int) -> tuple:
+    """The flattened grid of ``total`` packed rows in ``batch`` sequences cut into tiles of
+    ``tile`` rows (the kernels' ``program_tile``): total // tile + batch programs a head cover
+    every sequence's tiles, at most one idle a sequence; a sequence's tiles are neighbours in
+    launch order. Built from the shapes alone: no length is read back."""
+    return (total // tile + batch, heads, 1)
+
+
 @functools.cache
 def _placeholder(device: torch.device, rank: int,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -285,15 +291,16 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         q.device, (lse, 3), (alibi_slopes, 2), (kernel_mask(attn_mask), 4), (sinks, 1),
         (descale, 3))
     cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
+    grid = forward_grid(q_len, heads, batch, config)
     if varlen is not None:
-        spec, q_len, batch = varlen.spec(spec), varlen.max_seqlen_q, varlen.batch
+        spec, grid = varlen.spec(spec), varlen_grid(q_len, config.tile_m, heads, varlen.batch)
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
             float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
     kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
-    return forward_grid(q_len, heads, batch, config), kernel, args
+    return grid, kernel, args
 
 
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -367,22 +374,24 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0, sinks is not None)
                      for c in (config, dq_config))
+    q_grid = forward_grid(q_len, heads, batch, dq_config)
+    dkdv_grid = (ct.cdiv(k_len, config.tile_n), kv_heads, batch)
+    sinks_shape = (batch, heads, q_grid[0])
     if varlen is not None:
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
-        q_len, k_len, batch = varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch
+        q_grid = varlen_grid(q_len, dq_config.tile_m, heads, varlen.batch)
+        dkdv_grid = varlen_grid(k_len, config.tile_n, kv_heads, varlen.batch)
+        sinks_shape = (1, heads, q_grid[0])  # one slot per program of the flattened grid
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
     cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     dsinks = None
     if sinks is not None:
-        (dsinks,) = sinks_workspace((batch, heads, ct.cdiv(q_len, dq_config.tile_m)),
-                                    varlen is not None, q.device)
+        (dsinks,) = sinks_workspace(sinks_shape, varlen is not None, q.device)
     sinks_arg, dsinks_arg, dq_acc_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3),
                                                      (dq_acc, 4))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
-    q_grid = forward_grid(q_len, heads, batch, dq_config)
-    dkdv_grid = (ct.cdiv(k_len, config.tile_n), kv_heads, batch)
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, cu_q, cu_k,
                  used_k, *scalars,
                  *spec.dkdv_constants(heads // kv_heads, config.group_inner, config.one_pass))
@@ -411,6 +420,7 @@ def sinks_workspace(shape: tuple[int, int, int], varlen: bool,
                     device: torch.device) -> tuple[torch.Tensor]:
     """The shares of the sinks' gradient that the kernel forming Delta stores (the dQ kernel,
     or the one pass's preprocess), fp32 [B, H, query tiles]: every program
-    stores its share, but under VARLEN those past their sequence's end store nothing, so
-    there it starts as zeros (a memset launch) and elsewhere uninitialised."""
+    stores its share, or under VARLEN [1, H, programs], where the flattened grid's idle
+    programs store nothing, so there it starts as zeros (a memset launch) and elsewhere
+    uninitialised."""
     return ((torch.zeros if varlen else torch.empty)(shape, dtype=torch.float32, device=device),)

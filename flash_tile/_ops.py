@@ -322,7 +322,6 @@ def _varlen_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                         max_seqlen_q: int, max_seqlen_k: int,
                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                          window_left: int, window_right: int, return_lse: bool,
                          dropout_p: float = 0.0, dropout_seed: int = 0,
@@ -337,8 +336,7 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None, alibi_slopes,
                    None, scale, softcap, 0, (window_left, window_right), config,
                    Dropout(dropout_p, dropout_seed),
-                   Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k),
-                   sinks)
+                   Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k), sinks)
     return out, lse
 
 
@@ -347,8 +345,7 @@ varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varle
 
 
 @varlen_forward_op.register_fake
-def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
                          dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
                          deterministic=False):
     return _varlen_outputs(q, v, return_lse)
@@ -357,8 +354,7 @@ def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                           dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                          cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                           window_left: int, window_right: int, dropout_p: float = 0.0,
                           dropout_seed: int = 0, sinks: torch.Tensor | None = None,
                           seqused_k: torch.Tensor | None = None, deterministic: bool = False
@@ -381,8 +377,7 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              dlse, alibi_slopes, None, scale, softcap, 0,
                              (window_left, window_right), config,
                              Dropout(dropout_p, dropout_seed),
-                             Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    seqused_k), sinks)
+                             Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k), sinks)
     return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
 
 
@@ -393,7 +388,7 @@ varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",
 
 @varlen_backward_op.register_fake
 def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
-                          max_seqlen_q, max_seqlen_k, alibi_slopes, scale, softcap,
+                          alibi_slopes, scale, softcap,
                           window_left, window_right, dropout_p=0.0, dropout_seed=0,
                           sinks=None, seqused_k=None, deterministic=False):
     return (*_varlen_gradients(q, k, v),
@@ -401,26 +396,26 @@ def _varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlen
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, max_q, max_k, alibi_slopes, scale, softcap, left, right, _,
-     dropout_p, dropout_seed, sinks, seqused_k, deterministic) = inputs
+    (q, k, v, cu_q, cu_k, alibi_slopes, scale, softcap, left, right, _, dropout_p,
+     dropout_seed, sinks, seqused_k, deterministic) = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, alibi_slopes, sinks, seqused_k)
-    ctx.lengths, ctx.scale, ctx.softcap = (max_q, max_k), scale, softcap
+    ctx.scale, ctx.softcap = scale, softcap
     ctx.window, ctx.dropout = (left, right), (dropout_p, dropout_seed)
     ctx.deterministic = deterministic
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, dout, dlse, run_backward):
-    """The gradients of the varlen forward's 18 inputs (q, k, v's and the sinks'; None for
+    """The gradients of the varlen forward's 16 inputs (q, k, v's and the sinks'; None for
     the rest)."""
     q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks, seqused_k = ctx.saved_tensors
     if dout is None:  # only the LSE reaches the loss
         dout = torch.zeros_like(out)
     dq, dk, dv, dsinks = run_backward(dout, q, k, v, out, _saved_lse(lse), dlse, cu_q, cu_k,
-                                      *ctx.lengths, alibi_slopes, ctx.scale, ctx.softcap,
+                                      alibi_slopes, ctx.scale, ctx.softcap,
                                       *ctx.window, *ctx.dropout, sinks, seqused_k,
                                       ctx.deterministic)
-    return (dq, dk, dv) + (None,) * 12 + (None if sinks is None else dsinks, None, None)
+    return (dq, dk, dv) + (None,) * 10 + (None if sinks is None else dsinks, None, None)
 
 
 def _varlen_op_backward(ctx, dout, dlse):
@@ -432,16 +427,14 @@ _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _var
                                _varlen_backward_impl)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
                      dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
                      deterministic=False):
     """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
     ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
     function asks for it then); dispatched as ``attention_forward``."""
     return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
-                     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+                     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
                       dropout_p, dropout_seed, sinks, seqused_k, deterministic), sinks)
 
 

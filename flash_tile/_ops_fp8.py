@@ -58,7 +58,7 @@ def fp8_attention(*args):
 
 def _fp8_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                     max_seqlen_q: int, max_seqlen_k: int, descale: torch.Tensor,
+                     descale: torch.Tensor,
                      alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                      window_left: int, window_right: int, return_lse: bool,
                      sinks: torch.Tensor | None = None,
@@ -70,8 +70,7 @@ def _fp8_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q4, k4, v4, out4 = _packed(q, k, v, out)
     launch_forward(q4, k4, keys_major(v4), out4, lse[None] if return_lse else None,
                    alibi_slopes, None, scale, softcap, 0, (window_left, window_right),
-                   _config(q, v), varlen=Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                max_seqlen_k, seqused_k),
+                   _config(q, v), varlen=Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
                    sinks=sinks, descale=descale)
     return out, lse
 
@@ -81,8 +80,7 @@ fp8_varlen_op = torch.library.custom_op("flash_tile::fp8_varlen_forward", _fp8_v
 
 
 @fp8_varlen_op.register_fake
-def _fp8_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, descale,
-                     alibi_slopes, scale, softcap, window_left, window_right, return_lse,
+def _fp8_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descale, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
                      sinks=None, seqused_k=None):
     return _ops._varlen_outputs(q, v, return_lse, OUT_DTYPE)
 

@@ -24,6 +24,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def varlen_programs(cu_seqlens: list[int], tile: int) -> list[tuple[int, int]]:
+    """(sequence, tile index) of each program of the flattened VARLEN grid, total // tile + B
+    programs (``kernels._tiles.program_tile``'s binary search, step by step); an index past
+    its sequence's tiles marks an idle program."""
+    batch = len(cu_seqlens) - 1
+    programs = []
+    for w in range(cu_seqlens[-1] // tile + batch):
+        lo, hi = 0, batch - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cu_seqlens[mid] // tile + mid <= w:
+                lo = mid
+            else:
+                hi = mid - 1
+        programs.append((lo, w - (cu_seqlens[lo] // tile + lo)))
+    return programs
+
+
 def kv_tile_runs(m_start: int, tile_m: int, tile_n: int, k_len: int, diag_offset: int = 0,
                  window: tuple[int, int] = (-1, -1)) -> tuple[int, int, int, int]:
     """Key-tile runs (n_start, n_inner, n_outer, n_end) of the query tile at ``m_start``, for

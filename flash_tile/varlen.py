@@ -74,15 +74,15 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
         descale = _validate.fp8_descales(batch, k.shape[1], device, **names)
-        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, descale, alibi_slopes, scale, softcap,
-                                        left, right, return_lse, sinks, seqused_k)
+        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, descale,
+                                        alibi_slopes, scale, softcap, left, right, return_lse,
+                                        sinks, seqused_k)
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
                                                   alibi_slopes=alibi_slopes), sinks)
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
-    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, alibi_slopes, scale, softcap, left, right,
+    out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale,
+                                softcap, left, right,
                                 return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p),
                                 sinks, seqused_k, bool(deterministic))
     return (out, lse) if return_lse else out
@@ -106,8 +106,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
             consecutive offsets are a sequence of length 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints >= 1, from the
-            caller, as flash-attn: nothing is read back from the device).
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints >= 1), as
+            flash-attn's signature has them; checked and not otherwise used: the kernels'
+            grid is flattened over every sequence's tiles and comes from the packed lengths
+            (so a new longest length is not a new torch.compile graph).
         dropout_p: as ``flash_attn_func``; the pattern is keyed by each sequence's own
             (sequence, head, row, column), so it does not depend on the packing's offsets.
         causal, window_size: aligned bottom-right per sequence, as flash-attn: row i of a
@@ -137,11 +139,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         natural log, +inf for rows that see no key).
 
     Not checked (it would need a device sync): that the offsets are monotone, start at 0 and
-    end at total_q / total_k, that no sequence is longer than max_seqlen_q / max_seqlen_k,
-    and that seqused_k[b] lies in [0, the sequence's keys] (more reads the next sequence's
-    keys). Offsets past the ends read padding or other sequences' rows; a sequence
-    longer than max_seqlen_q keeps its first query rows (and, in the backward, one longer
-    than max_seqlen_k its last key rows) unwritten, as do rows no sequence covers.
+    end at total_q / total_k, and that seqused_k[b] lies in [0, the sequence's keys] (more
+    reads the next sequence's keys). Offsets past the ends read padding or other sequences'
+    rows, and rows no sequence covers are left unwritten; offsets that decrease give wrong
+    results (the kernels' search for each program's sequence assumes them monotone).
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

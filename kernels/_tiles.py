@@ -106,12 +106,13 @@ def dropout_keep(rows, offs_k, threshold):
     return x >= ct.bitcast(ct.full((1, 1), threshold, dtype=ct.int32), ct.uint32)
 
 
-def heaviest_first(q_len, TILE_M: ConstInt):
-    """The query tile of program bid(0), last to first: under a causal band the last query
-    tiles see the most keys, and starting them first leaves the light ones to fill the tail of
-    the launch. The grid's size along bid(0) comes from the shape: reading ct.num_blocks(0)
-    instead cost 8 LDL/STL on sm_80 at D=128 with a bool mask (tileiras 13.4)."""
-    return ct.cdiv(q_len, TILE_M) - 1 - ct.bid(0)
+def heaviest_first(q_len, index, TILE_M: ConstInt):
+    """The query tile of the program with tile index ``index`` (``program_tile``), last to
+    first: under a causal band the last query tiles see the most keys, and starting them first
+    leaves the light ones to fill the tail of the launch. The count of tiles comes from the
+    shape: reading ct.num_blocks(0) instead cost 8 LDL/STL on sm_80 at D=128 with a bool mask
+    (tileiras 13.4). Negative past the sequence's tiles (VARLEN)."""
+    return ct.cdiv(q_len, TILE_M) - 1 - index
 
 
 def clamp(x, lo, hi):
@@ -187,26 +188,56 @@ def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt, latency=Non
     return tile.reshape((ROWS, COLS))
 
 
-def query_bounds(Q, CuSeqQ, VARLEN: ConstBool):
-    """(q_start, q_len) of this program's sequence: the whole of axis 2 of Q, or under VARLEN
-    sequence bid(2) of the packed Q, read from the cumulative lengths CuSeqQ [B + 1] int32."""
+def program_tile(CuSeq, TILE: ConstInt, VARLEN: ConstBool):
+    """(batch, index): this program's batch (under VARLEN, sequence) and its tile's index
+    along the rows that CuSeq [B + 1] int32 cuts into sequences.
+
+    Dense grids are (tiles, heads, B): (bid(2), bid(0)). Under VARLEN the grid is flattened,
+    (total // TILE + B, heads, 1): program w = bid(0) walks the sequences' tiles back to back,
+    sequence b's from first_b = CuSeq[b] // TILE + b. first_(b+1) - first_b =
+    CuSeq[b + 1] // TILE - CuSeq[b] // TILE + 1 >= cdiv(len_b, TILE), so every tile has a
+    program and a sequence at most one idle one (index past its tiles: the caller returns),
+    where a grid padded to the longest sequence leaves most programs idle (5 in 6 at 64k
+    tokens of lengths 64-8192). first_b grows strictly and first_0 = 0, so w's sequence is the
+    last b with first_b <= w: a binary search of ceil(log2 B) scalar loads (w past the last
+    sequence gets the last one and an index past its tiles). A vector search (one load of the
+    offsets, a count of first_b <= w) made tileiras 13.4 fail on sm_90 (exit 5, no message;
+    sm_80 and sm_100 compiled) [2026-12-03]. Nothing is read on the host: the grid comes from
+    the shapes."""
     if VARLEN:
-        q_start = ct.load(CuSeqQ, (ct.bid(2),), shape=()).item()
-        return q_start, ct.load(CuSeqQ, (ct.bid(2) + 1,), shape=()).item() - q_start
+        w = ct.bid(0)
+        lo = 0
+        hi = CuSeq.shape[0] - 2  # the last sequence
+        while lo < hi:  # first_lo <= w, and w's sequence is in [lo, hi]
+            mid = (lo + hi + 1) // 2
+            first = ct.load(CuSeq, (mid,), shape=()).item() // TILE + mid
+            lo = mid if first <= w else lo
+            hi = hi if first <= w else mid - 1
+        start = ct.load(CuSeq, (lo,), shape=()).item()
+        return lo, w - (start // TILE + lo)
+    return ct.bid(2), ct.bid(0)
+
+
+def query_bounds(Q, CuSeqQ, batch, VARLEN: ConstBool):
+    """(q_start, q_len) of sequence ``batch``: the whole of axis 2 of Q, or under VARLEN its
+    rows of the packed Q, read from the cumulative lengths CuSeqQ [B + 1] int32."""
+    if VARLEN:
+        q_start = ct.load(CuSeqQ, (batch,), shape=()).item()
+        return q_start, ct.load(CuSeqQ, (batch + 1,), shape=()).item() - q_start
     return 0, Q.shape[2]
 
 
-def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN: ConstBool, SEQUSED_K: ConstBool):
-    """(q_start, q_len, k_start, k_len) of this program's sequence: ``query_bounds`` and the
-    same for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys."""
-    q_start, q_len = query_bounds(Q, CuSeqQ, VARLEN)
+def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch, VARLEN: ConstBool,
+                    SEQUSED_K: ConstBool):
+    """(q_start, q_len, k_start, k_len) of sequence ``batch``: ``query_bounds`` and the same
+    for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys."""
+    q_start, q_len = query_bounds(Q, CuSeqQ, batch, VARLEN)
     if VARLEN:
-        seq = ct.bid(2)
-        k_start = ct.load(CuSeqK, (seq,), shape=()).item()
+        k_start = ct.load(CuSeqK, (batch,), shape=()).item()
         if SEQUSED_K:
-            k_len = ct.load(SeqUsedK, (seq,), shape=()).item()
+            k_len = ct.load(SeqUsedK, (batch,), shape=()).item()
         else:
-            k_len = ct.load(CuSeqK, (seq + 1,), shape=()).item() - k_start
+            k_len = ct.load(CuSeqK, (batch + 1,), shape=()).item() - k_start
         return q_start, q_len, k_start, k_len
     return q_start, q_len, 0, K.shape[2]
 

@@ -74,7 +74,7 @@ import cuda.tile as ct
 
 from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, add_seq_rows,
                      dropout_keep, heaviest_first, load_seq_rows, load_seq_vector, log2_scores,
-                     query_bounds, query_rows, sequence_bounds, store_seq_rows,
+                     program_tile, query_bounds, query_rows, sequence_bounds, store_seq_rows,
                      store_seq_vector, tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
@@ -115,24 +115,29 @@ def _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, til
                  VARLEN: ConstBool):
     """This query tile's share of dsink_h = -sum_i p_i,sink Delta_i (p_i,sink = exp(sink_h -
     lse_i), the sink's probability: the LSE includes it), stored at dSinks[batch, head,
-    tile_m] for the host to sum in a fixed order. Rows past the end have lse = +inf (p = 0);
-    under VARLEN the rows past the sequence are the next one's, so they are masked."""
+    tile_m], or under VARLEN at dSinks[0, head, program] (one slot per program of the
+    flattened grid), for the host to sum in a fixed order. Rows past the end have lse = +inf
+    (p = 0); under VARLEN the rows past the sequence are the next one's, so they are masked."""
     sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
     p_sink = ct.exp2(sink - lse_log2, flush_to_zero=True)  # [TILE_M, 1]
     if VARLEN:
         p_sink = ct.where(offs_q < q_len, p_sink, 0.0)
-    share = -ct.sum(p_sink * delta, axis=0, keepdims=True)  # [1, 1]
-    ct.store(dSinks, index=(batch, head, tile_m), tile=share.reshape((1, 1, 1)))
+    share = -ct.sum(p_sink * delta, axis=0, keepdims=True).reshape((1, 1, 1))
+    if VARLEN:
+        ct.store(dSinks, index=(0, head, ct.bid(0)), tile=share)
+    else:
+        ct.store(dSinks, index=(batch, head, tile_m), tile=share)
 
 
 def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq, i, dk, dv,
                offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES):
     """Query tile i of one query head against this program's key tile; the new (dk, dv), and
     under DQ_ACCUM the pair's share of dQ added into dQacc. TILES = (TILE_M, TILE_N, TILE_D,
-    TILE_DV, VARLEN, DQ_ACCUM), seq = (q_start, q_len, k_start); the rest as in ``_tiles``."""
+    TILE_DV, VARLEN, DQ_ACCUM), seq = (q_start, q_len, k_start, the key tile); the rest as in
+    ``_tiles``."""
     TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM = TILES
     DROPOUT = FEATURES[6]
-    q_start, q_len, _ = seq
+    q_start, q_len, _, tile_n = seq
     q = load_seq_rows(Q, batch, head, q_start, i, TILE_M, TILE_D, VARLEN)
     do = load_seq_rows(dOut, batch, head, q_start, i, TILE_M, TILE_DV, VARLEN)
     lse = load_seq_vector(Lse, batch, head, q_start, i, TILE_M, POS_INF, VARLEN)
@@ -146,7 +151,7 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq,
 
     s_t = ct.mma(k, ct.transpose(q), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
     p_t, dscore = _probs(s_t, rows, offs_k, lse.reshape((1, TILE_M)) * LOG2_E, Mask, i,
-                         ct.bid(0), band, TILE_M, TILE_N, MASKED, FEATURES,
+                         tile_n, band, TILE_M, TILE_N, MASKED, FEATURES,
                          True)  # [TILE_N, TILE_M]
     dp_t = ct.mma(v, ct.transpose(do), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
     pz_t = p_t
@@ -207,8 +212,9 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, C
                SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt, DROPOUT: ConstBool,
                GROUP: ConstInt, GROUP_INNER: ConstBool, VARLEN: ConstBool,
                SEQUSED_K: ConstBool, DQ_ACCUM: ConstBool):
-    """dK, dV of key tile bid(0) of key/value head bid(1) of batch (under VARLEN, sequence)
-    bid(2), and under DQ_ACCUM its tile pairs' shares of dQ added into the fp32 dQacc.
+    """dK, dV of key/value head bid(1) for the batch (under VARLEN, sequence) and key tile of
+    ``program_tile``, and under DQ_ACCUM its tile pairs' shares of dQ added into the fp32
+    dQacc.
 
     The GROUP query heads sharing the key/value head are summed in place, either head by head
     (each walking the query tiles) or, with GROUP_INNER, all heads per query tile. The two
@@ -216,17 +222,16 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, C
     every dK/dV spill on sm_80 but spills ~3000 LDL/STL on sm_90, where head-outer spills none
     at D=128 [2026-11-30, cuobjdump of tileiras 13.4 cubins].
     """
-    tile_n = ct.bid(0)
+    batch, tile_n = program_tile(CuSeqK, TILE_N, VARLEN)
     kv_head = ct.bid(1)
-    batch = ct.bid(2)
     n_start = tile_n * TILE_N
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
-                                                     SEQUSED_K)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
+                                                     VARLEN, SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
-        if n_start >= k_len:  # the grid covers the longest sequence: this one is shorter
+        if n_start >= k_len:  # the flattened grid's idle program, or keys past seqused_k
             return
-    seq = (q_start, q_len, k_start)
+    seq = (q_start, q_len, k_start, tile_n)
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
     TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM)
@@ -292,18 +297,18 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
              EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
              DROPOUT: ConstBool, LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool,
              SEQUSED_K: ConstBool):
-    """dQ and Delta of query tile ``heaviest_first`` of head bid(1) of batch (under VARLEN,
-    sequence) bid(2)."""
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
-                                                     SEQUSED_K)
+    """dQ and Delta of query tile ``heaviest_first`` of head bid(1) for the batch (under
+    VARLEN, sequence) and tile index of ``program_tile``."""
+    batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
+                                                     VARLEN, SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
-    tile_m = heaviest_first(q_len, TILE_M)
+    tile_m = heaviest_first(q_len, index, TILE_M)
     if VARLEN:
-        if tile_m < 0:  # the grid covers the longest sequence: this one is shorter
+        if tile_m < 0:  # the flattened grid's idle program past this sequence's tiles
             return
     head = ct.bid(1)
-    batch = ct.bid(2)
     kv_head = head // (Q.shape[1] // K.shape[1])
     m_start = tile_m * TILE_M
     seq = (q_start, q_len, k_start)
@@ -398,13 +403,12 @@ def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, 
     shares under SINKS (dSinks [B, H, cdiv(Lq, TILE_M)]) and zeros in dQacc [B, H, Lq, D]
     fp32, for query tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2).
     Grid (cdiv(Lq, TILE_M), H, B), or (cdiv(max_seqlen_q, TILE_M), H, B) under VARLEN."""
-    q_start, q_len = query_bounds(Out, CuSeqQ, VARLEN)
-    tile_m = ct.bid(0)
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(Out, CuSeqQ, batch, VARLEN)
     if VARLEN:
-        if tile_m * TILE_M >= q_len:  # the grid covers the longest sequence
+        if tile_m * TILE_M >= q_len:  # the flattened grid's idle program
             return
     head = ct.bid(1)
-    batch = ct.bid(2)
     do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
     delta = _delta(Out, do, dLse, Delta, batch, head, (q_start, q_len, 0), tile_m, TILE_M,
                    TILE_DV, LSE_GRAD, VARLEN)
@@ -424,13 +428,12 @@ def attention_bwd_dq_convert(dQacc, dQ, CuSeqQ, qk_scale: float, TILE_M: ConstIn
     as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for query
     tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2); grid as the
     preprocess kernel's."""
-    q_start, q_len = query_bounds(dQ, CuSeqQ, VARLEN)
-    tile_m = ct.bid(0)
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(dQ, CuSeqQ, batch, VARLEN)
     if VARLEN:
         if tile_m * TILE_M >= q_len:
             return
     head = ct.bid(1)
-    batch = ct.bid(2)
     dq = load_seq_rows(dQacc, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
     if not SOFTCAP:
         dq = dq * qk_scale

@@ -92,7 +92,7 @@ import cuda.tile as ct
 
 from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale,
                      dropout_keep, heaviest_first, load_keys_major, load_seq_rows, log2_scores,
-                     query_rows, sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
+                     program_tile, query_rows, sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
@@ -156,18 +156,20 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
                         SINKS: ConstBool, SEQUSED_K: ConstBool, FP8: ConstBool):
-    """The forward for query tile ``heaviest_first`` of head bid(1) of batch (or, under
-    VARLEN, sequence) bid(2)."""
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, VARLEN,
-                                                     SEQUSED_K)
-    if VARLEN:  # sequence bid(2) of the packed [1, H, total, D] arrays
-        diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
-    tile_m = heaviest_first(q_len, TILE_M)
+    """The forward for query tile ``heaviest_first`` of head bid(1) of the batch (or, under
+    VARLEN, sequence) and tile index of ``program_tile``."""
+    # Under VARLEN ``batch`` is the sequence: its rows of the packed [1, H, total, D] arrays,
+    # its ALiBi slopes and its dropout hash.
+    batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
+                                                     VARLEN, SEQUSED_K)
     if VARLEN:
-        if tile_m < 0:  # the grid covers the longest sequence: this one is shorter
+        diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
+    tile_m = heaviest_first(q_len, index, TILE_M)
+    if VARLEN:
+        if tile_m < 0:  # the flattened grid's idle program past this sequence's tiles
             return
     head = ct.bid(1)
-    batch = ct.bid(2)  # the sequence under VARLEN: its ALiBi slopes and dropout hash
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
     m_start = tile_m * TILE_M
     if FP8:

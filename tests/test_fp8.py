@@ -260,8 +260,8 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
         q, k, v = torch.randn(40, 4, 128).to(E4M3), *(torch.randn(50, 2, 128).to(E4M3)
                                                        for _ in range(2))
         cu_q, cu_k = (torch.tensor([0, 15, n], dtype=torch.int32) for n in (40, 50))
-        out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, 25, 35, descale, None,
-                                             0.1, 0.0, -1, 0, True)
+        out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, descale, None, 0.1, 0.0,
+                                             -1, 0, True)
         v4 = v.transpose(0, 1)[None]
     else:
         q = torch.randn(2, 4, 40, 128).to(E4M3)

@@ -449,7 +449,7 @@ def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
     k, v = torch.randn(1, 2, total_k, 64).bfloat16(), torch.randn(1, 2, total_k, 64).bfloat16()
     cu_q = torch.tensor([0, 15, 40], dtype=torch.int32)
     cu_k = torch.tensor([0, 20, 60], dtype=torch.int32)
-    varlen = _launch.Varlen(cu_q, cu_k, 25, 40, torch.tensor([20, 33], dtype=torch.int32))
+    varlen = _launch.Varlen(cu_q, cu_k, torch.tensor([20, 33], dtype=torch.int32))
     sinks = torch.zeros(4)
     config = variants.default_config((9, 0), 64)
     _launch.launch_forward(q, k, v, out, torch.empty(1, 4, total_q), None, None, 0.125, 0.0, 0,

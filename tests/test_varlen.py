@@ -3,6 +3,8 @@ backward's VARLEN switches against plain attention (and its autograd) per sequen
 points' checks and their wiring to the launches, and ahead-of-time compiles of the switches
 for every architecture."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_the_call_reaches_the_launch_as_packed_views(monkeypatch):
     assert (slopes, mask, scale, softcap, window) == (None, None, 0.125, 5.0, (8, 0))
     assert config == variants.default_config((9, 0), 64)
     assert drop == _launch.Dropout(0.25, 77)
-    assert packing == _launch.Varlen(cu_q, cu_k, max_q, max_k) and sinks is None
+    assert packing == _launch.Varlen(cu_q, cu_k) and sinks is None
     assert out.shape == (20, 4, 64) and lse.shape == (4, 20)
 
 
@@ -125,8 +127,54 @@ def test_the_gradient_reaches_the_backward_launch(monkeypatch):
     dout, qv, _, _, _, lsev, dqv, dkv, dvv = args[:9]
     assert dout.shape == (1, 4, 20, 64) and lsev.shape == (1, 4, 20)
     assert dqv.shape == (1, 4, 20, 64) and dkv.shape == dvv.shape == (1, 2, 30, 64)
-    assert args[-2] == _launch.Varlen(cu_q, cu_k, max_q, max_k) and args[-1] is None
+    assert args[-2] == _launch.Varlen(cu_q, cu_k) and args[-1] is None
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("tile", [16, 64, 128])
+@pytest.mark.parametrize("lengths", [[0], [1], [5, 0, 17, 113, 203, 0, 1], [128] * 9,
+                                     [0, 0, 300], [4097, 1, 1023, 64, 0, 17]])
+def test_flattened_grid_gives_every_tile_one_program(lengths, tile):
+    """The kernels' program map (``program_tile``, twinned by ``reference.varlen_programs``):
+    total // tile + B programs, every tile of every sequence exactly once, at most one idle
+    program a sequence, and a sequence's tiles neighbours in launch order."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    programs = reference.varlen_programs(cu, tile)
+    assert len(programs) == _launch.varlen_grid(cu[-1], tile, 4, len(lengths))[0]
+    tiles = [(b, i) for b, i in programs if i < reference.cdiv(lengths[b], tile)]
+    assert sorted(tiles) == [(b, i) for b, n in enumerate(lengths)
+                             for i in range(reference.cdiv(n, tile))]
+    assert tiles == sorted(tiles)  # in order: a sequence's tiles back to back
+    idle = [b for b, i in programs if i >= reference.cdiv(lengths[b], tile)]
+    assert all(idle.count(b) <= 1 for b in range(len(lengths) - 1))
+    assert all(i >= 0 for _, i in programs)
+
+
+def test_varlen_grids_come_from_the_shapes(monkeypatch):
+    """The forward's and the backward's grids under VARLEN: the flattened form, built from the
+    packed lengths and the sequence count alone (no cu_seqlens read, max_seqlen unused)."""
+    launches = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args: launches.append(
+        grid))
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    q = torch.empty(1, 4, 300, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 500, 64, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(6, device="meta", dtype=torch.int32)
+    packing = _launch.Varlen(cu, cu)
+    config = variants.default_config((9, 0), 64)
+    _launch.launch_forward(q, k, k, torch.empty_like(q), None, None, None, 0.1, 0.0, 0,
+                           (-1, 0), config, varlen=packing)
+    assert launches == [(300 // config.tile_m + 5, 4, 1)]
+    launches.clear()
+    lse = torch.empty(1, 4, 300, device="meta")
+    _launch.launch_backward(q, q, k, k, q, lse, q, k, k, None, None, None, 0.1, 0.0, 0,
+                            (-1, 0), config, varlen=packing)
+    dq_tile = config.dq_kernel().tile_m
+    assert launches[0] == (300 // dq_tile + 5, 4, 1)
+    assert launches[1] == (500 // config.tile_n + 5, 2, 1)
 
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (9, 3)])
