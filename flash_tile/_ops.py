@@ -345,17 +345,18 @@ varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varle
 
 
 @varlen_forward_op.register_fake
-def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                         dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
-                         deterministic=False):
+def _varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap,
+                         window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0,
+                         sinks=None, seqused_k=None, deterministic=False):
     return _varlen_outputs(q, v, return_lse)
 
 
 def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                           dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
-                          cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
-                          window_left: int, window_right: int, dropout_p: float = 0.0,
+                          cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None,
+                          scale: float, softcap: float, window_left: int, window_right: int,
+                          dropout_p: float = 0.0,
                           dropout_seed: int = 0, sinks: torch.Tensor | None = None,
                           seqused_k: torch.Tensor | None = None, deterministic: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,15 +428,16 @@ _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _var
                                _varlen_backward_impl)
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                     dropout_p=0.0, dropout_seed=0, sinks=None, seqused_k=None,
-                     deterministic=False):
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap,
+                     window_left, window_right, return_lse, dropout_p=0.0, dropout_seed=0,
+                     sinks=None, seqused_k=None, deterministic=False):
     """(out, lse) of ``flash_attn_varlen_func`` with autograd, arguments as the
     ``flash_tile::varlen_forward`` op's (the LSE is needed for a gradient: the public
     function asks for it then); dispatched as ``attention_forward``."""
     return _dispatch(varlen_forward_op, _EagerVarlen, _varlen_forward_impl,
-                     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                      dropout_p, dropout_seed, sinks, seqused_k, deterministic), sinks)
+                     (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap,
+                      window_left, window_right, return_lse, dropout_p, dropout_seed, sinks,
+                      seqused_k, deterministic), sinks)
 
 
 def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):

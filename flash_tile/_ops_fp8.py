@@ -80,8 +80,8 @@ fp8_varlen_op = torch.library.custom_op("flash_tile::fp8_varlen_forward", _fp8_v
 
 
 @fp8_varlen_op.register_fake
-def _fp8_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descale, alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                     sinks=None, seqused_k=None):
+def _fp8_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, descale, alibi_slopes, scale, softcap,
+                     window_left, window_right, return_lse, sinks=None, seqused_k=None):
     return _ops._varlen_outputs(q, v, return_lse, OUT_DTYPE)
 
 

@@ -92,7 +92,8 @@ import cuda.tile as ct
 
 from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale,
                      dropout_keep, heaviest_first, load_keys_major, load_seq_rows, log2_scores,
-                     program_tile, query_rows, sequence_bounds, store_seq_rows, store_seq_vector, tile_runs)
+                     program_tile, query_rows, sequence_bounds, store_seq_rows, store_seq_vector,
+                     tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
