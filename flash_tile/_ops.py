@@ -356,9 +356,8 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None,
                           scale: float, softcap: float, window_left: int, window_right: int,
-                          dropout_p: float = 0.0,
-                          dropout_seed: int = 0, sinks: torch.Tensor | None = None,
-                          seqused_k: torch.Tensor | None = None, deterministic: bool = False
+                          dropout_p: float = 0.0, dropout_seed: int = 0,
+                          sinks: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None, deterministic: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen backward op's body: dq, dk, dv in the inputs' shapes and the sinks'
     gradient (empty without sinks), by the backward's VARLEN switch. Rows that no sequence
