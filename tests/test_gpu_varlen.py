@@ -219,7 +219,7 @@ def test_opcheck():
     q, k, v, _, cu_q, cu_k = _inputs([17, 40], [30, 50], 2, 2, 64, 64, torch.float16, 6)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     torch.library.opcheck(torch.ops.flash_tile.varlen_forward,
-                          (q, k, v, cu_q, cu_k, 40, 50, None, 0.125, 0.0, -1, 0, True))
+                          (q, k, v, cu_q, cu_k, None, 0.125, 0.0, -1, 0, True))
 
 
 def test_torch_compile_fullgraph_matches_eager():
