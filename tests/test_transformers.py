@@ -105,20 +105,14 @@ def test_mapping_matches_sdpa_on_cpu(kind, name, monkeypatch):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_padded_batches_run_as_packed_sequences_on_cpu(kind, side, monkeypatch):
+def test_padded_batches_run_as_packed_sequences_on_cpu(kind, side, monkeypatch, varlen_calls):
     """A left- or right-padded batch (a mask of causal attention over each row's tokens, and
     Mistral's window) runs flash_attn_varlen_func on the rows' tokens: their logits are
     transformers' SDPA's; the padding's positions are not compared (flash-attn's path leaves
     them 0, SDPA's whatever its mask gives)."""
-    calls = []
-
-    def recording_varlen(*args, sinks):
-        calls.append(args)
-        return _torch_varlen(*args)
-
+    calls = varlen_calls
     monkeypatch.setattr(flash_tile, "scaled_dot_product_attention",
                         lambda *a, **k: pytest.fail("the masked path ran"))
-    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
     ids, mask = _batch()
     if side == "right":
         mask = mask.flip(1)
@@ -151,6 +145,22 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scal
         o = reference.attention_dense(*seq, softmax_scale, diag, window, sinks=sinks)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """The args of each flash_attn_varlen_func call, which the reference (``_torch_varlen``)
+    answers; the SDPA drop-in is torch's. Llama and Mistral pass no sinks."""
+    calls = []
+
+    def recording_varlen(*args, sinks):
+        assert sinks is None
+        calls.append(args)
+        return _torch_varlen(*args)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    return calls
 
 
 def _torch_sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale,
@@ -209,19 +219,11 @@ def _packing(device="cpu"):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, monkeypatch):
+def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, varlen_calls):
     """A packed row with cu_seq_lens (as DataCollatorWithFlattening gives it) runs
     flash_attn_varlen_func and gives each sequence's logits as when run alone, sliding window
     included (Mistral's window of 8 is shorter than the sequences)."""
-    calls = []
-
-    def recording_varlen(*args, sinks):
-        calls.append(args)
-        assert sinks is None  # Llama and Mistral have none
-        return _torch_varlen(*args)
-
-    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
-    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    calls = varlen_calls
     seqs, packed, kwargs = _packing()
     model = _model(kind, name)
     with torch.no_grad():
@@ -234,19 +236,12 @@ def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, monkeypatch
 
 @pytest.mark.parametrize("use_cache", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_packed_position_ids_reach_the_varlen_kernel_on_cpu(kind, use_cache, monkeypatch):
+def test_packed_position_ids_reach_the_varlen_kernel_on_cpu(kind, use_cache, varlen_calls):
     """DataCollatorWithFlattening's default: one row whose position ids restart, no
     cu_seq_lens. Without a cache transformers builds the block-diagonal mask (checked, then
     the varlen call); with one it builds none, and the position ids alone must keep the
     sequences apart. Either way each sequence's logits are as when run alone."""
-    calls = []
-
-    def recording_varlen(*args, sinks):
-        calls.append(args)
-        return _torch_varlen(*args)
-
-    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
-    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    calls = varlen_calls
     seqs, packed, kwargs = _packing()
     model = _model(kind, "flash_tile")
     with torch.no_grad():
@@ -258,19 +253,12 @@ def test_packed_position_ids_reach_the_varlen_kernel_on_cpu(kind, use_cache, mon
                                    for c in calls)
 
 
-def test_inference_mode_packed_and_padded(monkeypatch):
+def test_inference_mode_packed_and_padded(varlen_calls):
     """Under torch.inference_mode (pipelines, generate), whose tensors keep no version counter:
     a plain batch-1 call, packed position ids and a padded batch all run (the checks' answers
     are then recomputed each layer instead of remembered), the packed and padded ones on the
     varlen kernel."""
-    calls = []
-
-    def recording_varlen(*args, sinks):
-        calls.append(args)
-        return _torch_varlen(*args)
-
-    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
-    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func", recording_varlen)
+    calls = varlen_calls
     seqs, packed, kwargs = _packing()
     ids, mask = _batch()
     model = _model("llama", "flash_tile")
