@@ -360,8 +360,8 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, C
                        SEQUSED_K: ConstBool, DQ_ACCUM: ConstBool):
     """dK and dV, reading the Delta the dQ (or preprocess) kernel stored. Grid
     (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv. Under VARLEN the arrays are packed as the
-    forward's, CuSeqQ and CuSeqK the sequences' cumulative lengths, the grid
-    (cdiv(max_seqlen_k, TILE_N), H_kv, B); under SEQUSED_K sequence b uses its first
+    forward's, CuSeqQ and CuSeqK the sequences' cumulative lengths, the grid flattened over
+    the key tiles, (total_k // TILE_N + B, H_kv, 1); under SEQUSED_K sequence b uses its first
     SeqUsedK[b] keys (the others' rows are not stored). Under DQ_ACCUM (the one-pass form) it
     also adds every tile pair's dQ, unscaled (dS k, or dX k under SOFTCAP), into dQacc
     [B, H, Lq, D] fp32, which the preprocess kernel zeroed and the convert kernel reads."""
@@ -384,10 +384,11 @@ def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuS
                      LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool,
                      SEQUSED_K: ConstBool):
     """dQ, and Delta = rowsum(dO * O) (- dLse under LSE_GRAD) for the dK/dV kernel, which
-    must run after it. Grid (cdiv(Lq, TILE_M), H, B); under VARLEN (cdiv(max_seqlen_q,
-    TILE_M), H, B) over packed arrays, as the forward (SEQUSED_K: SeqUsedK [B] int32 keys of
-    each sequence used). Under SINKS (Sinks [H] fp32) it also
-    stores each tile's share of the sinks' gradient in dSinks [B, H, cdiv(Lq, TILE_M)] fp32."""
+    must run after it. Grid (cdiv(Lq, TILE_M), H, B); under VARLEN (total_q // TILE_M + B,
+    H, 1) over packed arrays, as the forward (SEQUSED_K: SeqUsedK [B] int32 keys of each
+    sequence used). Under SINKS (Sinks [H] fp32) it also stores each tile's share of the
+    sinks' gradient in dSinks [B, H, cdiv(Lq, TILE_M)] fp32 (under VARLEN [1, H, programs]:
+    one slot a program)."""
     _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
              dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
              dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
@@ -400,9 +401,9 @@ def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, 
                              TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                              LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
     """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
-    shares under SINKS (dSinks [B, H, cdiv(Lq, TILE_M)]) and zeros in dQacc [B, H, Lq, D]
-    fp32, for query tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2).
-    Grid (cdiv(Lq, TILE_M), H, B), or (cdiv(max_seqlen_q, TILE_M), H, B) under VARLEN."""
+    shares under SINKS (dSinks as the dQ kernel's) and zeros in dQacc [B, H, Lq, D] fp32,
+    for the query tile of head bid(1) that ``program_tile`` gives. Grid (cdiv(Lq, TILE_M), H,
+    B), or (total_q // TILE_M + B, H, 1) under VARLEN."""
     batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
     q_start, q_len = query_bounds(Out, CuSeqQ, batch, VARLEN)
     if VARLEN:
@@ -426,7 +427,7 @@ def attention_bwd_dq_convert(dQacc, dQ, CuSeqQ, qk_scale: float, TILE_M: ConstIn
                              TILE_D: ConstInt, SOFTCAP: ConstBool, VARLEN: ConstBool):
     """The one-pass backward's last launch: dQ = dQacc * scale (the scale once per element,
     as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for query
-    tile bid(0) of head bid(1) of batch (under VARLEN, sequence) bid(2); grid as the
+    tile of head bid(1) that ``program_tile`` gives; grid as the
     preprocess kernel's."""
     batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
     q_start, q_len = query_bounds(dQ, CuSeqQ, batch, VARLEN)

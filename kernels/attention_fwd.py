@@ -41,12 +41,13 @@ columns are never stored.
 
 Varlen (VARLEN). The sequences of a batch packed one after another: Q, Out [1, H, total_q,
 D], K, V [1, H_kv, total_k, D], Lse [1, H, total_q], and CuSeqQ, CuSeqK int32 [B + 1] their
-cumulative lengths. Program (tile, head, b) reads sequence b's bounds from them (scalar
+cumulative lengths. The grid is flattened over the sequences' tiles, (total_q // TILE_M + B,
+H, 1): each program finds its sequence b and tile by a binary search of CuSeqQ
+(``_tiles.program_tile``; at most one idle program a sequence), reads b's bounds (scalar
 loads), loads its tiles through views that step one row at a time (a sequence starts at any
 row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores through
 ``Array.slice`` views clipped to its rows; diag_offset = k_len - q_len per sequence
-(flash-attn's varlen rule: bottom-right). The grid covers max_seqlen_q for every sequence;
-programs past their sequence's last tile return at once. ALiBi slopes and the dropout hash
+(flash-attn's varlen rule: bottom-right). ALiBi slopes and the dropout hash
 take b as the batch index and the sequence's own rows and columns.
 
 Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
@@ -249,8 +250,8 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     DROPOUT. LATENCY_K and LATENCY_V (1-10) are the DRAM-latency hints of the K and V tile
     loads, which set how far ahead tileiras issues them. Under VARLEN Q, K, V, Out are packed
     [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
-    sequences' cumulative lengths (read only then), the grid (cdiv(max_seqlen_q, TILE_M), H,
-    B); under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
+    sequences' cumulative lengths (read only then), the grid (total_q // TILE_M + B, H, 1);
+    under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
     SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Under FP8 Q and K
     are float8_e4m3fn, V comes transposed, V^T [B, H_kv, Dv, Lk] e4m3 (packed [1, H_kv, Dv,
     total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
