@@ -97,11 +97,17 @@ def backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scal
     return run
 
 
-def _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p) -> tuple:
+def _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
+                  batch: int | None = None) -> tuple:
     """What a call's problem class depends on beyond the pass and the GPU, in the order of
-    ``autotune.problem_key``'s arguments (lengths already bucketed)."""
-    return (q.dtype, q.shape[-1], v.shape[-1], autotune.length_bucket(q.shape[2]),
-            autotune.length_bucket(k.shape[2]), q.shape[1] // k.shape[1], window, softcap > 0.0,
+    ``autotune.problem_key``'s arguments (lengths already bucketed). With ``batch`` the
+    tensors are packed varlen ones ([total, H, D], ``batch`` sequences) and the lengths are
+    the mean per sequence: what decides the tiles of a packing is the typical sequence, and
+    the mean is known on the host without reading cu_seqlens."""
+    q_len, k_len = ((q.shape[2], k.shape[2]) if batch is None else
+                    (q.shape[0] // max(batch, 1), k.shape[0] // max(batch, 1)))
+    return (q.dtype, q.shape[-1], v.shape[-1], autotune.length_bucket(q_len),
+            autotune.length_bucket(k_len), q.shape[1] // k.shape[1], window, softcap > 0.0,
             alibi_slopes is not None, mask_name(attn_mask), dropout_p > 0.0)
 
 
@@ -113,15 +119,18 @@ def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mas
 
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
-            run, deterministic: bool = False):
+            run, deterministic: bool = False, batch: int | None = None, written=None):
     """The tile variant for this call: the architecture's default for its class (plain scores
     or not, deterministic or not: ``variants.default_backward_config``), or the autotuner's
     pick among the registered candidates (``flash_tile.autotune``; a ``deterministic``
-    backward among the two-pass ones). After the first call of a problem class the answer
-    comes from ``autotune.decided``, a dict hit of a few microseconds: this runs on every
-    call."""
-    fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p)
-    problem = (backward, deterministic, q.device, *fields, autotune.settings())
+    backward among the two-pass ones). ``batch``: a varlen call packing that many sequences
+    (``_class_fields``), tuned as classes of their own; ``written`` as
+    ``autotune.tune``'s. After the first call of a problem
+    class the answer comes from ``autotune.decided``, a dict hit of a few microseconds: this
+    runs on every call."""
+    fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, batch)
+    varlen = batch is not None
+    problem = (backward, deterministic, varlen, q.device, *fields, autotune.settings())
     config = autotune.decided.get(problem)
     if config is None:
         capability = device_properties(q.device)[0]
@@ -131,8 +140,8 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
         config = configs[0]
         if autotune.enabled() and len(configs) > 1:
             key = autotune.problem_key(backward, capability, *fields,
-                                       deterministic=deterministic)
-            config = autotune.choose(key, q.device, configs, run)
+                                       deterministic=deterministic, varlen=varlen)
+            config = autotune.choose(key, q.device, configs, run, written)
         if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
             autotune.decided[problem] = config
     return config
@@ -297,8 +306,8 @@ def _dispatch(op, eager, impl, args, sinks):
 
 # Varlen: packed sequences of flash_attn_varlen_func, q [total_q, H, D], k [total_k, H_kv, D],
 # v [total_k, H_kv, Dv], out [total_q, H, Dv], LSE [H, total_q]; the kernels see them as
-# [1, H, total, D] views. The variants are the architecture's defaults (not tuned: a
-# problem class of packed lengths has no one length to time).
+# [1, H, total, D] views. The variants are tuned as the dense ones, in classes of their own
+# keyed by the mean sequence length (``_class_fields``), on the call's own packing.
 
 def _packed(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """[total, H, D] tensors as the kernels' [1, H, total, D] views (no copies)."""
@@ -320,6 +329,29 @@ def _varlen_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+def _rows_written(t: torch.Tensor, cu_seqlens: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Packed ``t`` with the rows along ``dim`` that no sequence covers (before cu_seqlens[0],
+    from cu_seqlens[-1] on: the kernels leave them unwritten) set to zero, on the device."""
+    rows = torch.arange(t.shape[dim], device=t.device)
+    covered = (rows >= cu_seqlens[0]) & (rows < cu_seqlens[-1])
+    return torch.where(covered.view(-1, *[1] * (t.dim() - dim - 1)), t, 0)
+
+
+def _varlen_written(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, backward: bool):
+    """The tuner's ``written`` for a varlen op's outputs, (out, lse [H, total_q]) or (dq, dk,
+    dv, dsinks): their written rows only. Called only while tuning, so the calls pay
+    nothing."""
+    def written(outputs):
+        if not backward:
+            out, lse = outputs
+            return (_rows_written(out, cu_seqlens_q),
+                    _rows_written(lse, cu_seqlens_q, 1) if lse.numel() else lse)
+        dq, dk, dv, dsinks = outputs
+        return (_rows_written(dq, cu_seqlens_q), _rows_written(dk, cu_seqlens_k),
+                _rows_written(dv, cu_seqlens_k), dsinks)
+    return written
+
+
 def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
@@ -328,16 +360,19 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          sinks: torch.Tensor | None = None,
                          seqused_k: torch.Tensor | None = None, deterministic: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The varlen forward op's body: allocate, launch the forward's VARLEN switch
-    (``deterministic`` is the backward's, as ``_forward_impl``'s)."""
-    out, lse = _varlen_outputs(q, v, return_lse)
-    config = variants.default_config(device_properties(q.device)[0],
-                                     max(q.shape[-1], v.shape[-1]))
-    launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None, alibi_slopes,
-                   None, scale, softcap, 0, (window_left, window_right), config,
-                   Dropout(dropout_p, dropout_seed),
-                   Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k), sinks)
-    return out, lse
+    """The varlen forward op's body: choose the variant, allocate, launch the forward's
+    VARLEN switch (``deterministic`` is the backward's, as ``_forward_impl``'s)."""
+    window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
+
+    def run(config):
+        out, lse = _varlen_outputs(q, v, return_lse)
+        launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None,
+                       alibi_slopes, None, scale, softcap, 0, window, config,
+                       Dropout(dropout_p, dropout_seed), varlen, sinks)
+        return out, lse
+    return run(_choose(False, q, k, v, window, softcap, alibi_slopes, None, dropout_p, run,
+                       batch=varlen.batch,
+                       written=_varlen_written(cu_seqlens_q, cu_seqlens_k, False)))
 
 
 varlen_forward_op = torch.library.custom_op("flash_tile::varlen_forward", _varlen_forward_impl,
@@ -357,28 +392,31 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None,
                           scale: float, softcap: float, window_left: int, window_right: int,
                           dropout_p: float = 0.0, dropout_seed: int = 0,
-                          sinks: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None, deterministic: bool = False
+                          sinks: torch.Tensor | None = None,
+                          seqused_k: torch.Tensor | None = None, deterministic: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The varlen backward op's body: dq, dk, dv in the inputs' shapes and the sinks'
-    gradient (empty without sinks), by the backward's VARLEN switch. Rows that no sequence
+    """The varlen backward op's body: choose the variant, allocate, launch; dq, dk, dv in the
+    inputs' shapes and the sinks' gradient (empty without sinks), by the backward's VARLEN
+    switch. Rows that no sequence
     covers are left unwritten; with ``seqused_k`` the keys past each sequence's used ones
     get zero gradients (the kernel does not store them)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
-    dq, dk, dv = _varlen_gradients(q, k, v)
-    if seqused_k is not None:
-        dk.zero_()
-        dv.zero_()
-    plain = variants.is_plain(softcap > 0.0, alibi_slopes is not None, None, dropout_p > 0.0)
-    config = variants.default_backward_config(device_properties(q.device)[0],
-                                              max(q.shape[-1], v.shape[-1]), plain,
-                                              _deterministic(deterministic))
-    dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None], *_packed(dq, dk, dv),
-                             dlse, alibi_slopes, None, scale, softcap, 0,
-                             (window_left, window_right), config,
-                             Dropout(dropout_p, dropout_seed),
-                             Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k), sinks)
-    return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
+    window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
+
+    def run(config):
+        dq, dk, dv = _varlen_gradients(q, k, v)
+        if seqused_k is not None:
+            dk.zero_()
+            dv.zero_()
+        dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None],
+                                 *_packed(dq, dk, dv), dlse, alibi_slopes, None, scale,
+                                 softcap, 0, window, config, Dropout(dropout_p, dropout_seed),
+                                 varlen, sinks)
+        return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
+    return run(_choose(True, q, k, v, window, softcap, alibi_slopes, None, dropout_p, run,
+                       _deterministic(deterministic), varlen.batch,
+                       _varlen_written(cu_seqlens_q, cu_seqlens_k, True)))
 
 
 varlen_backward_op = torch.library.custom_op("flash_tile::varlen_backward",

@@ -2,8 +2,9 @@
 
 A problem class (``problem_key``) is the pass (forward or backward), the architecture, the
 dtype, the head dims rounded up to the kernel's tile width, the band (full, causal, window),
-the GQA group size, the optional features (softcap, ALiBi, mask kind, dropout) and the query
-and key lengths rounded up to a power of two. The first call of a class times every candidate of
+the GQA group size, the optional features (softcap, ALiBi, mask kind, dropout), whether the
+sequences are packed (varlen) and the query and key lengths (a packing's mean per sequence)
+rounded up to a power of two. The first call of a class times every candidate of
 ``variants.candidates`` on that call's own inputs, rejects any candidate whose result differs
 from the default variant's by more than rounding (a fast wrong variant never wins), and keeps
 the fastest. The winner is launched from then on with exactly the config, so the hints, it was
@@ -69,9 +70,10 @@ def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
                 head_dim: int, v_head_dim: int, q_len: int, k_len: int, group: int,
                 window: tuple[int, int], softcap: bool, alibi: bool,
                 mask_kind: str | None, dropout: bool = False,
-                deterministic: bool = False) -> str:
+                deterministic: bool = False, varlen: bool = False) -> str:
     """The problem class a tuning result holds for, as a readable string; a deterministic
-    backward is a class of its own (it times the two-pass variants only)."""
+    backward is a class of its own (it times the two-pass variants only), and so are packed
+    sequences (``varlen``, whose lengths are the mean per sequence)."""
     left, right = window
     band = "full" if (left, right) == (-1, -1) else "causal" if (left, right) == (-1, 0) \
         else "window"
@@ -82,6 +84,8 @@ def problem_key(backward: bool, capability: tuple[int, int], dtype: torch.dtype,
         features.append("dropout")
     if deterministic:
         features.append("deterministic")
+    if varlen:
+        features.append("varlen")
     return "|".join([
         "bwd" if backward else "fwd", variants.arch_name(capability),
         str(dtype).removeprefix("torch."),
@@ -120,20 +124,24 @@ def tune(configs: Sequence[variants.TileConfig],
          run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]],
          time_ms: Callable[[Callable[[], object]], float] | None = None,
          log: Callable[[str], None] | None = None,
-         progress: Callable[[Sequence], Iterable] = iter) -> tuple[variants.TileConfig, dict]:
+         progress: Callable[[Sequence], Iterable] = iter,
+         written: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+         ) -> tuple[variants.TileConfig, dict]:
     """Time ``run(config)`` for each config (the first is the default and the reference) and
     return the fastest whose outputs agree with the default's, with every candidate's result:
     milliseconds (the median of its rounds), or why it was rejected. Every candidate is
     checked (and so compiled) first, through ``progress(configs)`` (a progress bar), then
-    timed once per round."""
+    timed once per round. ``written`` maps a run's outputs to the part of them the kernels
+    write (varlen leaves rows outside every sequence unwritten); the check compares that."""
     time_ms = time_ms or (lambda fn: cuda_time_ms(fn, _WARMUP, _ITERS))
     log = log or (lambda line: None)
-    reference = [t.clone() for t in run(configs[0])]
+    written = written or (lambda outputs: outputs)
+    reference = [t.clone() for t in written(run(configs[0]))]
     results, checked = {}, []
     for config in progress(configs):
         name = describe(config)
         try:
-            if _agree(run(config), reference):
+            if _agree(written(run(config)), reference):
                 checked.append(config)
                 log(f"  {name}: checked")
             else:
@@ -277,10 +285,13 @@ def cached_entry(key: str, device: torch.device) -> dict | None:
 
 
 def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig],
-           run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]]) -> variants.TileConfig:
+           run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]],
+           written: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
+           ) -> variants.TileConfig:
     """The variant to launch for problem class ``key``: the default (``configs[0]``) when
     tuning is off or there is nothing to choose from, else the cached winner, else the winner
-    of a tuning run now (printed to stderr as it goes, then cached)."""
+    of a tuning run now (printed to stderr as it goes, then cached; ``written`` as
+    ``tune``'s)."""
     if not enabled() or len(configs) == 1:
         return configs[0]
     cache = _cache_for(device)
@@ -297,7 +308,7 @@ def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig
         f"{ENV_SWITCH}=0 skips it)")
     progress = functools.partial(tqdm, desc="flash_tile autotune: compiling and checking",
                                  unit="variant", file=sys.stderr, leave=False)
-    best, results = tune(configs, run, log=log, progress=progress)
+    best, results = tune(configs, run, log=log, progress=progress, written=written)
     log(f"  -> {describe(best)}")
     cache.put(key, best, results)
     return best

@@ -115,6 +115,23 @@ def test_infinities_must_match_and_nan_is_rejected():
     assert all(results[n].startswith("rejected") for n in ("128x64 occupancy=2", "64x128"))
 
 
+def test_the_check_compares_only_what_the_kernels_write():
+    """Varlen leaves the rows outside every sequence unwritten: whatever an allocation held
+    there (NaN here, different on every call) must not reject a correct variant, nor the
+    default itself; ``written`` masks them before the check."""
+    def run(config):
+        out = torch.randn(6, generator=torch.Generator().manual_seed(0))
+        out[-2:] = torch.nan if config != A else torch.rand(2)
+        return (out,)
+
+    with pytest.raises(RuntimeError, match="no variant ran correctly"):
+        autotune.tune([B, C], run, time_ms=lambda fn: 1.0)
+    best, results = autotune.tune([A, B, C], run, time_ms=lambda fn: (fn(), 1.0)[1],
+                                  written=lambda outputs: (outputs[0][:-2],))
+    assert best == A and all(isinstance(results[autotune.describe(c)], float)
+                             for c in (A, B, C))
+
+
 def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
     """Every candidate once per round, in registry order, so that a drift of the GPU over the
     tuning run weighs on all of them; one slow round (a clock dip) does not decide."""
@@ -313,7 +330,7 @@ def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     keys = []
 
-    def fake_choose(key, device, configs, run):
+    def fake_choose(key, device, configs, run, written=None):
         keys.append(key)
         return configs[1]
 
@@ -333,6 +350,46 @@ def test_each_call_looks_its_variant_up_once_per_problem(cache_dir, monkeypatch)
     pick(dropout_p=0.1)
     assert keys == ["fwd|sm_90|bfloat16|d128x128|causal|group4|plain|q1024|k1024",
                     "fwd|sm_90|bfloat16|d128x128|causal|group4|dropout|q1024|k1024"]
+
+
+def test_varlen_calls_are_tuned_by_their_mean_length_on_their_written_rows(cache_dir,
+                                                                            monkeypatch):
+    """The varlen ops choose through the tuner too, in classes of their own keyed by the
+    packing's mean sequence length, and check candidates on the rows some sequence covers
+    (the kernels leave the others unwritten)."""
+    from flash_tile import _ops
+
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    keys, launched = [], []
+
+    def fake_choose(key, device, configs, run, written=None):
+        outputs = written(run(configs[1]))
+        assert all(t.isfinite().all() for t in outputs)  # the unwritten rows masked
+        keys.append(key)
+        return configs[1]
+
+    def fake_launch(q, k, v, out, lse, *args):
+        launched.append(args[6])  # the config
+        out[:] = torch.nan  # what an allocation may hold ...
+        out[:, :, 3:900] = 1.0  # ... and the rows the sequences cover, written
+        if lse is not None:
+            lse[:] = torch.nan
+            lse[:, :, 3:900] = 0.0
+
+    monkeypatch.setattr(autotune, "choose", fake_choose)
+    monkeypatch.setattr(_ops, "launch_forward", fake_launch)
+    q = torch.randn(1000, 8, 64, dtype=torch.bfloat16)
+    kv = torch.randn(1000, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([3, 200, 700, 900], dtype=torch.int32)  # 3 sequences: mean 333
+    out, lse = _ops._varlen_forward_impl(q, kv, kv, cu, cu, None, 1.0, 0.0, -1, 0, True)
+    assert keys == ["fwd|sm_90|bfloat16|d64x64|causal|group4|varlen|q512|k512"]
+    assert launched[-1] == variants.candidates((9, 0), 64)[1]
+    autotune.decided.clear()
+    monkeypatch.setenv(autotune.ENV_SWITCH, "0")
+    _ops._varlen_forward_impl(q, kv, kv, cu, cu, None, 1.0, 0.0, -1, 0, False)
+    assert len(keys) == 1 and launched[-1] == variants.default_config((9, 0), 64)
 
 
 def test_deterministic_backward_is_a_class_of_two_pass_candidates():

@@ -264,3 +264,34 @@ def test_cuda_graph_replays_new_lengths():
             want = flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 150,
                                                      causal=True)
             assert torch.equal(out, want)
+
+
+def test_autotune_tunes_varlen_classes_on_their_written_rows(tmp_path, monkeypatch):
+    """With tuning on, a varlen forward and backward are tuned as classes of their own (the
+    packing's mean length), every registered candidate checked against the default on the
+    rows the sequences cover: the packing below leaves 40 rows of q and k past the last
+    sequence, which the kernels never write, and no candidate may be rejected for them. The
+    winners' results pass the per-sequence check."""
+    from flash_tile import autotune
+
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    autotune.clear_memory_cache()
+    lengths = [17, 203, 1023, 0, 513]
+    q, k, v, dout, cu_q, cu_k = _inputs(lengths + [40], lengths + [40], 4, 2, 64, 64,
+                                        torch.bfloat16, SEED)
+    cu_q, cu_k = cu_q[:-1], cu_k[:-1]  # the last 40 rows belong to no sequence
+    got = _ours(q, k, v, dout, cu_q, cu_k, 1023, 1023, causal=True)
+    [path] = tmp_path.glob("autotune-*.json")
+    entries = autotune.Cache(path).entries
+    assert sorted(key.split("|")[0] for key in entries) == ["bwd", "fwd"]
+    for key, entry in entries.items():
+        assert "|varlen|q512|k512" in key  # 1796 rows over 5 sequences: mean 359
+        assert len(entry["results"]) > 1
+        rejected = [name for name, r in entry["results"].items() if isinstance(r, str)]
+        assert not [r for r in rejected if "differs" in entry["results"][r]], entry
+    features = _features(True, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+    autotune.clear_memory_cache()

@@ -93,6 +93,7 @@ def test_the_call_reaches_the_launch_as_packed_views(monkeypatch):
     calls = []
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
     monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
     monkeypatch.setattr(_ops, "launch_forward", lambda *a: calls.append(a))
     monkeypatch.setattr(varlen, "_dropout_seed", lambda p: 77)  # no CUDA to ask about capture
     q, k, v, cu_q, cu_k, max_q, max_k = _args()
@@ -117,6 +118,7 @@ def test_the_gradient_reaches_the_backward_launch(monkeypatch):
     calls = []
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
     monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
     monkeypatch.setattr(_ops, "launch_forward", lambda *a: None)
     monkeypatch.setattr(_ops, "launch_backward", lambda *a: calls.append(a))
     q, k, v, cu_q, cu_k, max_q, max_k = _args()
