@@ -181,15 +181,16 @@ def bench_row(batch, heads, length, head_dim, causal, dtype, runners, skipped):
     return row
 
 
-def chosen_variant(q, causal, backward=False):
+def chosen_variant(q, causal, backward=False, batch=None):
     """(the tile variant flash_tile launched for the forward, or with ``backward`` the
     backward, of ``q`` [B, H, L, D] against itself, the tuner's timings of every candidate),
-    or the default variant and None when untuned."""
+    or the default variant and None when untuned. With ``batch``, ``q`` is a varlen packing
+    [total, H, D] of that many sequences."""
     capability = torch.cuda.get_device_capability(q.device)
     default = (variants.default_backward_config(capability, q.shape[-1], plain=True) if backward
                else variants.default_config(capability, q.shape[-1]))
     key = _ops.problem_key(backward, q, q, q, (-1, 0) if causal else (-1, -1), 0.0, None, None,
-                           0.0)
+                           0.0, batch)
     entry = autotune.cached_entry(key, q.device) if autotune.enabled() else None
     if entry is None:
         return autotune.describe(default) + " (default)", None

@@ -26,7 +26,8 @@ queued behind a sleep (``bench_attention.device_ms``).
 
 Writes <out>.json (rows with ``tflops`` and ``fwd_bwd_tflops`` per backend,
 ``ratio_vs_fa2_varlen`` and ``ratio_vs_dense``, with ``fwd_bwd_`` the same for
-forward+backward), <out>.md and <out>.png.
+forward+backward, and the tile variants flash_tile's varlen forward and backward launched,
+``variant`` and ``bwd_variant``, with the tuner's timings), <out>.md and <out>.png.
 """
 
 import argparse
@@ -39,8 +40,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 import flash_tile
-from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
-                             save_json, write_report)
+from bench_attention import (chosen_variant, device_ms, failure, machine_info, md_table,
+                             results_path, save_json, write_report)
 from flash_tile import reference
 from flash_tile._timing import DTYPES, GRID_WIDTH, flops
 
@@ -183,6 +184,8 @@ def bench_row(tokens, head_dim, causal, dtype):
             row["fwd_bwd_tflops"][name] = round(3.5 * f / device_ms(fwd_bwd) / 1e9, 1)
         except Exception as e:  # noqa: BLE001 - a backend that cannot run this row
             row["skipped"][name] = failure(e)
+    for pass_, backward in (("variant", False), ("bwd_variant", True)):
+        row[pass_], row[pass_ + "_ms"] = chosen_variant(q, causal, backward, len(lengths))
     for key, prefix in (("tflops", ""), ("fwd_bwd_tflops", "fwd_bwd_")):
         ours = row[key].get("flash_tile")
         for peer, ratio in (("fa2_varlen", "ratio_vs_fa2_varlen"),

@@ -112,10 +112,12 @@ def _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
 
 
 def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask,
-                dropout_p) -> str:
-    """The autotuner's problem class of a call with these (op-level) arguments."""
+                dropout_p, batch: int | None = None) -> str:
+    """The autotuner's problem class of a call with these (op-level) arguments; ``batch``
+    for a varlen call's packed tensors, as ``_choose``'s."""
     return autotune.problem_key(backward, device_properties(q.device)[0], *_class_fields(
-        q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p))
+        q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, batch),
+        varlen=batch is not None)
 
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,

@@ -385,6 +385,7 @@ def test_varlen_calls_are_tuned_by_their_mean_length_on_their_written_rows(cache
     cu = torch.tensor([3, 200, 700, 900], dtype=torch.int32)  # 3 sequences: mean 333
     out, lse = _ops._varlen_forward_impl(q, kv, kv, cu, cu, None, 1.0, 0.0, -1, 0, True)
     assert keys == ["fwd|sm_90|bfloat16|d64x64|causal|group4|varlen|q512|k512"]
+    assert _ops.problem_key(False, q, kv, kv, (-1, 0), 0.0, None, None, 0.0, 3) == keys[0]
     assert launched[-1] == variants.candidates((9, 0), 64)[1]
     autotune.decided.clear()
     monkeypatch.setenv(autotune.ENV_SWITCH, "0")
