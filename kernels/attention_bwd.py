@@ -143,7 +143,9 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq,
     lse = load_seq_vector(Lse, batch, head, q_start, i, TILE_M, POS_INF, VARLEN)
     delta = load_seq_vector(Delta, batch, head, q_start, i, TILE_M, ZERO, VARLEN)
     offs_q = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]  # [1, TILE_M]
-    if VARLEN:  # rows past the sequence are the next one's: give them p = 0, as padding does
+    if VARLEN and MASKED:  # rows past the sequence are the next one's: give them p = 0, as
+        # padding does. Only a masked run holds the sequence's last (ragged) query tile:
+        # tile_runs ends the unmasked run at q_len // TILE_M, so its tiles are whole.
         inside = offs_q.reshape((1, 1, TILE_M)) < q_len
         lse = ct.where(inside, lse, math.inf)
         delta = ct.where(inside, delta, 0.0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flash_tile.reference import (attention_dense, attention_tiles, cdiv, check_error,
-                                  dropout_keep, kv_tile_runs, visible_keys)
+                                  dropout_keep, kv_tile_runs, q_tile_runs, visible_keys)
 
 # (batch, heads, kv_heads, Lq, Lk, head_dim, v_head_dim): lengths 1, 17, 64, 113/203,
 # 1023/1024, Lq != Lk both ways, GQA ratios 1, 2, 4 and all (MQA), odd head dims.
@@ -149,6 +149,31 @@ def test_large_scores_do_not_overflow():
     out, _ = attention_tiles(q * 30, k * 30, v, window=(-1, 0), tile_m=16, tile_n=16)
     ref = F.scaled_dot_product_attention(q * 30, k * 30, v, is_causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("q_len,k_len", [(256, 256), (128, 512), (512, 128), (200, 300),
+                                         (113, 203), (1, 17)])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("tile_m,tile_n", [(64, 64), (128, 64), (64, 32)])
+def test_dkdv_schedule_unmasked_query_tiles_are_whole_and_visible(q_len, k_len, window, tile_m,
+                                                                  tile_n):
+    """The dK/dV pass's query-tile runs: every tile it drops is invisible to the key tile and
+    every unmasked one wholly visible and wholly inside the sequence's q_len rows, which is
+    why the VARLEN dK/dV masks the rows past the sequence (the next one's) in the masked runs
+    only."""
+    offset = k_len - q_len
+    visible = visible_keys(cdiv(q_len, tile_m) * tile_m, k_len, offset, window)
+    visible[q_len:] = False  # rows past the sequence
+    for n_start in range(0, k_len, tile_n):
+        i_start, i_inner, i_outer, i_end = q_tile_runs(n_start, tile_n, tile_m, q_len, offset,
+                                                       window)
+        assert i_outer * tile_m <= q_len or i_outer == i_inner
+        for i in range(cdiv(q_len, tile_m)):
+            seen = visible[i * tile_m:(i + 1) * tile_m, n_start:n_start + tile_n]
+            if not i_start <= i < i_end:
+                assert not seen.any(), (n_start, i)
+            elif i_inner <= i < i_outer:
+                assert seen.all() and (i + 1) * tile_m <= q_len, (n_start, i)
 
 
 @pytest.mark.parametrize("q_len,k_len", [(256, 256), (128, 512), (512, 128), (200, 300)])
