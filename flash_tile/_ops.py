@@ -127,9 +127,9 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     pick among the registered candidates (``flash_tile.autotune``; a ``deterministic``
     backward among the two-pass ones). ``batch``: a varlen call packing that many sequences
     (``_class_fields``), tuned as classes of their own; ``written`` as
-    ``autotune.tune``'s. After the first call of a problem
-    class the answer comes from ``autotune.decided``, a dict hit of a few microseconds: this
-    runs on every call."""
+    ``autotune.tune``'s. A call with no rows (q or k empty) launches the default untimed:
+    there is nothing to time. After the first call of a problem class the answer comes from
+    ``autotune.decided``, a dict hit of a few microseconds: this runs on every call."""
     fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, batch)
     varlen = batch is not None
     problem = (backward, deterministic, varlen, q.device, *fields, autotune.settings())
@@ -140,11 +140,13 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
                                       plain, deterministic)
         config = configs[0]
-        if autotune.enabled() and len(configs) > 1:
+        empty = q.numel() == 0 or k.numel() == 0
+        if autotune.enabled() and len(configs) > 1 and not empty:
             key = autotune.problem_key(backward, capability, *fields,
                                        deterministic=deterministic, varlen=varlen)
             config = autotune.choose(key, q.device, configs, run, written)
-        if not torch.cuda.is_current_stream_capturing():  # untuned under capture: ask again
+        # Untuned (empty, or under capture): the next call of the class asks again.
+        if not (empty or torch.cuda.is_current_stream_capturing()):
             autotune.decided[problem] = config
     return config
 
@@ -333,10 +335,11 @@ def _varlen_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _rows_written(t: torch.Tensor, cu_seqlens: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Packed ``t`` with the rows along ``dim`` that no sequence covers (before cu_seqlens[0],
-    from cu_seqlens[-1] on: the kernels leave them unwritten) set to zero, on the device."""
+    from cu_seqlens[-1] on: the kernels leave them unwritten) set to zero in place (``t`` is
+    a tuning run's fresh output; no copy), on the device."""
     rows = torch.arange(t.shape[dim], device=t.device)
     covered = (rows >= cu_seqlens[0]) & (rows < cu_seqlens[-1])
-    return torch.where(covered.view(-1, *[1] * (t.dim() - dim - 1)), t, 0)
+    return t.masked_fill_(~covered.view(-1, *[1] * (t.dim() - dim - 1)), 0)
 
 
 def _varlen_written(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, backward: bool):

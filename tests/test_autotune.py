@@ -387,10 +387,30 @@ def test_varlen_calls_are_tuned_by_their_mean_length_on_their_written_rows(cache
     assert keys == ["fwd|sm_90|bfloat16|d64x64|causal|group4|varlen|q512|k512"]
     assert _ops.problem_key(False, q, kv, kv, (-1, 0), 0.0, None, None, 0.0, 3) == keys[0]
     assert launched[-1] == variants.candidates((9, 0), 64)[1]
+
+    # The backward: dq on the queries' rows, dk and dv on the keys' (other offsets here).
+    def fake_backward(dout, q, k, v, out, lse, dq, dk, dv, *args):
+        launched.append(args[7])  # the config
+        for grad, (lo, hi) in ((dq, (3, 900)), (dk, (10, 950)), (dv, (10, 950))):
+            grad[:] = torch.nan
+            grad[:, :, lo:hi] = 1.0
+
+    monkeypatch.setattr(_ops, "launch_backward", fake_backward)
+    cu_k = torch.tensor([10, 100, 500, 950], dtype=torch.int32)
+    grads = _ops._varlen_backward_impl(q, q, kv, kv, q, lse, None, cu, cu_k, None, 1.0, 0.0,
+                                       -1, 0)
+    assert keys[-1] == "bwd|sm_90|bfloat16|d64x64|causal|group4|varlen|q512|k512"
+    assert launched[-1] == variants.candidates((9, 0), 64, backward=True, plain=True)[1]
+    assert all(g.shape == t.shape for g, t in zip(grads, (q, kv, kv)))
+
+    # No rows to time: the default, untuned, and the class stays undecided.
+    assert _ops._varlen_forward_impl(q[:0], kv, kv, cu * 0, cu, None, 1.0, 0.0, -1, 0,
+                                     False)[0].shape == (0, 8, 64)
+    assert len(keys) == 2 and launched[-1] == variants.default_config((9, 0), 64)
     autotune.decided.clear()
     monkeypatch.setenv(autotune.ENV_SWITCH, "0")
     _ops._varlen_forward_impl(q, kv, kv, cu, cu, None, 1.0, 0.0, -1, 0, False)
-    assert len(keys) == 1 and launched[-1] == variants.default_config((9, 0), 64)
+    assert len(keys) == 2 and launched[-1] == variants.default_config((9, 0), 64)
 
 
 def test_deterministic_backward_is_a_class_of_two_pass_candidates():

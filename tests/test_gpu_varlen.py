@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import reference, varlen
+from flash_tile import _ops, autotune, reference, variants, varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -272,8 +272,6 @@ def test_autotune_tunes_varlen_classes_on_their_written_rows(tmp_path, monkeypat
     rows the sequences cover: the packing below leaves 40 rows of q and k past the last
     sequence, which the kernels never write, and no candidate may be rejected for them. The
     winners' results pass the per-sequence check."""
-    from flash_tile import autotune
-
     monkeypatch.setenv(autotune.ENV_SWITCH, "1")
     monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
     autotune.clear_memory_cache()
@@ -295,3 +293,32 @@ def test_autotune_tunes_varlen_classes_on_their_written_rows(tmp_path, monkeypat
     low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
     _check_per_sequence(got, ref, low, cu_q, cu_k)
     autotune.clear_memory_cache()
+
+
+# Every registered variant may now run a varlen class (the tuner picks among them): each one,
+# forward and backward, on ragged packings. Collected everywhere; sm_90's list off the GPU.
+_CAPABILITY = (torch.cuda.get_device_capability() if torch.cuda.is_available() and
+               torch.cuda.get_device_capability() >= (8, 0) else (9, 0))
+VARIANT_CASES = [(backward, d, c) for backward in (False, True) for d in (64, 128)
+                 for c in variants.candidates(_CAPABILITY, d, backward)]
+
+
+@pytest.mark.parametrize("backward,dim,config", VARIANT_CASES,
+                         ids=[f"{'bwd' if b else 'fwd'}-d{d}-"
+                              f"{autotune.describe(c).replace(' ', '-')}"
+                              for b, d, c in VARIANT_CASES])
+def test_every_registered_variant_under_varlen(backward, dim, config, monkeypatch):
+    """The pass under test launches ``config`` (the other its default), causal with Lq != Lk
+    per sequence, empty sequences and ragged ends; checked per sequence."""
+    choose = _ops._choose
+
+    def pinned(is_backward, *args, **kwargs):
+        return config if is_backward == backward else choose(is_backward, *args, **kwargs)
+
+    monkeypatch.setattr(_ops, "_choose", pinned)
+    q, k, v, dout, cu_q, cu_k = _inputs(*LENGTHS[1], 4, 2, dim, dim, torch.bfloat16, dim)
+    got = _ours(q, k, v, dout, cu_q, cu_k, 130, 250, causal=True)
+    features = _features(True, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
