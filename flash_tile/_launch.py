@@ -291,8 +291,9 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         q.device, (lse, 3), (alibi_slopes, 2), (kernel_mask(attn_mask), 4), (sinks, 1),
         (descale, 3))
     cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
-    grid = forward_grid(q_len, heads, batch, config)
-    if varlen is not None:
+    if varlen is None:
+        grid = forward_grid(q_len, heads, batch, config)
+    else:
         spec, grid = varlen.spec(spec), varlen_grid(q_len, config.tile_m, heads, varlen.batch)
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
             float(scale),
@@ -374,20 +375,20 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   alibi_slopes is not None, mask_kind(attn_mask), True,
                                   dropout.p > 0.0, sinks is not None)
                      for c in (config, dq_config))
-    q_grid = forward_grid(q_len, heads, batch, dq_config)
-    dkdv_grid = (ct.cdiv(k_len, config.tile_n), kv_heads, batch)
-    sinks_shape = (batch, heads, q_grid[0])
-    if varlen is not None:
+    if varlen is None:
+        q_grid = forward_grid(q_len, heads, batch, dq_config)
+        dkdv_grid = (ct.cdiv(k_len, config.tile_n), kv_heads, batch)
+    else:
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
         q_grid = varlen_grid(q_len, dq_config.tile_m, heads, varlen.batch)
         dkdv_grid = varlen_grid(k_len, config.tile_n, kv_heads, varlen.batch)
-        sinks_shape = (1, heads, q_grid[0])  # one slot per program of the flattened grid
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
     cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     dsinks = None
     if sinks is not None:
-        (dsinks,) = sinks_workspace(sinks_shape, varlen is not None, q.device)
+        # One share a program of the Delta-forming grid (packed: batch 1, the flattened grid).
+        (dsinks,) = sinks_workspace((batch, heads, q_grid[0]), varlen is not None, q.device)
     sinks_arg, dsinks_arg, dq_acc_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3),
                                                      (dq_acc, 4))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),

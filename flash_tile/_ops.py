@@ -126,8 +126,8 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     or not, deterministic or not: ``variants.default_backward_config``), or the autotuner's
     pick among the registered candidates (``flash_tile.autotune``; a ``deterministic``
     backward among the two-pass ones). ``batch``: a varlen call packing that many sequences
-    (``_class_fields``), tuned as classes of their own; ``written`` as
-    ``autotune.tune``'s. A call with no rows (q or k empty) launches the default untimed:
+    (``_class_fields``), tuned as classes of their own; ``written`` as ``autotune.tune``'s.
+    A call with no rows (q or k empty) launches the default untimed:
     there is nothing to time. After the first call of a problem class the answer comes from
     ``autotune.decided``, a dict hit of a few microseconds: this runs on every call."""
     fields = _class_fields(q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p, batch)
@@ -402,9 +402,8 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The varlen backward op's body: choose the variant, allocate, launch; dq, dk, dv in the
     inputs' shapes and the sinks' gradient (empty without sinks), by the backward's VARLEN
-    switch. Rows that no sequence
-    covers are left unwritten; with ``seqused_k`` the keys past each sequence's used ones
-    get zero gradients (the kernel does not store them)."""
+    switch. Rows that no sequence covers are left unwritten; with ``seqused_k`` the keys past
+    each sequence's used ones get zero gradients (the kernel does not store them)."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)

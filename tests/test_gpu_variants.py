@@ -10,18 +10,17 @@ import pytest
 import torch
 
 import flash_tile
+from conftest import VARIANTS_CAPABILITY
 from flash_tile import _launch, autotune, variants
 from flash_tile.reference import attention_dense, check_error, kv_tile_runs
 
 pytestmark = pytest.mark.gpu
 
-# Collected everywhere: where no supported GPU is (the tests then skip), sm_90's list.
-_CAPABILITY = (torch.cuda.get_device_capability() if torch.cuda.is_available() and
-               torch.cuda.get_device_capability() >= (8, 0) else (9, 0))
 # (head dim, candidate) for the head dims the variants are bucketed by.
-CASES = [(d, c) for d in (64, 128, 256) for c in variants.candidates(_CAPABILITY, d)]
+CASES = [(d, c) for d in (64, 128, 256)
+         for c in variants.candidates(VARIANTS_CAPABILITY, d)]
 BACKWARD_CASES = [(d, c) for d in (64, 128, 256)
-                  for c in variants.candidates(_CAPABILITY, d, backward=True)]
+                  for c in variants.candidates(VARIANTS_CAPABILITY, d, backward=True)]
 
 
 # The score-feature test's keys and two-sided window: long and wide enough that every

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flash_tile
+from conftest import VARIANTS_CAPABILITY
 from flash_tile import _ops, autotune, reference, variants, varlen
 
 pytestmark = pytest.mark.gpu
@@ -296,11 +297,9 @@ def test_autotune_tunes_varlen_classes_on_their_written_rows(tmp_path, monkeypat
 
 
 # Every registered variant may now run a varlen class (the tuner picks among them): each one,
-# forward and backward, on ragged packings. Collected everywhere; sm_90's list off the GPU.
-_CAPABILITY = (torch.cuda.get_device_capability() if torch.cuda.is_available() and
-               torch.cuda.get_device_capability() >= (8, 0) else (9, 0))
+# forward and backward, on ragged packings.
 VARIANT_CASES = [(backward, d, c) for backward in (False, True) for d in (64, 128)
-                 for c in variants.candidates(_CAPABILITY, d, backward)]
+                 for c in variants.candidates(VARIANTS_CAPABILITY, d, backward)]
 
 
 @pytest.mark.parametrize("backward,dim,config", VARIANT_CASES,
