@@ -82,9 +82,9 @@ class ForwardSpec:
 class Varlen:
     """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids are
-    flattened over every sequence's tiles, longest sequence first (``varlen_grid``,
-    ``varlen_seqs``), so no longest length is needed and nothing is read back. With
-    ``seqused_k`` (int32 [B]) sequence b uses only the first seqused_k[b] of its keys."""
+    flattened over every sequence's tiles (``varlen_grid``), so no longest length is needed
+    and nothing is read back. With ``seqused_k`` (int32 [B]) sequence b uses only the first
+    seqused_k[b] of its keys."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -94,29 +94,9 @@ class Varlen:
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
 
-    @functools.cached_property
-    def seqs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(SeqsQ, SeqsK): ``varlen_seqs`` of the two offsets, built once for every launch of
-        this packing (one, shared, when q and k have the same offsets)."""
-        seqs_q = varlen_seqs(self.cu_seqlens_q)
-        same = self.cu_seqlens_k is self.cu_seqlens_q
-        return seqs_q, seqs_q if same else varlen_seqs(self.cu_seqlens_k)
-
     def spec(self, spec: ForwardSpec) -> ForwardSpec:
         """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N."""
         return replace(spec, even_n=False, varlen=True, seqused_k=self.seqused_k is not None)
-
-
-def varlen_seqs(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The kernels' SeqsQ / SeqsK (``kernels._tiles.program_tile``) for int32 cu_seqlens
-    [B + 1]: int32 [3, B + 1], row 0 cu_seqlens, row 1 the cumulative lengths of the sequences
-    taken longest first (ties in sequence order), row 2 the sequence at each place of that
-    order (the last entry unread). Torch ops on the device, in stream order: no sync."""
-    lengths = cu_seqlens.diff()
-    order = torch.argsort(lengths, descending=True, stable=True)
-    zero = cu_seqlens.new_zeros(1)
-    return torch.cat((cu_seqlens, zero, lengths[order].cumsum(0, dtype=torch.int32),
-                      order.to(torch.int32), zero)).view(3, -1)
 
 
 @dataclass(frozen=True)
@@ -262,8 +242,7 @@ def varlen_grid(total: int, tile: int, heads: int, batch: int) -> tuple:
     """The flattened grid of ``total`` packed rows in ``batch`` sequences cut into tiles of
     ``tile`` rows (the kernels' ``program_tile``): total // tile + batch programs a head cover
     every sequence's tiles, at most one idle a sequence; a sequence's tiles are neighbours in
-    launch order, the longest sequence's first (``varlen_seqs``). Built from the shapes
-    alone: no length is read back."""
+    launch order. Built from the shapes alone: no length is read back."""
     return (total // tile + batch, heads, 1)
 
 
@@ -276,14 +255,14 @@ def _placeholder(device: torch.device, rank: int,
     return torch.empty((1,) * rank, dtype=dtype, device=device)
 
 
-def _sequences(device: torch.device, varlen: "Varlen | None") -> tuple:
-    """(SeqsQ, SeqsK, SeqUsedK) for a launch: the packing's offsets and order
-    (``Varlen.seqs``) and the keys used, or placeholders (the kernels read them only under
-    VARLEN, and SeqUsedK under SEQUSED_K)."""
+def _cu_seqlens(device: torch.device, varlen: "Varlen | None") -> tuple:
+    """(CuSeqQ, CuSeqK, SeqUsedK) for a launch: the cumulative lengths and the keys used, or
+    placeholders (the kernels read them only under VARLEN, and SeqUsedK under SEQUSED_K)."""
     unused = _placeholder(device, 1, torch.int32)
     if varlen is None:
-        return _placeholder(device, 2, torch.int32), _placeholder(device, 2, torch.int32), unused
-    return (*varlen.seqs, unused if varlen.seqused_k is None else varlen.seqused_k)
+        return unused, unused, unused
+    return (varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+            unused if varlen.seqused_k is None else varlen.seqused_k)
 
 
 def _fill_unused(device, *arrays):
@@ -311,12 +290,12 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     lse, slopes, attn_mask, sinks, descale = _fill_unused(
         q.device, (lse, 3), (alibi_slopes, 2), (kernel_mask(attn_mask), 4), (sinks, 1),
         (descale, 3))
-    seqs_q, seqs_k, used_k = _sequences(q.device, varlen)
+    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     if varlen is None:
         grid = forward_grid(q_len, heads, batch, config)
     else:
         spec, grid = varlen.spec(spec), varlen_grid(q_len, config.tile_m, heads, varlen.batch)
-    args = (q, k, v, out, lse, slopes, attn_mask, seqs_q, seqs_k, sinks, used_k, descale,
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
             float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
@@ -405,7 +384,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         dkdv_grid = varlen_grid(k_len, config.tile_n, kv_heads, varlen.batch)
     dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
                                                (kernel_mask(attn_mask), 4))
-    seqs_q, seqs_k, used_k = _sequences(q.device, varlen)
+    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
     dsinks = None
     if sinks is not None:
         # One share a program of the Delta-forming grid (packed: batch 1, the flattened grid).
@@ -414,8 +393,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                      (dq_acc, 4))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
-    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, seqs_q,
-                 seqs_k, used_k, *scalars,
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, cu_q, cu_k,
+                 used_k, *scalars,
                  *spec.dkdv_constants(heads // kv_heads, config.group_inner, config.one_pass))
     kernels = hinted_backward_kernels(config)
     stream = torch.cuda.current_stream(q.device)
@@ -423,16 +402,16 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         if config.one_pass:
             preprocess, dkdv, convert = kernels
             ct.launch(stream, q_grid, preprocess,
-                      (out, dout, lse, dlse_arg, delta, dq_acc, seqs_q, sinks_arg, dsinks_arg,
+                      (out, dout, lse, dlse_arg, delta, dq_acc, cu_q, sinks_arg, dsinks_arg,
                        *dq_spec.preprocess_constants(dlse is not None)))
             ct.launch(stream, dkdv_grid, dkdv, dkdv_args)
             ct.launch(stream, q_grid, convert,
-                      (dq_acc, dq, seqs_q, float(scale), *dq_spec.convert_constants()))
+                      (dq_acc, dq, cu_q, float(scale), *dq_spec.convert_constants()))
         else:
             dq_kernel, dkdv = kernels
             ct.launch(stream, q_grid, dq_kernel,
-                      (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, seqs_q,
-                       seqs_k, sinks_arg, dsinks_arg, used_k, *scalars,
+                      (q, k, v, out, dout, lse, dlse_arg, delta, dq, slopes, attn_mask, cu_q,
+                       cu_k, sinks_arg, dsinks_arg, used_k, *scalars,
                        *dq_spec.dq_constants(dlse is not None)))
             ct.launch(stream, dkdv_grid, dkdv, dkdv_args)
     return None if dsinks is None else dsinks.sum((0, 2))

@@ -133,7 +133,7 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     if varlen:
         spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
-    params = [qk, qk, v, out, rows, slopes, mask, _index_array(2), _index_array(2), _sinks(),
+    params = [qk, qk, v, out, rows, slopes, mask, _index_array(1), _index_array(1), _sinks(),
               _index_array(1), _array(ct.float32, 3), *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
@@ -159,25 +159,25 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                          for s in (spec, dq_spec))
     dq_spec = dataclasses.replace(dq_spec, sinks=sinks)
     cc = CallingConvention.cutile_python_v1()
-    seqs = (_index_array(2), _index_array(2))  # SeqsQ, SeqsK (_launch.varlen_seqs)
+    cu = (_index_array(1), _index_array(1))
     # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator): the
     # strides of the padded rows, the extents of the head dim.
     acc = dataclasses.replace(_array(ct.float32, 4, row=-(-head_dim // 4) * 4),
                               shape_divisible_by=_array(ct.float32, 4,
                                                         row=head_dim).shape_divisible_by)
-    dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *seqs,
+    dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *cu,
                             _index_array(1), *scalars,
                             *spec.dkdv_constants(group, config.group_inner, config.one_pass)],
                            cc)
     if config.one_pass:
-        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, acc, seqs[0], _sinks(),
+        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, acc, cu[0], _sinks(),
                                  _array(ct.float32, 3),
                                  *dq_spec.preprocess_constants(lse_grad)], cc),
                 dkdv,
-                KernelSignature([acc, dq_qk, seqs[0], ScalarConstraint(ct.float32),
+                KernelSignature([acc, dq_qk, cu[0], ScalarConstraint(ct.float32),
                                  *dq_spec.convert_constants()], cc))
     return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
-                             mask, *seqs, _sinks(), _array(ct.float32, 3), _index_array(1),
+                             mask, *cu, _sinks(), _array(ct.float32, 3), _index_array(1),
                              *scalars, *dq_spec.dq_constants(lse_grad)], cc),
             dkdv)
 

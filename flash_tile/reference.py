@@ -26,25 +26,19 @@ def cdiv(a: int, b: int) -> int:
 
 def varlen_programs(cu_seqlens: list[int], tile: int) -> list[tuple[int, int]]:
     """(sequence, tile index) of each program of the flattened VARLEN grid, total // tile + B
-    programs (``kernels._tiles.program_tile``'s binary search over the longest-first order of
-    ``_launch.varlen_seqs``, step by step); an index past its sequence's tiles marks an idle
-    program."""
+    programs (``kernels._tiles.program_tile``'s binary search, step by step); an index past
+    its sequence's tiles marks an idle program."""
     batch = len(cu_seqlens) - 1
-    lengths = [cu_seqlens[b + 1] - cu_seqlens[b] for b in range(batch)]
-    order = sorted(range(batch), key=lambda b: -lengths[b])  # stable: ties in sequence order
-    ordered = [0]
-    for b in order:
-        ordered.append(ordered[-1] + lengths[b])
     programs = []
     for w in range(cu_seqlens[-1] // tile + batch):
         lo, hi = 0, batch - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ordered[mid] // tile + mid <= w:
+            if cu_seqlens[mid] // tile + mid <= w:
                 lo = mid
             else:
                 hi = mid - 1
-        programs.append((order[lo], w - (ordered[lo] // tile + lo)))
+        programs.append((lo, w - (cu_seqlens[lo] // tile + lo)))
     return programs
 
 

@@ -188,59 +188,56 @@ def load_rows(A, batch, head, index, ROWS: ConstInt, COLS: ConstInt, latency=Non
     return tile.reshape((ROWS, COLS))
 
 
-def program_tile(Seqs, TILE: ConstInt, VARLEN: ConstBool):
+def program_tile(CuSeq, TILE: ConstInt, VARLEN: ConstBool):
     """(batch, index): this program's batch (under VARLEN, sequence) and its tile's index
-    along the rows of the packed sequences that Seqs describes.
+    along the rows that CuSeq [B + 1] int32 cuts into sequences.
 
     Dense grids are (tiles, heads, B): (bid(2), bid(0)). Under VARLEN the grid is flattened,
-    (total // TILE + B, heads, 1), and Seqs is int32 [3, B + 1] (``_launch.varlen_seqs``):
-    row 0 the cumulative lengths (cu_seqlens), row 1 the cumulative lengths with the
-    sequences taken longest first, row 2 the sequence at each place of that order. Program
-    w = bid(0) walks the sequences' tiles back to back in that order, the one at place p from
-    first_p = Seqs[1, p] // TILE + p on. first_(p+1) - first_p = Seqs[1, p + 1] // TILE -
-    Seqs[1, p] // TILE + 1 >= cdiv(len, TILE), so every tile has a program and a sequence at
-    most one idle one (index past its tiles: the caller returns), where a grid padded to the
-    longest sequence leaves most programs idle (5 in 6 at 64k tokens of lengths 64-8192).
-    Longest first, because a long sequence's heavy tiles launched last would run on alone at
-    the end of the launch. first_p grows strictly and first_0 = 0, so w's place is the last p
-    with first_p <= w: a binary search of ceil(log2 B) scalar loads (w past the last place
-    gets it, with an index past its tiles). A vector search (one load of the offsets, a count
-    of first_p <= w) made tileiras 13.4 fail on sm_90 (exit 5, no message; sm_80 and sm_100
-    compiled) [2026-12-03]. Nothing is read on the host: the grid comes from the shapes."""
+    (total // TILE + B, heads, 1): program w = bid(0) walks the sequences' tiles back to back,
+    sequence b's from first_b = CuSeq[b] // TILE + b. first_(b+1) - first_b =
+    CuSeq[b + 1] // TILE - CuSeq[b] // TILE + 1 >= cdiv(len_b, TILE), so every tile has a
+    program and a sequence at most one idle one (index past its tiles: the caller returns),
+    where a grid padded to the longest sequence leaves most programs idle (5 in 6 at 64k
+    tokens of lengths 64-8192). first_b grows strictly and first_0 = 0, so w's sequence is the
+    last b with first_b <= w: a binary search of ceil(log2 B) scalar loads (w past the last
+    sequence gets the last one and an index past its tiles). A vector search (one load of the
+    offsets, a count of first_b <= w) made tileiras 13.4 fail on sm_90 (exit 5, no message;
+    sm_80 and sm_100 compiled) [2026-12-03]. Nothing is read on the host: the grid comes from
+    the shapes."""
     if VARLEN:
         w = ct.bid(0)
         lo = 0
-        hi = Seqs.shape[1] - 2  # the last place
-        while lo < hi:  # first_lo <= w, and w's place is in [lo, hi]
+        hi = CuSeq.shape[0] - 2  # the last sequence
+        while lo < hi:  # first_lo <= w, and w's sequence is in [lo, hi]
             mid = (lo + hi + 1) // 2
-            first = ct.load(Seqs, (1, mid), shape=()).item() // TILE + mid
+            first = ct.load(CuSeq, (mid,), shape=()).item() // TILE + mid
             lo = mid if first <= w else lo
             hi = hi if first <= w else mid - 1
-        start = ct.load(Seqs, (1, lo), shape=()).item()
-        return ct.load(Seqs, (2, lo), shape=()).item(), w - (start // TILE + lo)
+        start = ct.load(CuSeq, (lo,), shape=()).item()
+        return lo, w - (start // TILE + lo)
     return ct.bid(2), ct.bid(0)
 
 
-def query_bounds(Q, SeqsQ, batch, VARLEN: ConstBool):
+def query_bounds(Q, CuSeqQ, batch, VARLEN: ConstBool):
     """(q_start, q_len) of sequence ``batch``: the whole of axis 2 of Q, or under VARLEN its
-    rows of the packed Q, read from the cumulative lengths SeqsQ[0] (``program_tile``)."""
+    rows of the packed Q, read from the cumulative lengths CuSeqQ [B + 1] int32."""
     if VARLEN:
-        q_start = ct.load(SeqsQ, (0, batch), shape=()).item()
-        return q_start, ct.load(SeqsQ, (0, batch + 1), shape=()).item() - q_start
+        q_start = ct.load(CuSeqQ, (batch,), shape=()).item()
+        return q_start, ct.load(CuSeqQ, (batch + 1,), shape=()).item() - q_start
     return 0, Q.shape[2]
 
 
-def sequence_bounds(Q, K, SeqsQ, SeqsK, SeqUsedK, batch, VARLEN: ConstBool,
+def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch, VARLEN: ConstBool,
                     SEQUSED_K: ConstBool):
     """(q_start, q_len, k_start, k_len) of sequence ``batch``: ``query_bounds`` and the same
-    for the keys (SeqsK[0]); under SEQUSED_K its first SeqUsedK[b] keys."""
-    q_start, q_len = query_bounds(Q, SeqsQ, batch, VARLEN)
+    for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys."""
+    q_start, q_len = query_bounds(Q, CuSeqQ, batch, VARLEN)
     if VARLEN:
-        k_start = ct.load(SeqsK, (0, batch), shape=()).item()
+        k_start = ct.load(CuSeqK, (batch,), shape=()).item()
         if SEQUSED_K:
             k_len = ct.load(SeqUsedK, (batch,), shape=()).item()
         else:
-            k_len = ct.load(SeqsK, (0, batch + 1), shape=()).item() - k_start
+            k_len = ct.load(CuSeqK, (batch + 1,), shape=()).item() - k_start
         return q_start, q_len, k_start, k_len
     return q_start, q_len, 0, K.shape[2]
 

@@ -54,7 +54,7 @@ launch.
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
 [B, H, Lq, Lk]. Any strides, as in the forward. Under VARLEN the arrays are packed as the
-forward's (batch 1, the sequences one after another, SeqsQ and SeqsK their offsets and order) and
+forward's (batch 1, the sequences one after another, CuSeqQ and CuSeqK their offsets) and
 both passes work per sequence as the forward does: bounds from the offsets, row-granular tile
 views, stores clipped to the sequence, diag_offset = k_len - q_len, early exit past the
 sequence's end. A query tile of the dK/dV pass that runs past its sequence holds the next
@@ -206,7 +206,7 @@ def _dkdv_runs(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, kv_head, g
     return dk, dv
 
 
-def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, SeqsQ, SeqsK,
+def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
                dropout_seed, dropout_threshold, dropout_scale,
                TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
@@ -224,10 +224,10 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, SeqsQ, Se
     every dK/dV spill on sm_80 but spills ~3000 LDL/STL on sm_90, where head-outer spills none
     at D=128 [2026-11-30, cuobjdump of tileiras 13.4 cubins].
     """
-    batch, tile_n = program_tile(SeqsK, TILE_N, VARLEN)
+    batch, tile_n = program_tile(CuSeqK, TILE_N, VARLEN)
     kv_head = ct.bid(1)
     n_start = tile_n * TILE_N
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, SeqsQ, SeqsK, SeqUsedK, batch,
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
                                                      VARLEN, SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
@@ -292,7 +292,7 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m,
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
 
-def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, SeqsQ, SeqsK, Sinks,
+def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
              dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
              dropout_seed, dropout_threshold, dropout_scale, TILE_M: ConstInt, TILE_N: ConstInt,
              TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
@@ -301,8 +301,8 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, SeqsQ, Seqs
              SEQUSED_K: ConstBool):
     """dQ and Delta of query tile ``heaviest_first`` of head bid(1) for the batch (under
     VARLEN, sequence) and tile index of ``program_tile``."""
-    batch, index = program_tile(SeqsQ, TILE_M, VARLEN)
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, SeqsQ, SeqsK, SeqUsedK, batch,
+    batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
                                                      VARLEN, SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
@@ -350,7 +350,7 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, SeqsQ, Seqs
 
 
 @ct.kernel
-def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, SeqsQ, SeqsK,
+def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                        SeqUsedK, qk_scale: float, softcap: float, diag_offset: int,
                        window_left: int, window_right: int, dropout_seed: int,
                        dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -362,12 +362,12 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, S
                        SEQUSED_K: ConstBool, DQ_ACCUM: ConstBool):
     """dK and dV, reading the Delta the dQ (or preprocess) kernel stored. Grid
     (cdiv(Lk, TILE_N), H_kv, B); GROUP = H / H_kv. Under VARLEN the arrays are packed as the
-    forward's, SeqsQ and SeqsK the sequences' offsets and order (``program_tile``), the
-    grid flattened over the key tiles, longest sequence first, (total_k // TILE_N + B, H_kv, 1); under SEQUSED_K sequence b uses its first
+    forward's, CuSeqQ and CuSeqK the sequences' cumulative lengths, the grid flattened over
+    the key tiles, (total_k // TILE_N + B, H_kv, 1); under SEQUSED_K sequence b uses its first
     SeqUsedK[b] keys (the others' rows are not stored). Under DQ_ACCUM (the one-pass form) it
     also adds every tile pair's dQ, unscaled (dS k, or dX k under SOFTCAP), into dQacc
     [B, H, Lq, D] fp32, which the preprocess kernel zeroed and the convert kernel reads."""
-    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, SeqsQ, SeqsK,
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
                dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
                MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
@@ -375,7 +375,7 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, S
 
 
 @ct.kernel
-def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, SeqsQ, SeqsK,
+def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK,
                      Sinks, dSinks, SeqUsedK,
                      qk_scale: float, softcap: float, diag_offset: int, window_left: int,
                      window_right: int, dropout_seed: int, dropout_threshold: int,
@@ -391,7 +391,7 @@ def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, Seq
     sequence used). Under SINKS (Sinks [H] fp32) it also stores each tile's share of the
     sinks' gradient in dSinks [B, H, cdiv(Lq, TILE_M)] fp32 (under VARLEN [1, H, programs]:
     one slot a program)."""
-    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, SeqsQ, SeqsK, Sinks,
+    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
              dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
              dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
              MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN,
@@ -399,15 +399,15 @@ def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, Seq
 
 
 @ct.kernel
-def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, SeqsQ, Sinks, dSinks,
+def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks,
                              TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                              LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
     """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
     shares under SINKS (dSinks as the dQ kernel's) and zeros in dQacc [B, H, Lq, D] fp32,
     for the query tile of head bid(1) that ``program_tile`` gives. Grid (cdiv(Lq, TILE_M), H,
     B), or (total_q // TILE_M + B, H, 1) under VARLEN."""
-    batch, tile_m = program_tile(SeqsQ, TILE_M, VARLEN)
-    q_start, q_len = query_bounds(Out, SeqsQ, batch, VARLEN)
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(Out, CuSeqQ, batch, VARLEN)
     if VARLEN:
         if tile_m * TILE_M >= q_len:  # the flattened grid's idle program
             return
@@ -425,14 +425,14 @@ def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, SeqsQ, Sinks, d
 
 
 @ct.kernel
-def attention_bwd_dq_convert(dQacc, dQ, SeqsQ, qk_scale: float, TILE_M: ConstInt,
+def attention_bwd_dq_convert(dQacc, dQ, CuSeqQ, qk_scale: float, TILE_M: ConstInt,
                              TILE_D: ConstInt, SOFTCAP: ConstBool, VARLEN: ConstBool):
     """The one-pass backward's last launch: dQ = dQacc * scale (the scale once per element,
     as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for query
     tile of head bid(1) that ``program_tile`` gives; grid as the
     preprocess kernel's."""
-    batch, tile_m = program_tile(SeqsQ, TILE_M, VARLEN)
-    q_start, q_len = query_bounds(dQ, SeqsQ, batch, VARLEN)
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(dQ, CuSeqQ, batch, VARLEN)
     if VARLEN:
         if tile_m * TILE_M >= q_len:
             return

@@ -40,11 +40,10 @@ zero-padded by the loads, so the padding adds 0 to every dot product and the pad
 columns are never stored.
 
 Varlen (VARLEN). The sequences of a batch packed one after another: Q, Out [1, H, total_q,
-D], K, V [1, H_kv, total_k, D], Lse [1, H, total_q], and SeqsQ, SeqsK int32 [3, B + 1] their
-cumulative lengths with a longest-first order of the sequences (``_tiles.program_tile``).
-The grid is flattened over the sequences' tiles, (total_q // TILE_M + B, H, 1), the longest
-sequence's first: each program finds its sequence b and tile by a binary search of SeqsQ
-(at most one idle program a sequence), reads b's bounds (scalar
+D], K, V [1, H_kv, total_k, D], Lse [1, H, total_q], and CuSeqQ, CuSeqK int32 [B + 1] their
+cumulative lengths. The grid is flattened over the sequences' tiles, (total_q // TILE_M + B,
+H, 1): each program finds its sequence b and tile by a binary search of CuSeqQ
+(``_tiles.program_tile``; at most one idle program a sequence), reads b's bounds (scalar
 loads), loads its tiles through views that step one row at a time (a sequence starts at any
 row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores through
 ``Array.slice`` views clipped to its rows; diag_offset = k_len - q_len per sequence
@@ -150,7 +149,7 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     return m_new, l_i, acc
 
 
-def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK,
+def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, qk_scale, softcap, diag_offset, window_left, window_right,
                         dropout_seed, dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
@@ -163,8 +162,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, Se
     VARLEN, sequence) and tile index of ``program_tile``."""
     # Under VARLEN ``batch`` is the sequence: its rows of the packed [1, H, total, D] arrays,
     # its ALiBi slopes and its dropout hash.
-    batch, index = program_tile(SeqsQ, TILE_M, VARLEN)
-    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, SeqsQ, SeqsK, SeqUsedK, batch,
+    batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
                                                      VARLEN, SEQUSED_K)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
@@ -234,7 +233,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, Se
 
 
 @ct.kernel
-def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK,
+def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                   Descale, qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
@@ -250,14 +249,14 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
     DROPOUT. LATENCY_K and LATENCY_V (1-10) are the DRAM-latency hints of the K and V tile
     loads, which set how far ahead tileiras issues them. Under VARLEN Q, K, V, Out are packed
-    [1, H, total, D] views and Lse [1, H, total_q], SeqsQ and SeqsK [3, B + 1] int32 the
-    sequences' cumulative lengths and order (``_tiles.program_tile``; read only then), the grid (total_q // TILE_M + B, H, 1);
+    [1, H, total, D] views and Lse [1, H, total_q], CuSeqQ and CuSeqK [B + 1] int32 the
+    sequences' cumulative lengths (read only then), the grid (total_q // TILE_M + B, H, 1);
     under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
     SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Under FP8 Q and K
     are float8_e4m3fn, V comes transposed, V^T [B, H_kv, Dv, Lk] e4m3 (packed [1, H_kv, Dv,
     total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
     v descale factors (read only then). Shapes and strides are 32-bit."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK,
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, qk_scale, softcap, diag_offset, window_left, window_right,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
@@ -268,7 +267,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        SeqsQ, SeqsK, Sinks, SeqUsedK, Descale, qk_scale: float,
+                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, Descale, qk_scale: float,
                         softcap: float, diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -281,7 +280,7 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         FP8: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
-    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, SeqsQ, SeqsK, Sinks, SeqUsedK,
+    _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, qk_scale, softcap, diag_offset, window_left, window_right,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,

@@ -4,7 +4,6 @@ points' checks and their wiring to the launches, and ahead-of-time compiles of t
 for every architecture."""
 
 import contextlib
-import itertools
 
 import pytest
 import torch
@@ -134,17 +133,13 @@ def test_the_gradient_reaches_the_backward_launch(monkeypatch):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
-GRID_LENGTHS = [[0], [1], [5, 0, 17, 113, 203, 0, 1], [128] * 9, [0, 0, 300],
-                [4097, 1, 1023, 64, 0, 17], [17, 4097, 17, 1023, 4097]]
-
-
 @pytest.mark.parametrize("tile", [16, 64, 128])
-@pytest.mark.parametrize("lengths", GRID_LENGTHS)
+@pytest.mark.parametrize("lengths", [[0], [1], [5, 0, 17, 113, 203, 0, 1], [128] * 9,
+                                     [0, 0, 300], [4097, 1, 1023, 64, 0, 17]])
 def test_flattened_grid_gives_every_tile_one_program(lengths, tile):
     """The kernels' program map (``program_tile``, twinned by ``reference.varlen_programs``):
     total // tile + B programs, every tile of every sequence exactly once, at most one idle
-    program a sequence, a sequence's tiles neighbours in launch order, in their own order,
-    and the sequences longest first."""
+    program a sequence, and a sequence's tiles neighbours in launch order."""
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
@@ -153,29 +148,10 @@ def test_flattened_grid_gives_every_tile_one_program(lengths, tile):
     tiles = [(b, i) for b, i in programs if i < reference.cdiv(lengths[b], tile)]
     assert sorted(tiles) == [(b, i) for b, n in enumerate(lengths)
                              for i in range(reference.cdiv(n, tile))]
-    runs = [b for w, (b, _) in enumerate(tiles) if w == 0 or tiles[w - 1][0] != b]
-    assert len(runs) == len(set(runs))  # a sequence's tiles back to back
-    assert all(tiles[w - 1] < tiles[w] for w in range(1, len(tiles))
-               if tiles[w - 1][0] == tiles[w][0])
-    assert [lengths[b] for b in runs] == sorted((lengths[b] for b in runs), reverse=True)
+    assert tiles == sorted(tiles)  # in order: a sequence's tiles back to back
     idle = [b for b, i in programs if i >= reference.cdiv(lengths[b], tile)]
-    assert all(idle.count(b) <= 1 for b in range(len(lengths)) if b != programs[-1][0])
+    assert all(idle.count(b) <= 1 for b in range(len(lengths) - 1))
     assert all(i >= 0 for _, i in programs)
-
-
-@pytest.mark.parametrize("lengths", GRID_LENGTHS)
-def test_varlen_seqs_order_the_sequences_longest_first(lengths):
-    """``_launch.varlen_seqs``, the kernels' SeqsQ/SeqsK: the offsets, the cumulative lengths
-    in longest-first order (ties in sequence order) and that order, int32, the order the
-    twin ``reference.varlen_programs`` walks; built on the tensor's device."""
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    seqs = _launch.varlen_seqs(cu)
-    batch = len(lengths)
-    assert seqs.dtype == torch.int32 and seqs.shape == (3, batch + 1)
-    assert seqs.device == cu.device
-    order = sorted(range(batch), key=lambda b: -lengths[b])
-    assert seqs[0].tolist() == cu.tolist() and seqs[2, :batch].tolist() == order
-    assert seqs[1].tolist() == [0, *itertools.accumulate(lengths[b] for b in order)]
 
 
 def test_varlen_grids_come_from_the_shapes(monkeypatch):
