@@ -8,7 +8,8 @@
                                        registers, shared memory, top opcodes, Tile IR ops
     flash-tile doctor                  what this machine has (GPU, driver, torch, cuda-tile,
                                        tileiras), which variant it gets, and a smoke test
-    flash-tile tune [--backward]       pre-tune a grid of shapes into the autotune cache
+    flash-tile tune [--backward] [--varlen]
+                                       pre-tune a grid of shapes into the autotune cache
     flash-tile bench [forward|backward|context-parallel|decode|features|fp8|launch|sinks|
                       variants|varlen] [ARGS]
                                        the benchmarks of the source tree's bench/ (table, JSON,
@@ -170,10 +171,28 @@ def bench(args):
         sys.argv, sys.path[:] = saved
 
 
+def tune_inputs(dtype: str, head_dim: int, length: int, args, device="cuda") -> tuple:
+    """(q, k, v, varlen keyword arguments or None) of one shape of ``flash-tile tune``'s grid:
+    ``args.tokens`` tokens of sequences of ``length`` rows, heads * head_dim = ``args.width``;
+    [B, L, H, D] for ``flash_attn_func``, or under ``args.varlen`` the same sequences packed
+    [B * L, H, D] with their ``cu_seqlens`` for ``flash_attn_varlen_func``. A varlen class is
+    keyed by the packing's mean length, so any packing of that mean finds what this tuned."""
+    batch, heads = _timing.grid_shape(length, head_dim, args.tokens, args.width)
+    shape = (batch * length, heads, head_dim) if args.varlen else (batch, length, heads, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=_timing.DTYPES[dtype],
+                           requires_grad=args.backward) for _ in range(3))
+    if not args.varlen:
+        return q, k, v, None
+    cu = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+    return q, k, v, {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": length,
+                     "max_seqlen_k": length}
+
+
 def tune(args):
     """Tune a grid of shapes into the autotune cache: each (dtype, head dim, length, causal)
-    runs once through ``flash_attn_func`` (and its backward), which tunes its problem class
-    if the cache does not have it yet. Returns nothing: every failure raises."""
+    runs once through ``flash_attn_func`` (``--varlen``: ``flash_attn_varlen_func``) and,
+    with ``--backward``, its backward, which tunes its problem class if the cache does not
+    have it yet. Returns nothing: every failure raises."""
     import flash_tile
 
     if not torch.cuda.is_available():
@@ -186,13 +205,13 @@ def tune(args):
             for c in causals]
     bar = tqdm(grid, desc="flash-tile tune", unit="shape")
     for dtype, head_dim, length, causal in bar:
-        batch, heads = _timing.grid_shape(length, head_dim, args.tokens, args.width)
+        q, k, v, packing = tune_inputs(dtype, head_dim, length, args)
         bar.set_postfix_str(f"{dtype} D={head_dim} L={length} causal={causal} "
-                            f"(B={batch}, H={heads})")
-        q, k, v = (torch.randn(batch, length, heads, head_dim, device="cuda",
-                               dtype=_timing.DTYPES[dtype], requires_grad=args.backward)
-                   for _ in range(3))
-        out = flash_tile.flash_attn_func(q, k, v, causal=causal)
+                            f"({'packed ' if packing else ''}{tuple(q.shape)})")
+        if packing is None:
+            out = flash_tile.flash_attn_func(q, k, v, causal=causal)
+        else:
+            out = flash_tile.flash_attn_varlen_func(q, k, v, causal=causal, **packing)
         if args.backward:
             out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
@@ -318,6 +337,8 @@ def main(argv=None):
     p.add_argument("--lengths", nargs="+", type=int, default=list(_timing.GRID_LENGTHS))
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     p.add_argument("--backward", action="store_true", help="tune the backward kernels too")
+    p.add_argument("--varlen", action="store_true",
+                   help="tune flash_attn_varlen_func's classes (packings of each length)")
     p.add_argument("--tokens", type=int, default=_timing.GRID_TOKENS,
                    help="batch * length of each shape")
     p.add_argument("--width", type=int, default=_timing.GRID_WIDTH,

@@ -129,3 +129,61 @@ def test_doctor_reports_variants_and_autotuning(switch, tmp_path, capsys, monkey
         assert f"0 problem classes tuned in {tmp_path}" in out
     else:
         assert "autotuning off (FLASH_TILE_AUTOTUNE=0)" in out
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_tune_runs_each_shape_once_through_its_entry_point(varlen, tmp_path, capsys,
+                                                           monkeypatch):
+    """``flash-tile tune`` with the GPU stubbed: every (dtype, head dim, length, causal) of
+    the grid reaches ``flash_attn_func``, or under --varlen ``flash_attn_varlen_func`` with
+    equal sequences packed and their offsets, inputs as ``tune_inputs`` makes them (tokens,
+    width), and the backward runs under --backward."""
+    import flash_tile
+    from flash_tile import autotune, cli
+
+    calls = []
+
+    def entry(q, k, v, causal, **packing):
+        calls.append((tuple(q.shape), causal, packing))
+        return q * 2.0
+
+    real_inputs = cli.tune_inputs
+    monkeypatch.setattr(cli, "tune_inputs", lambda *a: real_inputs(*a, device="cpu"))
+    monkeypatch.setattr(flash_tile, "flash_attn_varlen_func" if varlen else "flash_attn_func",
+                        entry)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(autotune, "cache_path", lambda device: tmp_path / "autotune.json")
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    argv = ["tune", "--dtypes", "bf16", "--head-dims", "64", "--lengths", "100", "1000",
+            "--causal", "yes", "--backward", "--tokens", "4000", "--width", "256"]
+    assert main(argv + (["--varlen"] if varlen else [])) == 0
+    assert "tuned 2 shapes" in capsys.readouterr().out
+    shapes = [(4000, 4, 64), (4000, 4, 64)] if varlen else [(40, 100, 4, 64), (4, 1000, 4, 64)]
+    assert [c[:2] for c in calls] == [(s, True) for s in shapes]
+    for (_, _, packing), length in zip(calls, (100, 1000)):
+        if not varlen:
+            assert packing == {}
+            continue
+        cu = list(range(0, 4001, length))
+        assert packing["cu_seqlens_q"].dtype == torch.int32
+        assert packing["cu_seqlens_q"].tolist() == cu and packing["cu_seqlens_k"].tolist() == cu
+        assert packing["max_seqlen_q"] == packing["max_seqlen_k"] == length
+
+
+def test_tune_inputs_fall_in_the_class_of_their_length():
+    """A --varlen shape of ``flash-tile tune`` is keyed like any packing of the same mean
+    sequence length: the class fields of the equal-length packing and of a ragged one of the
+    same tokens and count agree, and the length is the bucket of the asked length."""
+    import argparse
+    from flash_tile import _ops, autotune, cli
+
+    args = argparse.Namespace(tokens=8192, width=512, varlen=True, backward=False)
+    q, k, v, packing = cli.tune_inputs("fp16", 128, 700, args, device="cpu")
+    batch = packing["cu_seqlens_q"].shape[0] - 1
+    assert q.shape == (batch * 700, 4, 128) and q.dtype == torch.float16 and batch == 11
+    fields = _ops._class_fields(q, k, v, (-1, -1), 0.0, None, None, 0.0, batch=batch)
+    assert fields[3] == fields[4] == autotune.length_bucket(700) == 1024
+    ragged = torch.empty(batch * 700 + 99, 4, 128, dtype=torch.float16)  # 7799 rows, mean 709
+    assert _ops._class_fields(ragged, ragged, ragged, (-1, -1), 0.0, None, None, 0.0,
+                              batch=batch) == fields

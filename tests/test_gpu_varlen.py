@@ -296,6 +296,34 @@ def test_autotune_tunes_varlen_classes_on_their_written_rows(tmp_path, monkeypat
     autotune.clear_memory_cache()
 
 
+def test_cli_tune_varlen_fills_the_classes_a_packing_looks_up(tmp_path, monkeypatch, capsys):
+    """``flash-tile tune --varlen --backward`` tunes the forward and backward classes of its
+    equal-length packing; a ragged packing of another mean in the same bucket (and of other
+    heads count, same head dim and group) then finds them: it adds no class to the cache."""
+    from flash_tile.cli import main
+
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    autotune.clear_memory_cache()
+    assert main(["tune", "--varlen", "--backward", "--dtypes", "bf16", "--head-dims", "64",
+                 "--lengths", "300", "--causal", "yes", "--tokens", "2400",
+                 "--width", "256"]) == 0
+    [path] = tmp_path.glob("autotune-*.json")
+    tuned = set(autotune.Cache(path).entries)
+    assert sorted(key.split("|")[0] for key in tuned) == ["bwd", "fwd"]
+    assert all("|varlen|q512|k512" in key for key in tuned), tuned
+    autotune.clear_memory_cache()
+    lengths = [17, 500, 283]  # 800 rows over 3 sequences: mean 266, bucket 512
+    q, k, v, dout, cu_q, cu_k = _inputs(lengths, lengths, 2, 2, 64, 64, torch.bfloat16, SEED)
+    got = _ours(q, k, v, dout, cu_q, cu_k, 500, 500, causal=True)
+    assert set(autotune.Cache(path).entries) == tuned
+    features = _features(True, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+    autotune.clear_memory_cache()
+
+
 # Every registered variant may now run a varlen class (the tuner picks among them): each one,
 # forward and backward, on ragged packings.
 VARIANT_CASES = [(backward, d, c) for backward in (False, True) for d in (64, 128)
