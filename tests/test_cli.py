@@ -144,7 +144,7 @@ def test_tune_runs_each_shape_once_through_its_entry_point(varlen, tmp_path, cap
     calls = []
 
     def entry(q, k, v, causal, **packing):
-        calls.append((tuple(q.shape), causal, packing))
+        calls.append((tuple(q.shape), causal, packing, q))
         return q * 2.0
 
     real_inputs = cli.tune_inputs
@@ -161,7 +161,8 @@ def test_tune_runs_each_shape_once_through_its_entry_point(varlen, tmp_path, cap
     assert "tuned 2 shapes" in capsys.readouterr().out
     shapes = [(4000, 4, 64), (4000, 4, 64)] if varlen else [(40, 100, 4, 64), (4, 1000, 4, 64)]
     assert [c[:2] for c in calls] == [(s, True) for s in shapes]
-    for (_, _, packing), length in zip(calls, (100, 1000)):
+    assert all(q.grad is not None and q.grad.abs().sum() > 0 for *_, q in calls)  # backward
+    for (_, _, packing, _), length in zip(calls, (100, 1000)):
         if not varlen:
             assert packing == {}
             continue
