@@ -26,19 +26,20 @@ def cdiv(a: int, b: int) -> int:
 
 def varlen_programs(cu_seqlens: list[int], tile: int) -> list[tuple[int, int]]:
     """(sequence, tile index) of each program of the flattened VARLEN grid, total // tile + B
-    programs (``kernels._tiles.program_tile``'s binary search, step by step); an index past
-    its sequence's tiles marks an idle program."""
+    programs for offsets that end at row ``total`` = cu_seqlens[-1] (``kernels._tiles.
+    program_tile``'s binary search, step by step); an index past its sequence's tiles marks
+    an idle program."""
     batch = len(cu_seqlens) - 1
     programs = []
     for w in range(cu_seqlens[-1] // tile + batch):
         lo, hi = 0, batch - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if cu_seqlens[mid] // tile + mid <= w:
+            if (cu_seqlens[mid] - cu_seqlens[0]) // tile + mid <= w:
                 lo = mid
             else:
                 hi = mid - 1
-        programs.append((lo, w - (cu_seqlens[lo] // tile + lo)))
+        programs.append((lo, w - ((cu_seqlens[lo] - cu_seqlens[0]) // tile + lo)))
     return programs
 
 

@@ -138,11 +138,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out [total_q, H, Dv] in q's dtype; with ``return_lse`` (out, lse [H, total_q] fp32,
         natural log, +inf for rows that see no key).
 
-    Not checked (it would need a device sync): that the offsets are monotone, start at 0 and
-    end at total_q / total_k, and that seqused_k[b] lies in [0, the sequence's keys] (more
-    reads the next sequence's keys). Offsets past the ends read padding or other sequences'
-    rows, and rows no sequence covers are left unwritten; offsets that decrease give wrong
-    results (the kernels' search for each program's sequence assumes them monotone).
+    The offsets may start past row 0 and end before the last row: rows that no sequence
+    covers are left unwritten (their gradients too). Not checked (it would need a device
+    sync): that the offsets are monotone and within [0, total_q] / [0, total_k], and that
+    seqused_k[b] lies in [0, the sequence's keys] (more reads the next sequence's keys).
+    Offsets past the ends read padding or other sequences' rows; offsets that decrease give
+    wrong results (the kernels' search for each program's sequence assumes them monotone).
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,

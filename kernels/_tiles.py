@@ -194,27 +194,29 @@ def program_tile(CuSeq, TILE: ConstInt, VARLEN: ConstBool):
 
     Dense grids are (tiles, heads, B): (bid(2), bid(0)). Under VARLEN the grid is flattened,
     (total // TILE + B, heads, 1): program w = bid(0) walks the sequences' tiles back to back,
-    sequence b's from first_b = CuSeq[b] // TILE + b. first_(b+1) - first_b =
-    CuSeq[b + 1] // TILE - CuSeq[b] // TILE + 1 >= cdiv(len_b, TILE), so every tile has a
+    sequence b's from first_b = r_b // TILE + b, r_b = CuSeq[b] - CuSeq[0] its first row
+    counted from the first sequence's (the offsets need not start at 0). first_(b+1) -
+    first_b = r_(b+1) // TILE - r_b // TILE + 1 >= cdiv(len_b, TILE), so every tile has a
     program and a sequence at most one idle one (index past its tiles: the caller returns),
     where a grid padded to the longest sequence leaves most programs idle (5 in 6 at 64k
     tokens of lengths 64-8192). first_b grows strictly and first_0 = 0, so w's sequence is the
     last b with first_b <= w: a binary search of ceil(log2 B) scalar loads (w past the last
-    sequence gets the last one and an index past its tiles). A vector search (one load of the
+    sequence gets the last one and an index past its tiles; no index is negative). A vector search (one load of the
     offsets, a count of first_b <= w) made tileiras 13.4 fail on sm_90 (exit 5, no message;
     sm_80 and sm_100 compiled) [2026-12-03]. Nothing is read on the host: the grid comes from
     the shapes."""
     if VARLEN:
         w = ct.bid(0)
+        base = ct.load(CuSeq, (0,), shape=()).item()
         lo = 0
         hi = CuSeq.shape[0] - 2  # the last sequence
         while lo < hi:  # first_lo <= w, and w's sequence is in [lo, hi]
             mid = (lo + hi + 1) // 2
-            first = ct.load(CuSeq, (mid,), shape=()).item() // TILE + mid
+            first = (ct.load(CuSeq, (mid,), shape=()).item() - base) // TILE + mid
             lo = mid if first <= w else lo
             hi = hi if first <= w else mid - 1
         start = ct.load(CuSeq, (lo,), shape=()).item()
-        return lo, w - (start // TILE + lo)
+        return lo, w - ((start - base) // TILE + lo)
     return ct.bid(2), ct.bid(0)
 
 

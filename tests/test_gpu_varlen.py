@@ -130,6 +130,22 @@ def test_seqused_k(causal, backward_form):
                         [low[0], low[1], low[2][keep], low[3][keep]], cu_q, cu_used)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_offsets_that_start_past_row_zero(causal, backward_form):
+    """Offsets need not start at row 0 (nor end at the last row): rows before the first
+    sequence and after the last belong to none. Each sequence's results are its own; the
+    flattened grid gives the rows before the first sequence no programs (under the one pass
+    a program there would add a stray dQ into the first sequence's rows)."""
+    lengths = ([300, 130, 17, 203, 1, 40], [200, 130, 50, 203, 9, 40])
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 4, 2, 128, 128, torch.bfloat16, 11)
+    cu_q, cu_k = cu_q[1:-1], cu_k[1:-1]  # from row 300 (200 for keys) to 40 rows short
+    got = _ours(q, k, v, dout, cu_q, cu_k, 203, 203, causal=causal)
+    features = _features(causal, (-1, -1))
+    ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
+    low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
 def test_lse_and_rows_without_keys():
     q, k, v, _, cu_q, cu_k = _inputs(*LENGTHS[1], 4, 4, 64, 64, torch.bfloat16, 1)
     with torch.no_grad():

@@ -133,14 +133,16 @@ def test_the_gradient_reaches_the_backward_launch(monkeypatch):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+@pytest.mark.parametrize("first_row", [0, 1, 300])
 @pytest.mark.parametrize("tile", [16, 64, 128])
 @pytest.mark.parametrize("lengths", [[0], [1], [5, 0, 17, 113, 203, 0, 1], [128] * 9,
                                      [0, 0, 300], [4097, 1, 1023, 64, 0, 17]])
-def test_flattened_grid_gives_every_tile_one_program(lengths, tile):
+def test_flattened_grid_gives_every_tile_one_program(lengths, tile, first_row):
     """The kernels' program map (``program_tile``, twinned by ``reference.varlen_programs``):
     total // tile + B programs, every tile of every sequence exactly once, at most one idle
-    program a sequence, and a sequence's tiles neighbours in launch order."""
-    cu = [0]
+    program a sequence, a sequence's tiles neighbours in launch order, and no negative
+    index, also when the offsets start past row 0 (rows before the first sequence)."""
+    cu = [first_row]
     for n in lengths:
         cu.append(cu[-1] + n)
     programs = reference.varlen_programs(cu, tile)
