@@ -201,10 +201,10 @@ def program_tile(CuSeq, TILE: ConstInt, VARLEN: ConstBool):
     where a grid padded to the longest sequence leaves most programs idle (5 in 6 at 64k
     tokens of lengths 64-8192). first_b grows strictly and first_0 = 0, so w's sequence is the
     last b with first_b <= w: a binary search of ceil(log2 B) scalar loads (w past the last
-    sequence gets the last one and an index past its tiles; no index is negative). A vector search (one load of the
-    offsets, a count of first_b <= w) made tileiras 13.4 fail on sm_90 (exit 5, no message;
-    sm_80 and sm_100 compiled) [2026-12-03]. Nothing is read on the host: the grid comes from
-    the shapes."""
+    sequence gets the last one and an index past its tiles; no index is negative). A vector
+    search (the offsets loaded or gathered as a tile, a sum or max of first_b <= w as the
+    index) makes tileiras 13.4 fail on sm_90 (exit 5, no message; sm_80 and sm_100 compiled)
+    [2026-12-03]. Nothing is read on the host: the grid comes from the shapes."""
     if VARLEN:
         w = ct.bid(0)
         base = ct.load(CuSeq, (0,), shape=()).item()
