@@ -217,7 +217,7 @@ def table(rows):
             lines.append([r["dtype"], r["tokens"], r["sequences"], r["max_seqlen"],
                           r["head_dim"], r["causal"], label,
                           *(r[key].get(n, "-") for n in BACKENDS),
-                          *(f"{r[prefix + ratio]:.2f}x" if r[prefix + ratio] else "-"
+                          *(f"{r[prefix + ratio]:.3f}x" if r[prefix + ratio] else "-"
                             for ratio in ("ratio_vs_fa2_varlen", "ratio_vs_dense")),
                           misses(r, prefix)])
     skipped = sorted({f"{n}: {why}" for r in rows for n, why in r["skipped"].items()})
