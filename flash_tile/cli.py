@@ -206,8 +206,9 @@ def tune(args):
     bar = tqdm(grid, desc="flash-tile tune", unit="shape")
     for dtype, head_dim, length, causal in bar:
         q, k, v, packing = tune_inputs(dtype, head_dim, length, args)
+        batch = q.shape[0] if packing is None else packing["cu_seqlens_q"].numel() - 1
         bar.set_postfix_str(f"{dtype} D={head_dim} L={length} causal={causal} "
-                            f"({'packed ' if packing else ''}{tuple(q.shape)})")
+                            f"({'packed ' if packing else ''}B={batch}, H={q.shape[-2]})")
         if packing is None:
             out = flash_tile.flash_attn_func(q, k, v, causal=causal)
         else:

@@ -158,7 +158,11 @@ def test_tune_runs_each_shape_once_through_its_entry_point(varlen, tmp_path, cap
     argv = ["tune", "--dtypes", "bf16", "--head-dims", "64", "--lengths", "100", "1000",
             "--causal", "yes", "--backward", "--tokens", "4000", "--width", "256"]
     assert main(argv + (["--varlen"] if varlen else [])) == 0
-    assert "tuned 2 shapes" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "tuned 2 shapes" in captured.out
+    # The progress bar (tqdm, on stderr) names each shape by its batch and heads.
+    packed = "packed " if varlen else ""
+    assert f"bf16 D=64 L=1000 causal=True ({packed}B=4, H=4)" in captured.err
     shapes = [(4000, 4, 64), (4000, 4, 64)] if varlen else [(40, 100, 4, 64), (4, 1000, 4, 64)]
     assert [c[:2] for c in calls] == [(s, True) for s in shapes]
     assert all(q.grad is not None and q.grad.abs().sum() > 0 for *_, q in calls)  # backward
