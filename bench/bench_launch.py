@@ -5,7 +5,12 @@ forward benchmark's 1k rows then measure the host, not the kernel. This script s
 into the layers it passes through and times each on its own, with the default variant
 (``FLASH_TILE_AUTOTUNE=0``: no tuning inside the timed calls):
 
-  flash_attn_func   the public call: validation, layout, the eager path and everything below
+  flash_attn_func   the public call: after a signature's first call, an inference call runs
+                    the plan that call left (``flash_tile._plans``: fresh outputs and one
+                    launch); a call that records autograd takes the full path (validation,
+                    layout, the eager path and everything below)
+  scaled_dot_product_attention
+                    flash_tile's SDPA drop-in on torch's [B, H, L, D] layout, planned alike
   eager path        ``_ops.attention_forward`` in eager mode: the op's body (``_choose``, the
                     output allocation and the launch), through an autograd.Function when an
                     input needs its gradient (the "with grad" column) and alone otherwise;
@@ -86,6 +91,8 @@ def layers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> d
     stream = torch.cuda.current_stream(q.device)
     return {
         "flash_attn_func": lambda: flash_tile.flash_attn_func(q, k, v, causal=causal),
+        "scaled_dot_product_attention": lambda: flash_tile.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=causal),
         "eager path": lambda: _ops.attention_forward(
             qb, kb, vb, None, None, scale, 0.0, offset, -1, right, False),
         "custom op": lambda: torch.ops.flash_tile.attention_forward(
@@ -138,8 +145,11 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     ``length`` keys, bf16, causal), beside SDPA's with ``enable_gqa``:
 
       flash_attn_with_kvcache     the public call, the chosen split count (two launches when
-                                  it splits), then with num_splits=1 (one launch)
-      op body                     ``_ops._kvcache_impl``: without the checks
+                                  it splits), then with num_splits=1 (one launch); after
+                                  the first call of its signature it runs that call's plan
+                                  (``flash_tile._plans``: no checks, the decode planned)
+      op body                     ``_ops._kvcache_impl``: the op's body, the full path
+                                  without the checks
       launch_decode               the output allocation and ``_launch_decode.launch_decode``
       ct.launch                   cuTile's launch of the decode kernel's prebuilt arguments
       graph replay                the public call captured in a CUDA graph, replayed

@@ -17,11 +17,19 @@ def _is_cupy(x) -> bool:
     return type(x).__module__.split(".")[0] == "cupy"
 
 
+#: Argument types that are never CuPy arrays: a call made of them alone is passed straight on
+#: (the check runs on every call, so it is one set operation).
+_PLAIN_TYPES = frozenset((torch.Tensor, type(None), bool, int, float, tuple, list))
+
+
 def accepts_cupy(fn):
     """Let ``fn`` (a torch function) take CuPy arrays for any tensor argument."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if _PLAIN_TYPES.issuperset(map(type, args)) and \
+                _PLAIN_TYPES.issuperset(map(type, kwargs.values())):
+            return fn(*args, **kwargs)
         arrays = [a for a in (*args, *kwargs.values()) if _is_cupy(a)]
         if not arrays:
             return fn(*args, **kwargs)

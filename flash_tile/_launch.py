@@ -337,6 +337,49 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         ct.launch(torch.cuda.current_stream(q.device), grid, kernel, args)
 
 
+class ForwardPlan:
+    """A forward launch with everything but its q, k, v, out and LSE settled: the grid, the
+    kernel and the rest of the argument tuple (placeholders, scalars, constants) that
+    ``forward_launch`` built for one call signature, and the outputs' shapes: out
+    [B, Lq, H, Dv] (the kernel writes its [B, H, Lq, Dv] transpose) and the LSE [B, H, Lq]
+    or None. Valid for every call of that signature (the same shapes, strides, dtypes,
+    device and scalars) without ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays
+    or seeds change from call to call (``flash_tile._plans``)."""
+
+    __slots__ = ("grid", "kernel", "tail", "device", "dtype", "out_shape", "lse_shape",
+                 "lse_placeholder")
+
+    def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
+                 lse: torch.Tensor | None):
+        self.grid, self.kernel, self.tail = grid, kernel, args[5:]
+        self.device, self.dtype = out.device, out.dtype
+        batch, heads, q_len, v_head_dim = out.shape
+        self.out_shape = (batch, q_len, heads, v_head_dim)
+        self.lse_shape = None if lse is None else tuple(lse.shape)
+        self.lse_placeholder = _placeholder(out.device, 3)
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor | None) -> None:
+        """``launch_forward`` of the planned call on these arrays (out [B, H, Lq, Dv])."""
+        args = (q, k, v, out, self.lse_placeholder if lse is None else lse, *self.tail)
+        if torch.cuda.current_device() == self.device.index:  # skips the guard's ~2 us
+            ct.launch(torch.cuda.current_stream(self.device), self.grid, self.kernel, args)
+        else:
+            with torch.cuda.device(self.device):
+                ct.launch(torch.cuda.current_stream(self.device), self.grid, self.kernel, args)
+
+
+def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor | None, scale: float, softcap: float, diag_offset: int,
+                 window: tuple[int, int], config: TileConfig) -> ForwardPlan:
+    """The plan of a plain forward (no ALiBi, mask, varlen, sinks, dropout or FP8) with these
+    arrays and scalars, arguments as ``launch_forward``'s; out must be laid out as
+    [B, Lq, H, Dv] (the plan's outputs are)."""
+    grid, kernel, args = forward_launch(q, k, v, out, lse, None, None, scale, softcap,
+                                        diag_offset, window, config)
+    return ForwardPlan(grid, kernel, args, out, lse)
+
+
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                     dv: torch.Tensor, dlse: torch.Tensor | None,

@@ -100,59 +100,50 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1). Returns the split
     count.
     """
+    plan = decode_plan(q, k_cache, v_cache, lse is not None, batch_idx, block_table,
+                       alibi_slopes, softcap, window, num_splits, config, sinks, leftpad)
+    if plan is not None:
+        plan.launch(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx, block_table,
+                    alibi_slopes, scale, softcap, window, new_len, sinks, leftpad)
+        return plan.splits
+    # A contiguous cache of 2**31 elements or more: launches of fewer sequences keep 32-bit
+    # indices (sequence b is row b, so the rows past the batch are never read).
+    k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    chunk = int32_batch_rows(k_cache, v_cache)
+    splits = 0
+    for b0 in range(0, q.shape[0], chunk):
+        rows = slice(b0, b0 + chunk)
+        splits = launch_decode(
+            q[rows], k_cache[rows], v_cache[rows], out[rows],
+            None if lse is None else lse[rows], seqlens_k[rows], None, None,
+            None if alibi_slopes is None else alibi_slopes[rows], scale, softcap, window,
+            new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows])
+    return splits
+
+
+def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                store_lse: bool, batch_idx: torch.Tensor | None,
+                block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+                softcap: float, window: tuple[int, int], num_splits: int, config: DecodeConfig,
+                sinks: torch.Tensor | None = None, leftpad: torch.Tensor | None = None
+                ) -> "_DecodePlan | None":
+    """The plan ``launch_decode`` launches for these arrays (arguments as its), valid for
+    every call of their signature; None where the batch must be split into launches that
+    32-bit offsets reach (a contiguous cache of 2**31 elements or more)."""
     paged = block_table is not None
     if not paged and batch_idx is None and k_cache.shape[0] > q.shape[0]:
         # sequence b is row b: the rows past the batch are never read (nor indexed)
         k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
-    chunk = 0
-    if not paged and batch_idx is None and needs_int64_index(k_cache, v_cache):
-        chunk = int32_batch_rows(k_cache, v_cache)
-    if 0 < chunk < q.shape[0]:  # launches of fewer sequences keep 32-bit indices
-        splits = 0
-        for b0 in range(0, q.shape[0], chunk):
-            rows = slice(b0, b0 + chunk)
-            splits = launch_decode(
-                q[rows], k_cache[rows], v_cache[rows], out[rows],
-                None if lse is None else lse[rows], seqlens_k[rows], None, None,
-                None if alibi_slopes is None else alibi_slopes[rows], scale, softcap, window,
-                new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows])
-        return splits
-    plan = _decode_plan(q.shape, k_cache.shape, v_cache.shape[3],
+    int64_index = needs_int64_index(k_cache, v_cache)
+    if not paged and batch_idx is None and int64_index and \
+            0 < int32_batch_rows(k_cache, v_cache) < q.shape[0]:
+        return None
+    return _decode_plan(q.shape, k_cache.shape, v_cache.shape[3],
                         block_table.shape[1] if paged else None, num_splits,
                         (window[0] >= 0, window[1] >= 0, softcap > 0.0,
-                         alibi_slopes is not None, batch_idx is not None, lse is not None,
+                         alibi_slopes is not None, batch_idx is not None, store_lse,
                          sinks is not None, leftpad is not None),
-                        needs_int64_index(k_cache, v_cache), config, _sm_count(q.device))
-    batch, q_len, kv_heads, group, head_dim = plan.q_view
-    device = q.device
-    out_split = lse_split = None
-    if plan.splits > 1:
-        out_split, lse_split = decode_workspace(plan.splits, batch, q_len, kv_heads * group,
-                                                v_cache.shape[3], device)
-    slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
-    sinks = None if sinks is None else sinks.view(kv_heads, group)
-    lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
-    lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
-        device, (lse_g, 4), (None if out_split is None else
-                             out_split.view(plan.splits, *plan.out_view), 6),
-        (None if lse_split is None else lse_split.view(plan.splits, *plan.out_view[:4]), 5),
-        (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
-    args = (q.view(plan.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-            out.view(plan.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx, block_table,
-            slopes, sinks, leftpad, float(scale), float(softcap), int(window[0]),
-            int(window[1]), int(new_len), *plan.constants)
-    stream = torch.cuda.current_stream(device)
-    # Under config.pdl both launches may start while their predecessor on the stream (the
-    # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
-    # before its first read (ct.grid_dependency_control_wait).
-    with torch.cuda.device(device):
-        ct.launch(stream, plan.grid, plan.kernel, args,
-                  programmatic_dependent_launch=config.pdl)
-        if plan.splits > 1:
-            ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
-                      (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
-                       *plan.combine_constants), programmatic_dependent_launch=config.pdl)
-    return plan.splits
+                        int64_index, config, _sm_count(q.device))
 
 
 def int32_batch_rows(*caches: torch.Tensor) -> int:
@@ -182,6 +173,47 @@ class _DecodePlan:
     combine_constants: tuple
     q_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, D]
     out_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, Dv]
+    pdl: bool  # the config's programmatic dependent launch
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
+               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+               alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+               window: tuple[int, int], new_len: int, sinks: torch.Tensor | None = None,
+               leftpad: torch.Tensor | None = None) -> None:
+        """The decode (and, with more than one split, the combine) of a call with this plan's
+        signature, on q's current stream; arguments as ``launch_decode``'s."""
+        batch, q_len, kv_heads, group, head_dim = self.q_view
+        if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
+            k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # as launch_decode
+        device = q.device
+        out_split = lse_split = None
+        if self.splits > 1:
+            out_split, lse_split = decode_workspace(self.splits, batch, q_len,
+                                                    kv_heads * group, self.out_view[4], device)
+        slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
+        sinks = None if sinks is None else sinks.view(kv_heads, group)
+        lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
+        lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
+            device, (lse_g, 4), (None if out_split is None else
+                                 out_split.view(self.splits, *self.out_view), 6),
+            (None if lse_split is None else lse_split.view(self.splits, *self.out_view[:4]),
+             5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
+        args = (q.view(self.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                out.view(self.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx,
+                block_table, slopes, sinks, leftpad, float(scale), float(softcap),
+                int(window[0]), int(window[1]), int(new_len), *self.constants)
+        stream = torch.cuda.current_stream(device)
+        # Under pdl both launches may start while their predecessor on the stream (the
+        # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
+        # before its first read (ct.grid_dependency_control_wait).
+        with torch.cuda.device(device):
+            ct.launch(stream, self.grid, self.kernel, args,
+                      programmatic_dependent_launch=self.pdl)
+            if self.splits > 1:
+                ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
+                          (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
+                           *self.combine_constants), programmatic_dependent_launch=self.pdl)
 
 
 @functools.cache
@@ -210,7 +242,7 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
                        _decode_kernel(config, int64_index), spec.constants(),
                        (tile_width(splits, 1), tile_width(v_head_dim), store_lse),
                        (batch, q_len, kv_heads, group, head_dim),
-                       (batch, q_len, kv_heads, group, v_head_dim))
+                       (batch, q_len, kv_heads, group, v_head_dim), config.pdl)
 
 
 def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim: int,

@@ -489,6 +489,29 @@ def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
+def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+            cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+            rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+            rotary_interleaved: bool, rotary_q_step: int) -> torch.Tensor:
+    """The KV-cache call's append: k/v (when given) into the caches at cache_seqlens, rotated
+    under rotary_cos/sin, q rotated with them; returns the q to attend with."""
+    if k is None and rotary_cos is None:
+        return q
+    rotary = q_rot = None
+    if rotary_cos is not None:
+        rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
+        q_rot = torch.empty_like(q)
+    launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, q,
+                        q_rot, rotary)
+    return q if q_rot is None else q_rot
+
+
+def decode_config(q: torch.Tensor, v_cache: torch.Tensor) -> variants.DecodeConfig:
+    return variants.default_decode_config(device_properties(q.device)[0],
+                                          max(q.shape[-1], v_cache.shape[-1]))
+
+
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k: torch.Tensor | None, v: torch.Tensor | None, cache_seqlens: torch.Tensor,
                   cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
@@ -504,20 +527,12 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     .flash_attn_with_kvcache`` checked every argument)."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
     new_len = 0 if k is None else k.shape[1]
-    if new_len or rotary_cos is not None:
-        rotary = q_rot = None
-        if rotary_cos is not None:
-            rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
-            q_rot = torch.empty_like(q)
-        launch_cache_append(k if new_len else None, v if new_len else None, k_cache, v_cache,
-                            cache_seqlens, cache_batch_idx, block_table, q, q_rot, rotary)
-        q = q if q_rot is None else q_rot
-    config = variants.default_decode_config(device_properties(q.device)[0],
-                                            max(q.shape[-1], v_cache.shape[-1]))
+    q = append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+                rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
-                  (window_left, window_right), new_len, num_splits, config, sinks,
-                  cache_leftpad)
+                  (window_left, window_right), new_len, num_splits, decode_config(q, v_cache),
+                  sinks, cache_leftpad)
     return out, lse
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from flash_tile import _validate
+from flash_tile import _plans, _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import attention_forward
 from flash_tile._ops_fp8 import fp8_attention
@@ -67,7 +67,19 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                 deterministic, return_attn_probs, return_lse, sinks=None,
                 descales=(None, None, None)):
     """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones); ``descales``
-    the FP8 forward's (q_descale, k_descale, v_descale)."""
+    the FP8 forward's (q_descale, k_descale, v_descale). A plain inference call of a seen
+    signature runs its plan (``flash_tile._plans``)."""
+    plan_key = None
+    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
+            descales[0] is None and descales[1] is None and descales[2] is None and \
+            not return_attn_probs:
+        plan_key = _plans.key("flash_attn", (q, k, v), (softmax_scale, causal, window_size,
+                                                         softcap, return_lse))
+        plan = _plans.find(plan_key)
+        if plan is not None:
+            out, lse = _plans.run_forward(plan, q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2))
+            return (out, lse) if return_lse else out
     dropout_p = _validate.check_dropout(dropout_p)
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
@@ -103,6 +115,11 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        out, lse, plan = _plans.forward(q, k, v, scale, softcap, k.shape[2] - q.shape[2], left,
+                                      right, bool(return_lse))
+        _plans.keep(plan_key, plan)
+        return (out, lse) if return_lse else out
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = attention_forward(q, k, v, alibi_slopes, None, scale, softcap,
@@ -260,7 +277,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=None):
     """``scaled_dot_product_attention``'s body, with ``flash_attn_func``'s ``sinks`` [H]
     (which torch's function has not): for integrations (Transformers' gpt-oss) that pass a
-    mask and sinks together."""
+    mask and sinks together. A plain inference call on [B, H, L, D] tensors of a seen
+    signature runs its plan (``flash_tile._plans``)."""
+    plan_key = None
+    if attn_mask is None and dropout_p == 0.0 and sinks is None and query.dim() == 4:
+        plan_key = _plans.key("sdpa", (query, key, value), (is_causal, scale, enable_gqa))
+        plan = _plans.find(plan_key)
+        if plan is not None:
+            return _plans.run_forward(plan, query, key, value)[0].transpose(1, 2)
     dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 3:
@@ -291,8 +315,12 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, attn_mask=mask), sinks)
 
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     right = 0 if is_causal else -1
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        out, _, plan = _plans.forward(q, k, v, scale, 0.0, 0, -1, right, False)
+        _plans.keep(plan_key, plan)
+        return out.transpose(1, 2)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad,
                                dropout_p, _dropout_seed(dropout_p), sinks)
     return out.reshape(*lead, *out.shape[-2:])

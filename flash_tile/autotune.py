@@ -59,6 +59,10 @@ def settings() -> tuple[str | None, str | None]:
 #: everything ``problem_key`` reads plus ``settings()``; emptied by ``clear_memory_cache``.
 decided: dict[tuple, variants.TileConfig] = {}
 
+#: Call plans made from those choices (``flash_tile._plans``), keyed by a call's signature
+#: plus ``settings()``; emptied with them.
+plans: dict[tuple, object] = {}
+
 
 def length_bucket(length: int) -> int:
     """Lengths share a tuning result per power of two, from 64 up to 16k (longer ones tile the
@@ -319,3 +323,4 @@ def clear_memory_cache() -> None:
     would); the tests use it."""
     _caches.clear()
     decided.clear()
+    plans.clear()

@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from flash_tile import _validate
+from flash_tile import _plans, _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import kvcache_attention
 
@@ -106,6 +106,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_batch_idx) or are indexed in 64 bits (the rest); q or new k/v that large raise
     NotImplementedError.
     """
+    # A call of a seen signature skips the checks (flash_tile._plans): its arguments were
+    # checked and normalised when the signature was first seen, and are kept as its plan.
+    plan_key = None
+    if isinstance(cache_seqlens, torch.Tensor) and alibi_slopes is None and (
+            sinks is None or isinstance(sinks, torch.Tensor) and sinks.is_contiguous()):
+        optional = (k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
+                    sinks)
+        plan_key = _plans.key("kvcache", (q, k_cache, v_cache, cache_seqlens, *(
+            t for t in optional if t is not None)), (
+            tuple(t is None for t in optional), softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, num_splits, return_softmax_lse))
+        plan = _plans.find(plan_key)
+        if plan is not None:
+            decode, new_rows, scale, softcap, left, right, q_step = plan
+            out, lse = _plans.run_kvcache(
+                decode, q, k_cache, v_cache, k if new_rows else None, v if new_rows else None,
+                cache_seqlens, cache_batch_idx, block_table, scale, softcap, left, right,
+                bool(return_softmax_lse), sinks, cache_leftpad, rotary_cos, rotary_sin,
+                bool(rotary_interleaved), q_step)
+            return (out, lse) if return_softmax_lse else out
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
@@ -167,6 +187,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _validate.check_rotary(rotary_cos, rotary_sin, q, capacity + q_step * max(
             q_len - new_len, 0), bool(new))
 
+    if plan_key is not None:
+        decode = _plans.kvcache(q, k_cache, v_cache, cache_batch_idx, block_table, softcap,
+                                left, right, num_splits, bool(return_softmax_lse), sinks,
+                                cache_leftpad)
+        if decode is not None:
+            _plans.keep(plan_key, (decode, bool(new_len), scale, softcap, left, right, q_step))
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,

@@ -49,7 +49,7 @@ def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""
     if not request.node.get_closest_marker("gpu"):
         return
-    from flash_tile import _launch, _launch_decode, _ops
+    from flash_tile import _launch, _launch_decode, _ops, _plans
 
     def poisoned(allocate):
         def allocate_nan(*args):
@@ -61,6 +61,7 @@ def poisoned_outputs(request, monkeypatch):
         return allocate_nan
 
     monkeypatch.setattr(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
+    monkeypatch.setattr(_plans, "outputs", poisoned(_plans.outputs))
     monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     monkeypatch.setattr(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
     monkeypatch.setattr(_launch_decode, "decode_workspace",

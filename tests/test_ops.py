@@ -496,3 +496,26 @@ def test_decode_sinks_launches_match_the_compiled_signatures(launched, page_size
                                  page_size=page_size, splits=splits, sinks=True)
     _matches(decode, sigs["decode"][1])
     _matches(combine, sigs["combine"][1])
+
+
+def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
+    """``flash_tile._plans``: CPU tensors (and meta ones) get no key, so the full path checks
+    them; an unhashable argument is never found nor kept; past MAX_PLANS the plans start
+    over; ``autotune.clear_memory_cache`` forgets them."""
+    from flash_tile import _plans, autotune
+
+    monkeypatch.setattr(autotune, "plans", {})
+    for device in ("cpu", "meta"):
+        q = torch.empty(1, 8, 2, 64, device=device)
+        assert _plans.key("flash_attn", (q, q, q), (None, False)) is None
+    unhashable = ("flash_attn", [8, 8])
+    _plans.keep(unhashable, "plan")
+    assert _plans.find(unhashable) is None and not autotune.plans
+    monkeypatch.setattr(_plans, "MAX_PLANS", 2)
+    for i in range(3):
+        _plans.keep(("k", i), f"plan {i}")
+    assert autotune.plans == {("k", 2): "plan 2"} and _plans.find(("k", 2)) == "plan 2"
+    _plans.keep(None, "plan")  # no key: nothing kept
+    assert _plans.find(None) is None and len(autotune.plans) == 1
+    autotune.clear_memory_cache()
+    assert not autotune.plans

@@ -1,0 +1,139 @@
+"""Call plans: the host's fast path for an inference call whose signature was seen before.
+
+Everything a call settles before its launches (the checks, the variant, the grid, the
+kernel, every launch argument but the call's own arrays) depends only on its tensors'
+metadata (shape, strides, dtype, device), its other arguments and the tuner's environment
+(``autotune.settings``). The public functions run every check and choice on a signature's
+first call and keep the outcome as a plan, keyed by that signature: for the forward a
+``_launch.ForwardPlan`` (a later call allocates its outputs and launches it, nothing
+else), for ``flash_attn_with_kvcache`` the checked arguments of its op (a later call skips
+the checks). A key is only made where that is sound: plain tensors (no tensor subclass) on
+a CUDA device in eager mode (no torch.compile or other tracer, no dispatch mode), no
+autograd to record (no input needs its gradient, or grad mode is off) and autocast off.
+The callers add their own conditions (no ALiBi, mask, dropout or FP8, a unit last stride);
+every other call takes the full path each time, as does a call whose key is new.
+
+The plans live in ``autotune.plans`` beside the choices they were made from, and
+``autotune.clear_memory_cache`` forgets both.
+"""
+
+import torch
+
+from flash_tile import _launch_decode, _ops, autotune
+from flash_tile._launch import forward_plan
+
+#: A process that meets more signatures than this starts its plans over.
+MAX_PLANS = 1024
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.get_device()
+
+
+def key(entry: str, tensors: tuple, arguments: tuple) -> tuple | None:
+    """The plan key of a call of ``entry`` on ``tensors`` with the other ``arguments`` (which
+    decide everything but the tensors' metadata), or None where the call must take the full
+    path (see the module's docstring)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return None
+    if type(tensors[0]) is not torch.Tensor or tensors[0].get_device() < 0:
+        return None  # not a CUDA call: the full path says what is wrong with it
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return None
+    if torch.is_autocast_enabled("cuda"):
+        return None
+    return (entry, *map(_tensor_key, tensors), *arguments, autotune.settings())
+
+
+def find(plan_key: tuple | None):
+    """The plan kept for ``plan_key``, or None (no key, a new one, or an unhashable
+    argument, such as a list for a window, which then takes the full path every call)."""
+    if plan_key is None:
+        return None
+    try:
+        return autotune.plans.get(plan_key)
+    except TypeError:
+        return None
+
+
+def keep(plan_key: tuple | None, plan) -> None:
+    """Keep ``plan`` (None: nothing to keep) for later calls with ``plan_key``."""
+    if plan_key is None or plan is None:
+        return
+    if len(autotune.plans) >= MAX_PLANS:
+        autotune.plans.clear()
+    try:
+        autotune.plans[plan_key] = plan
+    except TypeError:
+        pass
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
+            diag_offset: int, window_left: int, window_right: int, return_lse: bool):
+    """A plain inference forward (no ALiBi, mask, sinks or dropout; nothing to differentiate)
+    on checked [B, H, L, D] views, as ``_ops._forward_impl`` runs it, and its plan:
+    (out, lse, plan) with out [B, Lq, H, Dv] (the layout flash-attn returns), lse [B, H, Lq]
+    fp32 or None, and plan a ``ForwardPlan`` for later calls of the same signature
+    (``run_forward``), or None where the choice is not final (empty inputs, or a capture:
+    ``_ops._choose`` asks again next time)."""
+    window = (window_left, window_right)
+    run = _ops.forward_runner(q, k, v, None, None, scale, softcap, diag_offset, window,
+                              return_lse)
+    config = _ops._choose(False, q, k, v, window, softcap, None, None, 0.0, run)
+    out, lse = _ops._forward_outputs(q, v, return_lse)
+    lse = lse if return_lse else None
+    plan = forward_plan(q, k, v, out, lse, scale, softcap, diag_offset, window, config)
+    plan.launch(q, k, v, out, lse)
+    final = q.numel() and k.numel() and not torch.cuda.is_current_stream_capturing()
+    return out.transpose(1, 2), lse, plan if final else None
+
+
+def outputs(plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fresh outputs of a planned forward: out [B, Lq, H, Dv], contiguous, and the LSE
+    [B, H, Lq] fp32 where the plan stores one, else None."""
+    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
+    return out, (None if plan.lse_shape is None else
+                 torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device))
+
+
+def run_forward(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(out [B, Lq, H, Dv], lse or None) of a planned forward (``forward``'s plan) on
+    [B, H, L, D] views of a call with the plan's signature: fresh outputs, one launch."""
+    out, lse = outputs(plan)
+    plan.launch(q, k, v, out.transpose(1, 2), lse)
+    return out, lse
+
+
+def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+            softcap: float, window_left: int, window_right: int, num_splits: int,
+            return_lse: bool, sinks: torch.Tensor | None = None,
+            cache_leftpad: torch.Tensor | None = None):
+    """The decode plan (``_launch_decode.decode_plan``) of a checked KV-cache call without
+    ALiBi, for ``run_kvcache`` on later calls of its signature; None where none is kept
+    (the batch runs in launches that 32-bit offsets reach)."""
+    return _launch_decode.decode_plan(q, k_cache, v_cache, return_lse, cache_batch_idx,
+                                      block_table, None, softcap, (window_left, window_right),
+                                      num_splits, _ops.decode_config(q, v_cache), sinks,
+                                      cache_leftpad)
+
+
+def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k: torch.Tensor | None, v: torch.Tensor | None, cache_seqlens: torch.Tensor,
+                cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                scale: float, softcap: float, window_left: int, window_right: int,
+                return_lse: bool, sinks: torch.Tensor | None,
+                cache_leftpad: torch.Tensor | None, rotary_cos: torch.Tensor | None,
+                rotary_sin: torch.Tensor | None, rotary_interleaved: bool, rotary_q_step: int):
+    """``_ops._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
+    mode: the append, then the planned decode; (out, lse) as the op's."""
+    out, lse = _ops._decode_outputs(q, plan.out_view[4], return_lse)
+    q = _ops.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+                             block_table, rotary_cos, rotary_sin, rotary_interleaved,
+                             rotary_q_step)
+    plan.launch(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
+                cache_batch_idx, block_table, None, scale, softcap, (window_left, window_right),
+                0 if k is None else k.shape[1], sinks, cache_leftpad)
+    return out, lse
