@@ -152,6 +152,8 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
                                   without the checks
       launch_decode               the output allocation and ``_launch_decode.launch_decode``
       ct.launch                   cuTile's launch of the decode kernel's prebuilt arguments
+                                  (with programmatic dependent launch where the config
+                                  asks for it, as the call does), then without it
       graph replay                the public call captured in a CUDA graph, replayed
       sdpa, sdpa graph replay     SDPA (torch's backend choice), plain and replayed
     """
@@ -193,6 +195,8 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
             q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,
             1, config),
         "ct.launch": functools.partial(ct.launch, *prebuilt[0][0], **prebuilt[0][1]),
+        "ct.launch, no PDL": functools.partial(ct.launch, *prebuilt[0][0],
+                                               programmatic_dependent_launch=False),
         "graph replay": graph_replay(public),
         "sdpa": sdpa,
         "sdpa graph replay": graph_replay(sdpa),
