@@ -519,3 +519,38 @@ def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
     assert _plans.find(None) is None and len(autotune.plans) == 1
     autotune.clear_memory_cache()
     assert not autotune.plans
+
+
+@pytest.mark.parametrize("return_lse,window,softcap", [(False, (-1, 0), 0.0),
+                                                        (True, (16, 3), 20.0)])
+def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkeypatch,
+                                                                 return_lse, window, softcap):
+    """``ForwardPlan.launch`` on a call's arrays passes ``ct.launch`` the grid, kernel and
+    argument tuple that ``launch_forward`` passes for the same call (arrays by identity,
+    everything else equal), on odd lengths, GQA, with and without the LSE."""
+    from flash_tile import _launch, variants
+
+    monkeypatch.setattr(_launch.torch.cuda, "current_device", lambda: 0)
+    q = torch.randn(2, 8, 113, 64).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(2, 203, 2, 64).transpose(1, 2) for _ in range(2))
+    out = torch.empty(2, 113, 8, 64).transpose(1, 2)  # [B, H, Lq, Dv] laid out as BLHD
+    lse = torch.empty(2, 8, 113) if return_lse else None
+    config = variants.default_config((9, 0), 64)
+    scalars = (0.125, softcap, 203 - 113, window, config)
+    _launch.launch_forward(q, k, v, out, lse, None, None, *scalars)
+    plan = _launch.forward_plan(q, k, v, out, lse, *scalars)
+    assert plan.out_shape == (2, 113, 8, 64)
+    assert plan.lse_shape == ((2, 8, 113) if return_lse else None)
+    q2, k2, v2, out2 = (torch.randn_like(t) for t in (q, k, v, out))  # another call's arrays
+    lse2 = torch.empty_like(lse) if return_lse else None
+    _launch.launch_forward(q2, k2, v2, out2, lse2, None, None, *scalars)
+    plan.launch(q2, k2, v2, out2, lse2)
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    for full, planned in zip(args, plan_args):  # the placeholders are the same cached views
+        if isinstance(full, torch.Tensor):
+            assert planned is full
+        else:
+            assert planned == full and type(planned) is type(full)
+    lse_arg = lse2 if return_lse else args[4]  # the placeholder without an LSE
+    assert all(a is b for a, b in zip(plan_args[:5], (q2, k2, v2, out2, lse_arg)))
