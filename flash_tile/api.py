@@ -116,8 +116,8 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
     if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-        out, lse, plan = _plans.forward(q, k, v, scale, softcap, k.shape[2] - q.shape[2], left,
-                                      right, bool(return_lse))
+        out, lse, plan = _plans.forward(q, k, v, scale, softcap, k.shape[2] - q.shape[2],
+                                        left, right, bool(return_lse))
         _plans.keep(plan_key, plan)
         return (out, lse) if return_lse else out
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
