@@ -35,7 +35,7 @@ import flash_tile
 from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
                              save_json, write_report)
 from bench_launch import decode_layers, host_us
-from flash_tile import _launch_decode, reference
+from flash_tile import _launch, reference
 
 BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
             "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
@@ -179,16 +179,16 @@ def call_chosen(q, k, v, lens):
 def without_pdl():
     """flash_tile's launches without programmatic dependent launch (its A/B): cuTile's launch
     wrapped to drop the attribute."""
-    launch = _launch_decode.ct.launch
+    launch = _launch.ct.launch
 
     def plain(*args, programmatic_dependent_launch=False):
         return launch(*args)
 
-    _launch_decode.ct.launch = plain
+    _launch.ct.launch = plain
     try:
         yield
     finally:
-        _launch_decode.ct.launch = launch
+        _launch.ct.launch = launch
 
 
 def sweep_table(rows):

@@ -165,18 +165,18 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     config = variants.default_decode_config(torch.cuda.get_device_capability(), head_dim)
     out = torch.empty_like(q)
     prebuilt = []
-    real_launch = _launch_decode.ct.launch
+    real_launch = _launch.ct.launch
 
     def record(*args, **kwargs):  # the launch_decode's own arguments, kept once
         prebuilt.append((args, kwargs))
         return real_launch(*args, **kwargs)
 
-    _launch_decode.ct.launch = record
+    _launch.ct.launch = record
     try:
         _launch_decode.launch_decode(q, k, v, out, None, lens, None, None, None, scale, 0.0,
                                      (-1, 0), 0, 1, config)
     finally:
-        _launch_decode.ct.launch = real_launch
+        _launch.ct.launch = real_launch
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
     def public(splits=0):

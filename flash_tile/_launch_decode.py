@@ -9,10 +9,10 @@ ahead-of-time compiles in ``flash_tile.aot`` take their compile-time constants f
 import functools
 from dataclasses import dataclass
 
-import cuda.tile as ct
 import torch
 
-from flash_tile._launch import _fill_unused, _placeholder, _with_hints, needs_int64_index
+from flash_tile._launch import (_fill_unused, _placeholder, _with_hints, launch_on,
+                                needs_int64_index)
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
@@ -203,17 +203,14 @@ class _DecodePlan:
                 out.view(self.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx,
                 block_table, slopes, sinks, leftpad, float(scale), float(softcap),
                 int(window[0]), int(window[1]), int(new_len), *self.constants)
-        stream = torch.cuda.current_stream(device)
         # Under pdl both launches may start while their predecessor on the stream (the
         # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
         # before its first read (ct.grid_dependency_control_wait).
-        with torch.cuda.device(device):
-            ct.launch(stream, self.grid, self.kernel, args,
-                      programmatic_dependent_launch=self.pdl)
-            if self.splits > 1:
-                ct.launch(stream, (q_len, kv_heads * group, batch), decode_combine,
-                          (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
-                           *self.combine_constants), programmatic_dependent_launch=self.pdl)
+        launch_on(device, self.grid, self.kernel, args, programmatic_dependent_launch=self.pdl)
+        if self.splits > 1:
+            launch_on(device, (q_len, kv_heads * group, batch), decode_combine,
+                      (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
+                       *self.combine_constants), programmatic_dependent_launch=self.pdl)
 
 
 @functools.cache
@@ -289,14 +286,13 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
         shape = (batch, q.shape[1], kv_heads, group, head_dim)
         rotary_args = (q.view(shape), q_rot.view(shape), rotary.cos, rotary.sin,
                        2 * rotary.cos.shape[1], rotary.q_step)
-    with torch.cuda.device(device):
-        ct.launch(torch.cuda.current_stream(device), (rows, kv_heads, batch),
-                  cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
-                  (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
-                   *rotary_args[:4], new_len, *rotary_args[4:], tile_width(head_dim),
-                   tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
-                   batch_idx is not None, rotary is not None,
-                   rotary is not None and rotary.interleaved))
+    launch_on(device, (rows, kv_heads, batch),
+              cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
+              (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
+               *rotary_args[:4], new_len, *rotary_args[4:], tile_width(head_dim),
+               tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
+               batch_idx is not None, rotary is not None,
+               rotary is not None and rotary.interleaved))
 
 
 @functools.cache

@@ -120,6 +120,12 @@ def problem_key(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mas
         varlen=batch is not None)
 
 
+def choice_is_final(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``_choose``'s answer for a call on q and k is kept for its class: not for empty
+    inputs (nothing to time) nor under a CUDA-graph capture (nothing may be timed)."""
+    return q.numel() != 0 and k.numel() != 0 and not torch.cuda.is_current_stream_capturing()
+
+
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
             run, deterministic: bool = False, batch: int | None = None, written=None):
     """The tile variant for this call: the architecture's default for its class (plain scores
@@ -146,7 +152,7 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
                                        deterministic=deterministic, varlen=varlen)
             config = autotune.choose(key, q.device, configs, run, written)
         # Untuned (empty, or under capture): the next call of the class asks again.
-        if not (empty or torch.cuda.is_current_stream_capturing()):
+        if choice_is_final(q, k):
             autotune.decided[problem] = config
     return config
 
@@ -490,10 +496,10 @@ def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):
 
 
 def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-            k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-            cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
-            rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
-            rotary_interleaved: bool, rotary_q_step: int) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                    cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                    rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                    rotary_interleaved: bool, rotary_q_step: int) -> torch.Tensor:
     """The KV-cache call's append: k/v (when given) into the caches at cache_seqlens, rotated
     under rotary_cos/sin, q rotated with them; returns the q to attend with."""
     if k is None and rotary_cos is None:
@@ -508,6 +514,7 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
 
 
 def decode_config(q: torch.Tensor, v_cache: torch.Tensor) -> variants.DecodeConfig:
+    """The decode's tiles for q's device and the wider of the two head dims."""
     return variants.default_decode_config(device_properties(q.device)[0],
                                           max(q.shape[-1], v_cache.shape[-1]))
 
@@ -527,8 +534,8 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     .flash_attn_with_kvcache`` checked every argument)."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
     new_len = 0 if k is None else k.shape[1]
-    q = append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
-                rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
+    q = append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+                        block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
                   (window_left, window_right), new_len, num_splits, decode_config(q, v_cache),

@@ -10,9 +10,10 @@ else), for ``flash_attn_with_kvcache`` its checked arguments and decode plan
 (``_launch_decode.decode_plan``: a later call runs the append and launches the plan). On an
 H200's host that took a ``flash_attn_func`` call from 85 to 33-44 us and a decode step from
 122 to 67-68 us, torch's SDPA taking 18-25 us (2026-12-03,
-docs/experiments/evidence/2026-12-03-launch-plans-h200.md). A key is only made where that is sound: plain tensors (no tensor subclass) on
-a CUDA device in eager mode (no torch.compile or other tracer, no dispatch mode), no
-autograd to record (no input needs its gradient, or grad mode is off) and autocast off.
+docs/experiments/evidence/2026-12-03-launch-plans-h200.md). A key is only made where that is
+sound: plain tensors (no tensor subclass) on a CUDA device in eager mode (no torch.compile
+or other tracer, no dispatch mode), no autograd to record (no input needs its gradient, or
+grad mode is off) and autocast off.
 The callers add their own conditions (no ALiBi, mask, dropout or FP8, a unit last stride);
 every other call takes the full path each time, as does a call whose key is new.
 
@@ -80,7 +81,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
     (out, lse, plan) with out [B, Lq, H, Dv] (the layout flash-attn returns), lse [B, H, Lq]
     fp32 or None, and plan a ``ForwardPlan`` for later calls of the same signature
     (``run_forward``), or None where the choice is not final (empty inputs, or a capture:
-    ``_ops._choose`` asks again next time)."""
+    ``_ops.choice_is_final``)."""
     window = (window_left, window_right)
     run = _ops.forward_runner(q, k, v, None, None, scale, softcap, diag_offset, window,
                               return_lse)
@@ -89,8 +90,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
     lse = lse if return_lse else None
     plan = forward_plan(q, k, v, out, lse, scale, softcap, diag_offset, window, config)
     plan.launch(q, k, v, out, lse)
-    final = q.numel() and k.numel() and not torch.cuda.is_current_stream_capturing()
-    return out.transpose(1, 2), lse, plan if final else None
+    return out.transpose(1, 2), lse, plan if _ops.choice_is_final(q, k) else None
 
 
 def outputs(plan) -> tuple[torch.Tensor, torch.Tensor | None]:

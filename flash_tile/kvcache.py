@@ -37,6 +37,20 @@ def _seqlens(cache_seqlens, batch: int, capacity: int, new_len: int, device) -> 
     return torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
+def _run_plan(plan: tuple, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved,
+              return_lse):
+    """A checked call's result by its plan (the decode plan, whether new rows are appended,
+    and the normalised scale, softcap, window and rotary step)."""
+    decode, new_rows, scale, softcap, left, right, q_step = plan
+    out, lse = _plans.run_kvcache(
+        decode, q, k_cache, v_cache, k if new_rows else None, v if new_rows else None,
+        cache_seqlens, cache_batch_idx, block_table, scale, softcap, left, right,
+        bool(return_lse), sinks, cache_leftpad, rotary_cos, rotary_sin,
+        bool(rotary_interleaved), q_step)
+    return (out, lse) if return_lse else out
+
+
 @accepts_cupy
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
@@ -119,13 +133,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary_interleaved, num_splits, return_softmax_lse))
         plan = _plans.find(plan_key)
         if plan is not None:
-            decode, new_rows, scale, softcap, left, right, q_step = plan
-            out, lse = _plans.run_kvcache(
-                decode, q, k_cache, v_cache, k if new_rows else None, v if new_rows else None,
-                cache_seqlens, cache_batch_idx, block_table, scale, softcap, left, right,
-                bool(return_softmax_lse), sinks, cache_leftpad, rotary_cos, rotary_sin,
-                bool(rotary_interleaved), q_step)
-            return (out, lse) if return_softmax_lse else out
+            return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                             block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
+                             rotary_interleaved, return_softmax_lse)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
@@ -191,8 +201,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         decode = _plans.kvcache(q, k_cache, v_cache, cache_batch_idx, block_table, softcap,
                                 left, right, num_splits, bool(return_softmax_lse), sinks,
                                 cache_leftpad)
-        if decode is not None:
-            _plans.keep(plan_key, (decode, bool(new_len), scale, softcap, left, right, q_step))
+        if decode is not None:  # this call runs the plan it leaves, as later ones will
+            plan = (decode, bool(new_len), scale, softcap, left, right, q_step)
+            _plans.keep(plan_key, plan)
+            return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                             block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
+                             rotary_interleaved, return_softmax_lse)
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,

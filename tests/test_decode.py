@@ -405,10 +405,10 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     assert _launch_decode.int32_batch_rows(k[:, :1]) == 4
     assert _launch_decode.int32_batch_rows(torch.empty(2, 2**22, 4, 128, device="meta")) == 0
     launches = []
-    monkeypatch.setattr(_launch_decode.ct, "launch", lambda *args, **attributes: launches.append(
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: launches.append(
         (*args, attributes)))
-    monkeypatch.setattr(_launch_decode.torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(_launch_decode.torch.cuda, "device",
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device",
                         lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
     q = torch.empty(5, 1, 4, 128, device="meta", dtype=torch.bfloat16)

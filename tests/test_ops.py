@@ -530,7 +530,6 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
     everything else equal), on odd lengths, GQA, with and without the LSE."""
     from flash_tile import _launch, variants
 
-    monkeypatch.setattr(_launch.torch.cuda, "current_device", lambda: 0)
     q = torch.randn(2, 8, 113, 64).transpose(1, 2).contiguous().transpose(1, 2)
     k, v = (torch.randn(2, 203, 2, 64).transpose(1, 2) for _ in range(2))
     out = torch.empty(2, 113, 8, 64).transpose(1, 2)  # [B, H, Lq, Dv] laid out as BLHD
