@@ -4,7 +4,8 @@ The autotuner only times registered candidates. To decide whether a new variant 
 entry, this script runs the tuner's own check-then-time (``autotune.tune``: each variant's
 result checked against the default's, then all timed in interleaved rounds) on the variants
 given as TileConfig fields, for the forward or the backward, at each row of the benchmark
-grid (bf16 unless ``--dtype`` says otherwise):
+grid (bf16 unless ``--dtype`` says otherwise; ``--dtype fp8`` times the FP8 forward's
+kernel on e4m3 inputs quantized per head, V^T made once outside the timed call):
 
     python bench/bench_variants.py --backward --configs '{"dq_tile_m": 64}' \\
         --head-dims 64 128 --lengths 1024 4096 16384 --out /tmp/variants
@@ -38,7 +39,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from flash_tile import _launch, _ops, autotune, variants
+from flash_tile import _launch, _ops, autotune, quantize_fp8, variants
 from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, interleaved_ms
 from bench_attention import machine_info, md_table, save_json, write_report
 
@@ -119,6 +120,24 @@ def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dty
                                 0.0, 0, window, dropout)
 
 
+def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool):
+    """``run(config)`` of the FP8 forward's kernel alone: e4m3 q, k, v quantized per head and
+    V^T (``_launch.keys_major``) made once, then fresh bf16 outputs and one launch a call."""
+    x8, descale = zip(*(quantize_fp8(torch.randn(batch, length, heads, head_dim, device="cuda",
+                                                 dtype=torch.bfloat16))
+                        for _ in range(3)))
+    q, k, v = (t.transpose(1, 2) for t in x8)
+    v_t, descale = _launch.keys_major(v), torch.stack(descale)
+    scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
+
+    def run(config):
+        out, lse = _ops._forward_outputs(q, v, True, torch.bfloat16)
+        _launch.launch_forward(q, k, v_t, out, lse, None, None, scale, 0.0, 0, window, config,
+                               descale=descale)
+        return out, lse
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", required=True,
@@ -127,19 +146,22 @@ def main():
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--lengths", nargs="+", type=int, default=list(GRID_LENGTHS))
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=[*DTYPES, "fp8"])
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
     parser.add_argument("--baseline", metavar="DIR",
                         help="another kernels/ directory to time each variant against")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
     args = parser.parse_args()
+    if args.dtype == "fp8" and (args.backward or args.dropout):
+        parser.error("--dtype fp8 times the FP8 forward: it has no backward and no dropout")
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
     overlays = [json.loads(c) for c in args.configs]
     capability = torch.cuda.get_device_capability()
     dropout = _launch.Dropout(args.dropout, 2024) if args.dropout else _launch.NO_DROPOUT
     pick = (functools.partial(variants.default_backward_config, plain=not args.dropout)
-            if args.backward else variants.default_config)
+            if args.backward else variants.fp8_config if args.dtype == "fp8" else
+            variants.default_config)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
     baseline = load_kernels(args.baseline) if args.baseline else None
@@ -153,8 +175,11 @@ def main():
         for length in args.lengths:
             for causal in causals:
                 batch, heads = grid_shape(length, head_dim)
-                run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
-                             args.backward, dropout)
+                if args.dtype == "fp8":
+                    run = fp8_runner(batch, heads, length, head_dim, causal)
+                else:
+                    run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
+                                 args.backward, dropout)
                 row = {"dtype": args.dtype, "head_dim": head_dim, "length": length,
                        "causal": causal, "dropout": args.dropout, "variants": [autotune.describe(c) for c in configs]}
                 if baseline:

@@ -18,7 +18,8 @@ import torch
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
                                               attention_bwd_dq_convert, attention_bwd_preprocess)
-from flash_tile.kernels.attention_fwd import attention_fwd, attention_fwd_int64
+from flash_tile.kernels.attention_fwd import (attention_fwd, attention_fwd_int64,
+                                              keys_major_copy, keys_major_copy_int64)
 from flash_tile.variants import TileConfig, tile_width
 
 
@@ -207,18 +208,33 @@ def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
                        device=q.device)[..., :head_dim]
 
 
+# Keys per program of ``keys_major``'s copy (a [Dv, 128] tile: 8-32 KB of e4m3).
+KEYS_MAJOR_TILE_N = 128
+
+
+def keys_major_workspace(v: torch.Tensor) -> torch.Tensor:
+    """The uninitialised [B, H_kv, Dv, Lk rounded up to 16] buffer ``keys_major`` fills."""
+    batch, heads, length, dim = v.shape
+    return torch.empty((batch, heads, dim, -(-length // 16) * 16), dtype=v.dtype,
+                       device=v.device)
+
+
 def keys_major(v: torch.Tensor) -> torch.Tensor:
     """V [B, H_kv, Lk, Dv] (any strides) as the FP8 forward reads it: V^T [B, H_kv, Dv, Lk],
     keys contiguous, each row padded to a multiple of 16 keys in memory (TMA's 16-byte row
-    alignment; the view's shape stays Lk, so the padding is never read). One copy of V: the
-    e4m3 matmul wants P V's reduction axis (the keys) contiguous, and transposing each tile
-    in the kernel costs more (``kernels/attention_fwd.py``, FP8)."""
+    alignment; the view's shape stays Lk, so the padding is never read). One copy of V, by
+    the ``keys_major_copy`` kernel on ``v``'s current stream: the e4m3 matmul wants P V's
+    reduction axis (the keys) contiguous, and transposing each tile in the forward costs
+    more (``kernels/attention_fwd.py``, FP8)."""
     batch, heads, length, dim = v.shape
-    padded = -(-length // 16) * 16
-    v_t = torch.empty((batch, heads, dim, padded), dtype=v.dtype, device=v.device)
-    v_t = v_t[..., :length]
-    v_t.copy_(v.transpose(2, 3))
-    return v_t
+    v_t = keys_major_workspace(v)
+    if v_t.numel():
+        # The copy writes the padding too (zeros: the load pads past Lk), so that its rows
+        # are whole 16-byte vectors: stores clipped at a ragged Lk went out byte by byte.
+        kernel = keys_major_copy_int64 if needs_int64_index(v, v_t) else keys_major_copy
+        launch_on(v.device, (-(-v_t.shape[3] // KEYS_MAJOR_TILE_N), heads, batch), kernel,
+                  (v, v_t, KEYS_MAJOR_TILE_N, tile_width(dim)))
+    return v_t[..., :length]
 
 
 def needs_int64_index(*tensors: torch.Tensor) -> bool:

@@ -3,8 +3,8 @@ of the forward kernel (``kernels/attention_fwd.py``) behind ``flash_attn_func`` 
 ``flash_attn_varlen_func`` when q, k and v are ``float8_e4m3fn``.
 
 Forward only: no autograd is registered (the public functions raise before launching when a
-gradient is asked for, as FA3 does). The variant is the architecture's default for the head
-dim, never tuned (``flash_tile.variants``, "FP8"). ``descale`` is the fp32 [3, B, H_kv]
+gradient is asked for, as FA3 does). The variant is the architecture's FP8 default for the
+head dim, never tuned (``variants.fp8_config``). ``descale`` is the fp32 [3, B, H_kv]
 stack of the q, k and v descale factors (``_validate.fp8_descales``); the output is
 bfloat16 in flash-attn's layout, the LSE fp32 as the bf16 ops'.
 """
@@ -21,8 +21,7 @@ OUT_DTYPE = torch.bfloat16
 
 
 def _config(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:
-    return variants.default_config(device_properties(q.device)[0],
-                                   max(q.shape[-1], v.shape[-1]))
+    return variants.fp8_config(device_properties(q.device)[0], max(q.shape[-1], v.shape[-1]))
 
 
 def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

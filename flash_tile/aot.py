@@ -23,12 +23,13 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
                                    ScalarConstraint, export_kernel)
 
 from flash_tile import variants
-from flash_tile._launch import (MASK_KINDS, forward_spec, hinted_backward_kernels,
-                                hinted_kernel, kernel_mask)
+from flash_tile._launch import (KEYS_MAJOR_TILE_N, MASK_KINDS, forward_spec,
+                                hinted_backward_kernels, hinted_kernel, kernel_mask)
 from flash_tile._launch_decode import DecodeSpec, decode_tiles
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
+from flash_tile.kernels.attention_fwd import keys_major_copy, keys_major_copy_int64
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16, "float8_e4m3fn": ct.float8_e4m3fn}
@@ -198,11 +199,14 @@ def _keys_major(v_head_dim: int, k_len: int, index) -> ArrayConstraint:
                            base_addr_divisible_by=16)
 
 
-def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False):
-    """The variant a launch of this class gets with tuning off (``_ops._choose``)."""
+def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False, fp8=False):
+    """The variant a launch of this class gets with tuning off (``_ops._choose``; the FP8
+    forward's, ``variants.fp8_config``, is never tuned)."""
     capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
     if backward:
         return variants.default_backward_config(capability, width, plain)
+    if fp8:
+        return variants.fp8_config(capability, width)
     return variants.default_config(capability, width)
 
 
@@ -229,12 +233,32 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
     inputs, ``dtype`` not read);
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
-    config = config or _default_config(arch, head_dim, v_head_dim)
+    config = config or _default_config(arch, head_dim, v_head_dim, fp8=fp8)
     window = (window[0], 0) if causal else tuple(window)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
                             varlen, sinks, seqused_k, fp8)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
+
+
+def keys_major_signature(v_head_dim: int = 128, k_len: int = 1000,
+                         int64_index: bool = False) -> KernelSignature:
+    """The signature of ``keys_major_copy`` (``_int64`` with ``int64_index``), the FP8
+    forward's V^T copy (``_launch.keys_major``), for an e4m3 V [B, H_kv, ``k_len``, Dv] laid
+    out as flash-attn's [B, L, H, D] view."""
+    index = ct.int64 if int64_index else ct.int32
+    padded = -(-k_len // 16) * 16  # the copy writes V^T's padded rows whole
+    return KernelSignature([_array(ct.float8_e4m3fn, 4, v_head_dim, index),
+                            _keys_major(v_head_dim, padded, index), KEYS_MAJOR_TILE_N,
+                            variants.tile_width(v_head_dim)],
+                           CallingConvention.cutile_python_v1())
+
+
+def compile_keys_major(arch: str, v_head_dim: int = 128, k_len: int = 1000,
+                       int64_index: bool = False) -> bytes:
+    """A cubin of the FP8 forward's V^T copy, arguments as ``keys_major_signature``."""
+    return _export(keys_major_copy_int64 if int64_index else keys_major_copy,
+                   keys_major_signature(v_head_dim, k_len, int64_index), arch)
 
 
 def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,

@@ -121,13 +121,21 @@ SM100_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_DEFAULT = TileConfig(tile_m=64, tile_n=64)
 SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 
-# FP8 (the forward's FP8 switch) launches these same defaults, never tuned (timed only as
-# they are: bench/results/fp8-h200.md, 2026-12-02, 0.53-1.24x the bf16 forward): on sm_90
-# they compile to QGMMA for both matmuls with no spills at D=64/128/256 (80, 168 and 168
-# registers; at D=256 only with the tensor core accumulating P V itself, else 521
-# LDL/STL; docs/kernel-internals.md, "FP8") [tileiras 13.4 SASS, 2026-12-02]. At D=256
-# every other tile tried spilled with the precise accumulation too (64x64: 229, 128x32
-# nww8: 164, 64x128: 488 LDL/STL).
+# FP8 (the forward's FP8 switch), never tuned: e4m3 halves a key tile's bytes, and on sm_90
+# the kernel alone (V^T made once, outside the timed call) ran fastest on wider key steps.
+# At D=128, 128x256 with 8 worker warps took 0.87-0.96x the time of the bf16 default 128x128
+# on 5 of 6 rows (1.05x at 1k causal; 128x64 1.18-1.27x, 64x128 1.30-1.36x); at D=64, 64x128
+# o2 0.95-1.00x of 64x64 o3 (128x256 nww8 0.93-1.07x, 128x128 nww8 1.04-1.12x; non-causal
+# rows); at D=256 the bf16 default stayed (64x128 nww8 1.67x) [H200, 2026-12-03,
+# bench_variants.py --dtype fp8, L 1k/4k/16k;
+# docs/experiments/evidence/2026-12-03-fp8-h200.md]. Both compile to QGMMA for both
+# matmuls with no spills (128 and 168 registers); 128x256 spills 31 LDL/STL on sm_120, so
+# other GPUs launch the bf16 defaults, untimed. At D=256 the tensor core accumulates P V
+# itself (else 521 LDL/STL; docs/kernel-internals.md, "FP8"), and every other tile tried
+# spilled with the precise accumulation too (64x64: 229, 128x32 nww8: 164, 64x128: 488
+# LDL/STL) [tileiras 13.4 SASS].
+SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
+SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8)
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
@@ -137,6 +145,9 @@ _DEFAULTS = {
     (10, 0): ((256, SM100_DEFAULT),),
     (12, 0): ((128, SM120_DEFAULT), (256, SM120_WIDE)),
 }
+
+_FP8_DEFAULTS = {**_DEFAULTS,
+                 (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_WIDE))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -149,6 +160,11 @@ def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConf
     nearest older one.
     """
     return _lookup(_DEFAULTS, capability, head_dim)
+
+
+def fp8_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
+    """The FP8 forward's variant (never tuned), as ``default_config``."""
+    return _lookup(_FP8_DEFAULTS, capability, head_dim)
 
 
 def _family(table, capability):

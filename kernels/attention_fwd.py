@@ -67,7 +67,8 @@ permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, 
 tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
 reading V as stored costs a shared-memory transpose on the hot path (sm_90 SASS: 240-390
 more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 13.4,
-2026-12-02).
+2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV, TILE_N] tiles read
+through the permuted order: torch's strided copy of the same tensor ran at 0.35 TB/s.
 
 Masking. Row i sees key j iff
 
@@ -285,3 +286,28 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
                         STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)
+
+
+def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
+    """V^T's [TILE_DV, TILE_N] tile of keys bid(0), key/value head bid(1), batch bid(2)."""
+    index = (ct.bid(2), ct.bid(1), 0, ct.bid(0))
+    # The permuted order reads V [.., Lk, Dv] as V^T: the transpose is the load's, so both
+    # ends stay whole tiles (TMA where the arch has it) and no element moves alone.
+    tile = ct.load(V, index=index, shape=(1, 1, TILE_DV, TILE_N), order=(0, 1, 3, 2),
+                   padding_mode=ZERO)
+    ct.store(VT, index=index, tile=tile)
+
+
+@ct.kernel
+def keys_major_copy(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
+    """V^T for the FP8 forward: V [B, H_kv, Lk, Dv] (any strides) copied to VT [B, H_kv, Dv,
+    Lk]. Grid (cdiv(Lk, TILE_N), H_kv, B); TILE_DV >= Dv, the tile's padding never stored.
+    Shapes and strides are 32-bit."""
+    _keys_major_copy_impl(V, VT, TILE_N, TILE_DV)
+
+
+@ct.kernel
+def keys_major_copy_int64(V: ct.IndexedWithInt64, VT: ct.IndexedWithInt64, TILE_N: ConstInt,
+                          TILE_DV: ConstInt):
+    """``keys_major_copy`` with 64-bit shapes and strides (2**31 elements or more)."""
+    _keys_major_copy_impl(V, VT, TILE_N, TILE_DV)

@@ -423,11 +423,11 @@ def test_forward_schedule_fields_reach_the_machine_code():
 
 
 # The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the two
-# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-02, the
-# arch's default config; two copies of the K-loop body, the unmasked and the masked run]:
-# D=64 (64x64 o3) 2 + 2 a body, D=128 (128x128 nww8) 4 + 4 per warp group, D=256 (128x64
+# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-03, the
+# arch's FP8 config; two copies of the K-loop body, the unmasked and the masked run]:
+# D=64 (64x128 o2) 2 + 4 a body, D=128 (128x256 nww8) 4 + 8 per warp group, D=256 (128x64
 # nww8) 8 + 2.
-FP8_QGMMA = {64: (4, 4), 128: (8, 8), 256: (16, 4)}
+FP8_QGMMA = {64: (4, 8), 128: (8, 16), 256: (16, 4)}
 _QK = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, gdesc")  # A from shared memory: Q K^T
 _PV = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, R\d+, gdesc")  # A from registers: P V
 
@@ -451,6 +451,17 @@ def test_fp8_forward_uses_e4m3_tensor_cores_on_blackwell(arch, op, head_dim):
                                                even_n=False, fp8=True))
     assert re.search(rf"\b{op}\b", sass) and ".E4M3" in sass
     assert not re.search(r"\b(HMMA|HGMMA|UTCHMMA)\b", sass)
+    assert aot.summarize(sass)["local_memory"] == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
+@pytest.mark.parametrize("v_head_dim,k_len", [(64, 4096), (96, 17), (128, 1000), (256, 113)])
+def test_fp8_keys_major_copy_moves_whole_vectors(arch, v_head_dim, k_len):
+    """The V^T copy reads and writes global memory in 16-byte vectors (the transpose happens
+    in shared memory), at ragged lengths and head dims too, without spills."""
+    sass = aot.disassemble(aot.compile_keys_major(arch, v_head_dim, k_len))
+    assert re.search(r"\bLDG\.E\.128\b", sass) and re.search(r"\bSTG\.E\.128\b", sass)
+    assert not re.search(r"\bSTG\.E\.(U8|S8|8|16|U16)\b", sass)
     assert aot.summarize(sass)["local_memory"] == 0
 
 

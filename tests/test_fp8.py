@@ -9,6 +9,7 @@ import torch
 import flash_tile
 from flash_tile import _launch, _ops_fp8, _validate, api, variants
 from flash_tile.fp8 import E4M3_MAX, hadamard_matrix
+from flash_tile.kernels.attention_fwd import keys_major_copy
 from flash_tile.reference import (attention_dense, attention_tiles, outlier_inputs, round_e4m3,
                                   visible_keys)
 
@@ -269,12 +270,22 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
         out, lse = _ops_fp8._fp8_forward_impl(q, k, v, descale, None, 0.1, 0.0, 10, -1, 0, True)
         v4 = v
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    (_, _, args), = calls
+    (copy_grid, copy_kernel, copy_args), (_, _, args) = calls
+    # First V^T: the copy kernel writes the whole padded buffer the forward reads a view of.
+    v_in, v_buffer, *copy_constants = copy_args
+    assert copy_kernel is keys_major_copy and v_in.data_ptr() == v4.data_ptr()
+    assert v_in.shape == v4.shape and v_in.stride() == v4.stride()
+    assert v_buffer.shape == (*v4.shape[:2], 128, 64) and v_buffer.is_contiguous()
+    assert copy_grid == (1, v4.shape[1], v4.shape[0])  # 64 padded keys: one 128-key tile
+    copy_params = aot.keys_major_signature(128, 50).parameters
+    assert copy_constants == [p.value for p in copy_params[2:]]
+    for arg, param in zip((v_in, v_buffer), copy_params[:2]):
+        assert arg.dim() == param.ndim and str(arg.dtype).endswith(param.dtype.name)
     v_t = args[2]
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
-    assert v_t.stride(2) % 16 == 0 and torch.equal(v_t.float(), v4.transpose(2, 3).float())
+    assert v_t.stride(2) % 16 == 0 and v_t.data_ptr() == v_buffer.data_ptr()
     assert args[11] is descale and args[-1] is True  # Descale, FP8
-    config = variants.default_config((9, 0), 128)
+    config = variants.fp8_config((9, 0), 128)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, False, True,
                                 config, varlen=varlen, fp8=True)
     params = sig.parameters

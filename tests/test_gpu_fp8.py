@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _validate, reference
+from flash_tile import _launch, _validate, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -218,6 +218,23 @@ def test_fp8_varlen_matches_each_sequence_alone():
             q_descale=descale[b:b + 1], k_descale=descale[b:b + 1],
             v_descale=descale[b:b + 1])
         torch.testing.assert_close(out[rows], alone[0], rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 64), (2, 17, 3, 128), (1, 113, 2, 96),
+                                   (2, 1000, 2, 256), (1, 4096, 8, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["flash_attn", "contiguous", "packed"])
+def test_keys_major_copy_is_v_transposed(shape, layout):
+    """``_launch.keys_major`` (the copy kernel; its buffer starts as e4m3 NaN, tests/conftest.py)
+    returns V^T bit for bit: flash-attn's [B, L, H, D] view, a contiguous [B, H, L, D] and a
+    packed varlen [1, H, total, D] view, odd lengths and head dims."""
+    batch, length, heads, dim = shape
+    v = torch.randn(batch, length, heads, dim, device="cuda").to(E4M3)
+    v4 = {"flash_attn": v.transpose(1, 2), "contiguous": v.transpose(1, 2).contiguous(),
+          "packed": v.reshape(batch * length, heads, dim).transpose(0, 1)[None]}[layout]
+    v_t = _launch.keys_major(v4)
+    assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(2) % 16 == 0
+    assert torch.equal(v_t.view(torch.uint8), v4.transpose(2, 3).view(torch.uint8))
 
 
 def test_fp8_errors_before_launch():
