@@ -46,16 +46,20 @@ def grid_shape(length: int, head_dim: int, tokens: int = GRID_TOKENS,
 def interleaved_ms(fns: dict[Hashable, Callable[[], object]], rounds: int,
                    time_ms: Callable[[Callable[[], object]], float]) -> dict:
     """The median of ``time_ms(fn)`` over ``rounds`` rounds for each fn, every fn once per
-    round in order, so that a drift of the GPU's clocks over the measurement weighs on all of
-    them alike (timed one after another, the H200 ranked tile configs that do the same work
-    7-9% apart). A fn that raises is not timed again; its value is the exception."""
+    round, so that a drift of the GPU's clocks over the measurement weighs on all of them
+    alike (timed one after another, the H200 ranked tile configs that do the same work 7-9%
+    apart). Odd rounds run the fns in reverse order, so that no fn always runs after the same
+    one: under sustained load the time per call drifts (an H200 ran 8k causal forwards 8%
+    slower after the first 50 ms; ``docs/experiments/evidence/2026-12-03-timing-order-h200.md``).
+    A fn that raises is not timed again; its value is the exception."""
     samples = {name: [] for name in fns}
     failed = {}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else reversed(names):
             if name not in failed:
                 try:
-                    samples[name].append(time_ms(fn))
+                    samples[name].append(time_ms(fns[name]))
                 except Exception as e:  # noqa: BLE001 - the caller reports it
                     failed[name] = e
     return {name: failed[name] if name in failed else statistics.median(samples[name])

@@ -325,9 +325,6 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
     delta = _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M, TILE_DV, LSE_GRAD,
                    VARLEN)
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
-    if SINKS:
-        _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, tile_m,
-                     VARLEN)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
 
@@ -347,6 +344,12 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
         dq = dq * qk_scale
     store_seq_rows(dQ, batch, head, q_start, q_len, tile_m,
                    dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)), VARLEN)
+    if SINKS:
+        # After the K-loop: the share sums over the tile's rows, across warps, and before
+        # the loop that sum held every warp back from its first key tile (the dQ kernel
+        # took 3.6% longer with sinks on gpt-oss's 128-key band, H200, 2026-12-03).
+        _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, tile_m,
+                     VARLEN)
 
 
 @ct.kernel

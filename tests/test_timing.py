@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import bench_attention  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
-def test_interleaved_rounds_take_every_fn_once_per_round_and_keep_the_median():
+def test_interleaved_rounds_take_every_fn_once_per_round_alternating_and_keep_the_median():
     order = []
     samples = {"a": iter([1.0, 9.0, 2.0]), "b": iter([3.0, 3.0, 4.0])}
 
@@ -22,7 +22,7 @@ def test_interleaved_rounds_take_every_fn_once_per_round_and_keep_the_median():
         return next(samples[order[-1]])
 
     got = _timing.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, 3, time_ms)
-    assert order == ["a", "b"] * 3
+    assert order == ["a", "b", "b", "a", "a", "b"]  # odd rounds reversed
     assert got == {"a": 2.0, "b": 3.0}
 
 
@@ -63,4 +63,6 @@ def test_measure_checks_before_timing_and_times_the_right_ones_together(monkeypa
     assert row["tflops"] == {"right": 2.0, "also_right": 2.0}  # 4e9 FLOPs in 2 ms
     assert row["skipped"]["wrong"].startswith("wrong result")
     assert row["skipped"]["broken"].startswith("failed: division by zero")
-    assert order == ["right", "also_right"] * bench_attention.ROUNDS
+    pair = ["right", "also_right"]
+    assert order == [name for r in range(bench_attention.ROUNDS)
+                     for name in (pair if r % 2 == 0 else pair[::-1])]
