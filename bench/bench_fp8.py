@@ -16,8 +16,8 @@ Correctness before timing: the FP8 output's RMSE on 256 query rows (the first an
 128) against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2
 (FA3's baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule
 there; a row that fails is reported, not timed. Both backends run their arch's default tile
-variant (FLASH_TILE_AUTOTUNE=0 unless set: FP8 is never tuned, so the bf16 baseline is not
-either). Times are GPU time per call with the calls queued behind a sleep
+variant, FP8 its own (``variants.fp8_config``; FLASH_TILE_AUTOTUNE=0 unless set: FP8 is
+never tuned, so the bf16 baseline is not either). Times are GPU time per call with the calls queued behind a sleep
 (``bench_attention.device_ms``).
 
     python bench/bench_fp8.py                 # bench/results/fp8-<gpu>.{json,md,png}
@@ -189,7 +189,7 @@ def main():
     args.out = args.out or results_path("fp8")
     info = machine_info()
     info["note"] = ("FP8: e4m3 q, k, v quantized per (batch, head), bf16 output; both "
-                    "backends on their arch's default tile variant.")
+                    "backends on their arch's default tile variant (FP8: variants.fp8_config).")
     rows = []
     grid = [(d, n, c) for d in args.head_dims for n in args.lengths for c in (False, True)]
     for d, n, causal in tqdm(grid, desc="fp8"):
