@@ -17,8 +17,8 @@ Correctness before timing: the FP8 output's RMSE on 256 query rows (the first an
 (FA3's baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule
 there; a row that fails is reported, not timed. Both backends run their arch's default tile
 variant, FP8 its own (``variants.fp8_config``; FLASH_TILE_AUTOTUNE=0 unless set: FP8 is
-never tuned, so the bf16 baseline is not either). Times are GPU time per call with the calls queued behind a sleep
-(``bench_attention.device_ms``).
+never tuned, so the bf16 baseline is not either). Times are GPU time per call with the calls
+queued behind a sleep (``bench_attention.device_ms``).
 
     python bench/bench_fp8.py                 # bench/results/fp8-<gpu>.{json,md,png}
     python bench/bench_fp8.py --head-dims 128 --lengths 4096 --out /tmp/fp8

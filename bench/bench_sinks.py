@@ -76,12 +76,17 @@ def paired_ms(without, with_sinks, rounds, pairs=PAIRS):
     between CUDA events: neighbours share the GPU's clocks, and the cost is the round's time
     with sinks over its time without, minus 1. Calls timed in blocks of their own drifted
     apart: on the H200 20 back-to-back 8k causal forwards ran 8% slower after the first
-    block, whichever of the two it was (docs/experiments/evidence/2026-12-03-timing-order-h200.md)."""
+    block, whichever of the two it was (docs/experiments/evidence/2026-12-03-timing-order-h200.md).
+    An even ``pairs`` gives A and B the same mean position, so a linear drift cancels; every
+    round opens and closes with A (without sinks), so a fast start after the sleep favours A
+    and the cost errs high, not low."""
+    if pairs % 2:
+        raise ValueError(f"pairs must be even (A B B A blocks), got {pairs}")
     times, costs = ([], []), []
     for _ in range(rounds):
         fns = (without, with_sinks)
         for fn in fns:
-            fn()  # nothing left to compile or allocate for the first time
+            fn()  # nothing left to compile or allocate; then the GPU idles
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(2 * pairs)]
@@ -141,7 +146,7 @@ def main():
     for length, banded in tqdm([(n, b) for n in args.lengths for b in (False, True)],
                                desc="sinks", unit="row"):
         rows.append(bench_row(length, banded, args.rounds))
-        save_json(args.out, info, rows=rows, rounds=args.rounds)
+        save_json(args.out, info, rows=rows, rounds=args.rounds, pairs=PAIRS)
     write_report(args.out, "Attention sinks, cost over the same call without", info,
                  table(rows, args.rounds))
     plot(rows, args.out + ".png")

@@ -248,7 +248,7 @@ def keys_major_signature(v_head_dim: int = 128, k_len: int = 1000,
     out as flash-attn's [B, L, H, D] view."""
     index = ct.int64 if int64_index else ct.int32
     padded = -(-k_len // 16) * 16  # the copy writes V^T's padded rows whole
-    return KernelSignature([_array(ct.float8_e4m3fn, 4, v_head_dim, index),
+    return KernelSignature([_array(ct.float8_e4m3fn, 4, v_head_dim, index, k_len),
                             _keys_major(v_head_dim, padded, index), KEYS_MAJOR_TILE_N,
                             variants.tile_width(v_head_dim)],
                            CallingConvention.cutile_python_v1())

@@ -129,7 +129,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # rows); at D=256 the bf16 default stayed (64x128 nww8 1.67x) [H200, 2026-12-03,
 # bench_variants.py --dtype fp8, L 1k/4k/16k;
 # docs/experiments/evidence/2026-12-03-fp8-h200.md]. Both compile to QGMMA for both
-# matmuls with no spills (128 and 168 registers); 128x256 spills 31 LDL/STL on sm_120, so
+# matmuls with no spills (D=64: 128 registers, D=128: 168); 128x256 spills 31 LDL/STL on sm_120, so
 # other GPUs launch the bf16 defaults, untimed. At D=256 the tensor core accumulates P V
 # itself (else 521 LDL/STL; docs/kernel-internals.md, "FP8"), and every other tile tried
 # spilled with the precise accumulation too (64x64: 229, 128x32 nww8: 164, 64x128: 488

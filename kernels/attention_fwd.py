@@ -291,8 +291,9 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
 def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
     """V^T's [TILE_DV, TILE_N] tile of keys bid(0), key/value head bid(1), batch bid(2)."""
     index = (ct.bid(2), ct.bid(1), 0, ct.bid(0))
-    # The permuted order reads V [.., Lk, Dv] as V^T: the transpose is the load's, so both
-    # ends stay whole tiles (TMA where the arch has it) and no element moves alone.
+    # The permuted order reads V [.., Lk, Dv] as V^T: the transpose is the load's, so global
+    # memory sees only 16-byte loads and stores and the bytes move in shared memory
+    # (sm_90: LDG.128, STS.U8, LDS.128, STG.128).
     tile = ct.load(V, index=index, shape=(1, 1, TILE_DV, TILE_N), order=(0, 1, 3, 2),
                    padding_mode=ZERO)
     ct.store(VT, index=index, tile=tile)
@@ -301,8 +302,9 @@ def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
 @ct.kernel
 def keys_major_copy(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
     """V^T for the FP8 forward: V [B, H_kv, Lk, Dv] (any strides) copied to VT [B, H_kv, Dv,
-    Lk]. Grid (cdiv(Lk, TILE_N), H_kv, B); TILE_DV >= Dv, the tile's padding never stored.
-    Shapes and strides are 32-bit."""
+    Lk_pad], Lk_pad >= Lk (the keys past Lk are written as the load pads them, zeros). Grid
+    (cdiv(Lk_pad, TILE_N), H_kv, B); TILE_DV >= Dv, the rows past Dv never stored. Shapes and
+    strides are 32-bit."""
     _keys_major_copy_impl(V, VT, TILE_N, TILE_DV)
 
 

@@ -74,9 +74,9 @@ def poisoned_outputs(request, monkeypatch):
     accumulator = _launch.dq_accumulator
     monkeypatch.setattr(_launch, "dq_accumulator", lambda q: accumulator(q).fill_(float("nan")))
     # The FP8 forward's V^T: e4m3's NaN bytes (0x7F) where the copy must write.
-    keys_major = _launch.keys_major_workspace
+    workspace_of = _launch.keys_major_workspace
     monkeypatch.setattr(_launch, "keys_major_workspace",
-                        lambda v: _poison_bytes(keys_major(v)))
+                        lambda v: _poison_bytes(workspace_of(v)))
     monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
     monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
 

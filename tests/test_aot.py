@@ -454,12 +454,14 @@ def test_fp8_forward_uses_e4m3_tensor_cores_on_blackwell(arch, op, head_dim):
     assert aot.summarize(sass)["local_memory"] == 0
 
 
+@pytest.mark.parametrize("int64_index", [False, True], ids=["int32", "int64"])
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
 @pytest.mark.parametrize("v_head_dim,k_len", [(64, 4096), (96, 17), (128, 1000), (256, 113)])
-def test_fp8_keys_major_copy_moves_whole_vectors(arch, v_head_dim, k_len):
+def test_fp8_keys_major_copy_moves_whole_vectors(arch, v_head_dim, k_len, int64_index):
     """The V^T copy reads and writes global memory in 16-byte vectors (the transpose happens
-    in shared memory), at ragged lengths and head dims too, without spills."""
-    sass = aot.disassemble(aot.compile_keys_major(arch, v_head_dim, k_len))
+    in shared memory), at ragged lengths and head dims too, without spills; its 64-bit-index
+    entry point too."""
+    sass = aot.disassemble(aot.compile_keys_major(arch, v_head_dim, k_len, int64_index))
     assert re.search(r"\bLDG\.E\.128\b", sass) and re.search(r"\bSTG\.E\.128\b", sass)
     assert not re.search(r"\bSTG\.E\.(U8|S8|8|16|U16)\b", sass)
     assert aot.summarize(sass)["local_memory"] == 0

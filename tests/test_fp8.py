@@ -9,7 +9,7 @@ import torch
 import flash_tile
 from flash_tile import _launch, _ops_fp8, _validate, api, variants
 from flash_tile.fp8 import E4M3_MAX, hadamard_matrix
-from flash_tile.kernels.attention_fwd import keys_major_copy
+from flash_tile.kernels.attention_fwd import keys_major_copy, keys_major_copy_int64
 from flash_tile.reference import (attention_dense, attention_tiles, outlier_inputs, round_e4m3,
                                   visible_keys)
 
@@ -244,6 +244,20 @@ def test_fp8_varlen_checks(hopper):
 
 
 # The launch: arguments against the AOT signature, V copied keys-major.
+
+@pytest.mark.parametrize("big", [False, True])
+def test_keys_major_takes_the_64_bit_copy_for_big_arrays(monkeypatch, big):
+    """V^T's copy launches the 64-bit-index entry point where an offset reaches 2**31 (one
+    [Dv, 128] tile of the 304 padded keys a program)."""
+    calls = []
+    monkeypatch.setattr(_launch, "launch_on", lambda device, grid, kernel, args:
+                        calls.append((grid, kernel)))
+    monkeypatch.setattr(_launch, "needs_int64_index", lambda *tensors: big)
+    v = torch.randn(2, 3, 300, 64).to(E4M3)
+    v_t = _launch.keys_major(v)
+    assert v_t.shape == (2, 3, 64, 300) and v_t.stride(2) == 304
+    assert calls == [((3, 3, 2), keys_major_copy_int64 if big else keys_major_copy)]
+
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
