@@ -30,8 +30,8 @@ def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       return_lse: bool, sinks: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's body: q [B, H, Lq, D], k [B, H_kv, Lk, D] e4m3 views with a unit last stride,
-    v [B, H_kv, Lk, Dv] e4m3 of any strides: copied keys-major (``keys_major``), then one
-    launch."""
+    v [B, H_kv, Lk, Dv] e4m3 of any strides: two launches, the keys-major copy of v
+    (``keys_major``) and the forward."""
     out, lse = _ops._forward_outputs(q, v, return_lse, OUT_DTYPE)
     launch_forward(q, k, keys_major(v), out, lse if return_lse else None, alibi_slopes, None,
                    scale, softcap, diag_offset, (window_left, window_right), _config(q, v),
