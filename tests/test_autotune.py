@@ -133,8 +133,9 @@ def test_the_check_compares_only_what_the_kernels_write():
 
 
 def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
-    """Every candidate once per round, in registry order, so that a drift of the GPU over the
-    tuning run weighs on all of them; one slow round (a clock dip) does not decide."""
+    """Every candidate once per round, in registry order and every other round reversed, so
+    that a drift of the GPU over the tuning run weighs on all of them; one slow round (a clock
+    dip) does not decide."""
     out = torch.randn(3)
     timed = []
     last = []
@@ -151,7 +152,8 @@ def test_candidates_are_timed_in_rounds_and_ranked_by_their_median():
         return next(samples[last[-1]])
 
     best, results = autotune.tune([A, B, C], run, time_ms=time_ms)
-    assert timed == [A, B, C] * autotune._ROUNDS
+    assert timed == [c for r in range(autotune._ROUNDS)
+                     for c in ([A, B, C] if r % 2 == 0 else [C, B, A])]
     assert best == B and results["128x64 occupancy=2"] == 1.0  # the median, not the mean or min
     assert list(results) == ["64x64 occupancy=2", "128x64 occupancy=2", "64x128"]
 
