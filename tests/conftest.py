@@ -8,9 +8,17 @@ before the kernels run, so an element a kernel never writes cannot pass for a re
 
 import functools
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# ``python -m pytest`` puts the working directory first on sys.path, and from the checkout's
+# root its ``kernels/`` (installed as ``flash_tile.kernels``) would shadow the ``kernels``
+# distribution that Transformers 5 imports. The installed package does not need the root.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ["FLASH_TILE_AUTOTUNE"] = "0"
 
