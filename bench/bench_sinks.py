@@ -4,7 +4,8 @@ gpt-oss's shape: D = 64, GQA 64/8, bf16, B * L = 16k tokens; full causal layers 
 banded ones (a window of 128 keys). Each row runs ``flash_attn_func`` with and without
 ``sinks`` (in training mode: inputs and sinks need gradients), checks the sink run against
 an fp32 reference with a sink column (flash-attn's 2x rule on the output, the first
-sequence), then times both by GPU time in rounds of neighbouring calls (``paired_ms``);
+sequence), then times both by GPU time in rounds of neighbouring calls
+(``_timing.paired_ms``);
 ``sink_cost`` is the time with sinks over the time without, minus 1 (the median over rounds).
 
     python bench/bench_sinks.py                        # bench/results/sinks-<gpu>.*
@@ -15,7 +16,6 @@ Writes <out>.json (rows with ``ms`` and ``fwd_bwd_ms`` per run, ``sink_cost`` an
 
 import argparse
 import os
-import statistics
 
 import torch
 from tqdm import tqdm
@@ -24,12 +24,13 @@ import flash_tile
 from bench_attention import (SLEEP_CYCLES, machine_info, md_table, pass_bars, results_path,
                              save_json, write_report)
 from flash_tile import reference
+from flash_tile._timing import paired_ms
 
 HEADS, KV_HEADS, HEAD_DIM, TOKENS, BAND = 64, 8, 64, 16384, 128
 # The target is 2%: with 5 rounds (2026-12-02) the forward's costs came out at -0.6% to -1.8%,
 # and sinks cannot make a call faster, so the noise was near the target; 15 rounds.
 ROUNDS = 15
-PAIRS = 10  # pairs of calls a round (``paired_ms``)
+PAIRS = 10  # pairs of calls a round (``_timing.paired_ms``)
 
 
 def bench_row(length, banded, rounds=ROUNDS):
@@ -64,46 +65,11 @@ def bench_row(length, banded, rounds=ROUNDS):
         run(with_sinks).backward(dout)
 
     for key, name, fn in (("sink_cost", "ms", run), ("fwd_bwd_sink_cost", "fwd_bwd_ms", fwd_bwd)):
-        without, with_sinks, cost = paired_ms(lambda: fn(False), lambda: fn(True), rounds)
+        without, with_sinks, cost = paired_ms(lambda: fn(False), lambda: fn(True), rounds,
+                                              PAIRS, SLEEP_CYCLES)
         row[name] = {"no_sinks": round(without, 4), "sinks": round(with_sinks, 4)}
         row[key] = round(cost, 4)
     return row
-
-
-def paired_ms(without, with_sinks, rounds, pairs=PAIRS):
-    """(median ms of ``without``, of ``with_sinks``, median cost) over ``rounds`` rounds.
-    A round queues 2 * ``pairs`` calls behind a sleep, in the order A B B A A B B A ..., each
-    between CUDA events: neighbours share the GPU's clocks, and the cost is the round's time
-    with sinks over its time without, minus 1. Calls timed in blocks of their own drifted
-    apart: on the H200 20 back-to-back 8k causal forwards ran 8% slower after the first
-    block, whichever of the two it was (docs/experiments/evidence/2026-12-03-timing-order-h200.md).
-    An even ``pairs`` gives A and B the same mean position, so a linear drift cancels; every
-    round opens and closes with A (without sinks), so a fast start after the sleep favours A
-    and the cost errs high, not low."""
-    if pairs % 2:
-        raise ValueError(f"pairs must be even (A B B A blocks), got {pairs}")
-    times, costs = ([], []), []
-    for _ in range(rounds):
-        fns = (without, with_sinks)
-        for fn in fns:
-            fn()  # nothing left to compile or allocate; then the GPU idles
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(2 * pairs)]
-        torch.cuda._sleep(SLEEP_CYCLES)
-        order = [(i // 2 + i) % 2 for i in range(2 * pairs)]  # 0 1 1 0 0 1 1 0 ...
-        for which, (start, end) in zip(order, events):
-            start.record()
-            fns[which]()
-            end.record()
-        torch.cuda.synchronize()
-        round_ms = ([], [])
-        for which, (start, end) in zip(order, events):
-            round_ms[which].append(start.elapsed_time(end))
-        for which in (0, 1):
-            times[which].extend(round_ms[which])
-        costs.append(sum(round_ms[1]) / sum(round_ms[0]) - 1)
-    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(costs)
 
 
 def table(rows, rounds=ROUNDS):

@@ -64,3 +64,40 @@ def interleaved_ms(fns: dict[Hashable, Callable[[], object]], rounds: int,
                     failed[name] = e
     return {name: failed[name] if name in failed else statistics.median(samples[name])
             for name in fns}
+
+
+def paired_ms(a: Callable[[], object], b: Callable[[], object], rounds: int, pairs: int,
+              sleep_cycles: int) -> tuple[float, float, float]:
+    """(median ms of a call of ``a``, of a call of ``b``, median cost of b over a) over
+    ``rounds`` rounds: for an A/B cost too small for ``interleaved_ms``. A round queues
+    2 * ``pairs`` calls behind a GPU sleep of ``sleep_cycles``, in the order A B B A A B B A
+    ..., each between CUDA events: neighbours share the GPU's clocks, and the cost is the
+    round's time in b over its time in a, minus 1. Calls timed in blocks of their own drifted
+    apart: on the H200 20 back-to-back 8k causal forwards ran 8% slower after the first
+    block, whichever of two calls it was
+    (``docs/experiments/evidence/2026-12-03-timing-order-h200.md``). An even ``pairs`` gives a
+    and b the same mean position, so a linear drift cancels; every round opens and closes
+    with a, so a fast start after the sleep favours a and the cost errs high, not low."""
+    if pairs % 2:
+        raise ValueError(f"pairs must be even (A B B A blocks), got {pairs}")
+    fns, times, costs = (a, b), ([], []), []
+    order = [(i // 2 + i) % 2 for i in range(2 * pairs)]  # 0 1 1 0 0 1 1 0 ...
+    for _ in range(rounds):
+        for fn in fns:
+            fn()  # nothing left to compile or allocate; then the GPU idles
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in order]
+        torch.cuda._sleep(sleep_cycles)
+        for which, (start, end) in zip(order, events):
+            start.record()
+            fns[which]()
+            end.record()
+        torch.cuda.synchronize()
+        round_ms = ([], [])
+        for which, (start, end) in zip(order, events):
+            round_ms[which].append(start.elapsed_time(end))
+        for which in (0, 1):
+            times[which].extend(round_ms[which])
+        costs.append(sum(round_ms[1]) / sum(round_ms[0]) - 1)
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(costs)

@@ -66,3 +66,39 @@ def test_measure_checks_before_timing_and_times_the_right_ones_together(monkeypa
     pair = ["right", "also_right"]
     assert order == [name for r in range(bench_attention.ROUNDS)
                      for name in (pair if r % 2 == 0 else pair[::-1])]
+
+
+def test_paired_rounds_alternate_neighbours_and_take_the_median_ratio(monkeypatch):
+    """Each round: both calls once untimed, then A B B A ... between events; the cost is the
+    round's B time over its A time, and the medians are over calls and rounds."""
+    clock, calls = [0.0], []
+    durations = {"a": iter([1.0] * 4 + [1.0] * 4 + [1.0] * 4),
+                 "b": iter([1.1] * 4 + [1.5] * 4 + [1.2] * 4)}
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def call(name):
+        def fn():
+            calls.append(name)
+            if timed[0]:
+                clock[0] += next(durations[name])
+        return fn
+
+    timed = [False]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: timed.__setitem__(0, False))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: timed.__setitem__(0, True))
+    a_ms, b_ms, cost = _timing.paired_ms(call("a"), call("b"), 3, 4, 1)
+    assert calls[:10] == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(calls) == 3 * 10
+    assert (a_ms, b_ms, cost) == pytest.approx((1.0, 1.2, 0.2))  # medians, not means
+    with pytest.raises(ValueError, match="even"):
+        _timing.paired_ms(call("a"), call("b"), 1, 3, 1)
