@@ -15,7 +15,9 @@ N(0, 1) with 0.1% of the entries N(0, 10), bf16, quantized per (batch, head) wit
 Correctness before timing: the FP8 output's RMSE on 256 query rows (the first and the last
 128) against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2
 (FA3's baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule
-there; a row that fails is reported, not timed. Both backends run their arch's default tile
+there; a row that fails is reported, not timed. ``rmse_rotated`` is the same error with q and
+k rotated by ``flash_tile.hadamard_rotate`` before quantization (FA3's incoherent processing,
+9.1e-3 in its table; the issue's target 1.0e-2): the same kernel, so not timed again. Both backends run their arch's default tile
 variant, FP8 its own (``variants.fp8_config``; FLASH_TILE_AUTOTUNE=0 unless set: FP8 is
 never tuned, so the bf16 baseline is not either). Times are GPU time per call with the calls
 queued behind a sleep (``bench_attention.device_ms``).
@@ -25,7 +27,7 @@ queued behind a sleep (``bench_attention.device_ms``).
 
 Each JSON row carries ``head_dim``, ``seqlen``, ``causal``, ``batch``, ``heads``, ``tflops``
 ({flash_tile_fp8, flash_tile_bf16, cudnn_fp8}, null where not measured), ``ratio_vs_bf16``,
-``rmse`` and ``skipped`` (the reasons).
+``rmse``, ``rmse_rotated`` and ``skipped`` (the reasons).
 """
 
 import argparse
@@ -67,8 +69,8 @@ def _checked_rows(length):
                                                            rows[-CHECK_ROWS:]])
 
 
-def check(q, k, v, out8, out16, causal):
-    """(rmse of the FP8 output, whether bf16 passes the 2x rule) on the checked rows."""
+def check(q, k, v, outs8, out16, causal):
+    """([rmse of each FP8 output], whether bf16 passes the 2x rule) on the checked rows."""
     rows = _checked_rows(q.shape[1])
     ref = torch.empty(q.shape[0], q.shape[2], rows.numel(), v.shape[3], device="cuda")
     out_pt = torch.empty_like(ref, dtype=torch.bfloat16)
@@ -81,26 +83,30 @@ def check(q, k, v, out8, out16, causal):
                                                     diag_offset=int(r[0]), window=window)
         out_pt[:, :, part] = reference.attention_dense(qr, kt, vt, diag_offset=int(r[0]),
                                                        window=window)
-    got8, got16 = (o[:, rows].transpose(1, 2) for o in (out8, out16))
-    rmse = (got8.float() - ref).pow(2).mean().sqrt().item()
-    return rmse, reference.check_error(got16, ref, out_pt)["ok"]
+    rmse = [(o[:, rows].transpose(1, 2).float() - ref).pow(2).mean().sqrt().item()
+            for o in outs8]
+    return rmse, reference.check_error(out16[:, rows].transpose(1, 2), ref, out_pt)["ok"]
 
 
 def bench_row(length, head_dim, causal, seed=0):
     batch, heads = grid_shape(length, head_dim)
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "tflops": dict.fromkeys(BACKENDS), "ratio_vs_bf16": None,
-           "rmse": None, "skipped": {"cudnn_fp8": cudnn_reason()}}
+           "rmse": None, "rmse_rotated": None, "skipped": {"cudnn_fp8": cudnn_reason()}}
     q, k, v = (reference.outlier_inputs(batch, length, heads, head_dim, seed + s, "cuda")
                for s in range(3))
     (q8, qd), (k8, kd), (v8, vd) = (flash_tile.quantize_fp8(t) for t in (q, k, v))
     runs = {"flash_tile_fp8": lambda: flash_tile.flash_attn_func(
                 q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd),
             "flash_tile_bf16": lambda: flash_tile.flash_attn_func(q, k, v, causal=causal)}
+    (qr8, qrd), (kr8, krd) = (flash_tile.quantize_fp8(t) for t in
+                              flash_tile.hadamard_rotate(q, k))
     try:
         with torch.no_grad():
-            rmse, bf16_ok = check(q, k, v, runs["flash_tile_fp8"](), runs["flash_tile_bf16"](),
-                                  causal)
+            rotated = flash_tile.flash_attn_func(qr8, kr8, v8, causal=causal, q_descale=qrd,
+                                                 k_descale=krd, v_descale=vd)
+            (rmse, row["rmse_rotated"]), bf16_ok = check(
+                q, k, v, (runs["flash_tile_fp8"](), rotated), runs["flash_tile_bf16"](), causal)
     except Exception as e:  # noqa: BLE001 - reported in the row
         row["skipped"].update(flash_tile_fp8=failure(e), flash_tile_bf16=failure(e))
         return row
@@ -122,14 +128,15 @@ def bench_row(length, head_dim, causal, seed=0):
 
 
 def table(rows):
-    head = ["D", "L", "B", "H", "causal", *BACKENDS, "FP8 / bf16", "RMSE"]
+    head = ["D", "L", "B", "H", "causal", *BACKENDS, "FP8 / bf16", "RMSE", "RMSE rotated"]
 
     def cell(x, fmt="{:.0f}"):
         return "-" if x is None else fmt.format(x)
     return md_table(head, ([r["head_dim"], r["seqlen"], r["batch"], r["heads"],
                             "yes" if r["causal"] else "no",
                             *(cell(r["tflops"][n]) for n in BACKENDS),
-                            cell(r["ratio_vs_bf16"], "{:.2f}x"), cell(r["rmse"], "{:.2e}")]
+                            cell(r["ratio_vs_bf16"], "{:.2f}x"), cell(r["rmse"], "{:.2e}"),
+                            cell(r["rmse_rotated"], "{:.2e}")]
                            for r in rows))
 
 
@@ -151,6 +158,10 @@ def targets(rows):
     if rmse:
         lines.append(f"- RMSE vs fp32 attention of the bf16 inputs (FA3 baseline 2.4e-2): "
                      f"worst {max(rmse):.2e}")
+    rotated = [r["rmse_rotated"] for r in rows if r["rmse_rotated"] is not None]
+    if rotated:
+        lines.append(f"- RMSE with q, k Hadamard-rotated (target 1.0e-2, FA3 9.1e-3): "
+                     f"{'met' if max(rotated) <= 1e-2 else 'NOT met'} (worst {max(rotated):.2e})")
     lines.append(f"- cuDNN FP8: not measured here ({rows[0]['skipped']['cudnn_fp8']}); its "
                  f"published figure, not from this run: {CUDNN_PUBLISHED}")
     return "\n".join(lines)

@@ -86,7 +86,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                   window: tuple[int, int], new_len: int, num_splits: int,
                   config: DecodeConfig, sinks: torch.Tensor | None = None,
-                  leftpad: torch.Tensor | None = None) -> int:
+                  leftpad: torch.Tensor | None = None,
+                  kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """Launch the decode (and, with more than one split, the combine) on q's current stream.
 
     q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
@@ -97,14 +98,15 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     bottom-right per sequence.
     ``num_splits`` 0 picks the split count (``decode_splits``); ``sinks`` [H] fp32 or None,
     as ``launch_forward``'s; ``leftpad`` [B] int32 or None, the cache row of each sequence's
-    first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1). Returns the split
-    count.
+    first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1); ``kv_descale``
+    the (k, v) descale factors [B, H_kv] fp32 of float8_e4m3fn caches, None for caches in q's
+    dtype. Returns the split count.
     """
     plan = decode_plan(q, k_cache, v_cache, lse is not None, batch_idx, block_table,
                        alibi_slopes, softcap, window, num_splits, config, sinks, leftpad)
     if plan is not None:
         plan.launch(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx, block_table,
-                    alibi_slopes, scale, softcap, window, new_len, sinks, leftpad)
+                    alibi_slopes, scale, softcap, window, new_len, sinks, leftpad, kv_descale)
         return plan.splits
     # A contiguous cache of 2**31 elements or more: launches of fewer sequences keep 32-bit
     # indices (sequence b is row b, so the rows past the batch are never read).
@@ -117,7 +119,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q[rows], k_cache[rows], v_cache[rows], out[rows],
             None if lse is None else lse[rows], seqlens_k[rows], None, None,
             None if alibi_slopes is None else alibi_slopes[rows], scale, softcap, window,
-            new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows])
+            new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows],
+            None if kv_descale is None else tuple(d[rows] for d in kv_descale))
     return splits
 
 
@@ -180,7 +183,8 @@ class _DecodePlan:
                batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                window: tuple[int, int], new_len: int, sinks: torch.Tensor | None = None,
-               leftpad: torch.Tensor | None = None) -> None:
+               leftpad: torch.Tensor | None = None,
+               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The decode (and, with more than one split, the combine) of a call with this plan's
         signature, on q's current stream; arguments as ``launch_decode``'s."""
         batch, q_len, kv_heads, group, head_dim = self.q_view
@@ -201,7 +205,8 @@ class _DecodePlan:
              5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
         args = (q.view(self.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                 out.view(self.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx,
-                block_table, slopes, sinks, leftpad, float(scale), float(softcap),
+                block_table, slopes, sinks, leftpad, *_descale_args(device, kv_descale),
+                float(scale), float(softcap),
                 int(window[0]), int(window[1]), int(new_len), *self.constants)
         # Under pdl both launches may start while their predecessor on the stream (the
         # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
@@ -263,16 +268,24 @@ class Rotary:
     q_step: int
 
 
+def _descale_args(device: torch.device, kv_descale) -> tuple:
+    """(KDescale, VDescale) for a launch: an FP8 cache's factors, or placeholders."""
+    return _fill_unused(device, (None, 2), (None, 2)) if kv_descale is None else kv_descale
+
+
 def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, batch_idx: torch.Tensor | None,
                         block_table: torch.Tensor | None, q: torch.Tensor | None = None,
-                        q_rot: torch.Tensor | None = None, rotary: Rotary | None = None) -> None:
+                        q_rot: torch.Tensor | None = None, rotary: Rotary | None = None,
+                        kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
     ``launch_decode``) at position cache_seqlens[b] of each sequence b, on the current stream
     of their device. With ``rotary`` the keys are rotated at their positions on the way, and
     q [B, Lq, H, D] is rotated into q_rot (its shape) in the same launch; k_new and v_new may
-    then be None (no new rows: q alone is rotated)."""
+    then be None (no new rows: q alone is rotated). Into float8_e4m3fn caches, rows in q's
+    dtype are divided by ``kv_descale`` ((k, v) [B, H_kv] fp32) and rounded; e4m3 rows are
+    stored as they are."""
     device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
     new_len = 0 if k_new is None else k_new.shape[1]
     batch = q.shape[0] if k_new is None else k_new.shape[0]
@@ -289,7 +302,8 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
     launch_on(device, (rows, kv_heads, batch),
               cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
               (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
-               *rotary_args[:4], new_len, *rotary_args[4:], tile_width(head_dim),
+               *rotary_args[:4], *_descale_args(device, kv_descale), new_len,
+               *rotary_args[4:], tile_width(head_dim),
                tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
                batch_idx is not None, rotary is not None,
                rotary is not None and rotary.interleaved))

@@ -499,9 +499,12 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
                     k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                     cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                     rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
-                    rotary_interleaved: bool, rotary_q_step: int) -> torch.Tensor:
+                    rotary_interleaved: bool, rotary_q_step: int,
+                    kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """The KV-cache call's append: k/v (when given) into the caches at cache_seqlens, rotated
-    under rotary_cos/sin, q rotated with them; returns the q to attend with."""
+    under rotary_cos/sin, q rotated with them, quantized by ``kv_descale`` into FP8 caches;
+    returns the q to attend with."""
     if k is None and rotary_cos is None:
         return q
     rotary = q_rot = None
@@ -509,7 +512,7 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
         q_rot = torch.empty_like(q)
     launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, q,
-                        q_rot, rotary)
+                        q_rot, rotary, kv_descale)
     return q if q_rot is None else q_rot
 
 
@@ -528,18 +531,22 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_leftpad: torch.Tensor | None = None,
                   rotary_cos: torch.Tensor | None = None,
                   rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
-                  rotary_q_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  rotary_q_step: int = 0, k_descale: torch.Tensor | None = None,
+                  v_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The KV-cache op's body: append k/v (when given, rotated with q under rotary_cos/sin)
     into the caches at cache_seqlens, then attend (``flash_tile.kvcache
-    .flash_attn_with_kvcache`` checked every argument)."""
+    .flash_attn_with_kvcache`` checked every argument); k_descale and v_descale [B, H_kv]
+    fp32 are given with FP8 caches only."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
     new_len = 0 if k is None else k.shape[1]
+    kv_descale = None if k_descale is None else (k_descale, v_descale)
     q = append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
-                        block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
+                        block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step,
+                        kv_descale)
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
                   (window_left, window_right), new_len, num_splits, decode_config(q, v_cache),
-                  sinks, cache_leftpad)
+                  sinks, cache_leftpad, kv_descale)
     return out, lse
 
 
@@ -551,7 +558,7 @@ kvcache_op = torch.library.custom_op("flash_tile::kvcache_attention", _kvcache_i
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   alibi_slopes, scale, softcap, window_left, window_right, num_splits,
                   return_lse, sinks=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                  rotary_interleaved=True, rotary_q_step=0):
+                  rotary_interleaved=True, rotary_q_step=0, k_descale=None, v_descale=None):
     return _decode_outputs(q, v_cache.shape[-1], return_lse)
 
 

@@ -129,14 +129,15 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                 scale: float, softcap: float, window_left: int, window_right: int,
                 return_lse: bool, sinks: torch.Tensor | None,
                 cache_leftpad: torch.Tensor | None, rotary_cos: torch.Tensor | None,
-                rotary_sin: torch.Tensor | None, rotary_interleaved: bool, rotary_q_step: int):
+                rotary_sin: torch.Tensor | None, rotary_interleaved: bool, rotary_q_step: int,
+                kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None):
     """``_ops._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
     mode: the append, then the planned decode; (out, lse) as the op's."""
     out, lse = _ops._decode_outputs(q, plan.out_view[4], return_lse)
     q = _ops.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
                              block_table, rotary_cos, rotary_sin, rotary_interleaved,
-                             rotary_q_step)
+                             rotary_q_step, kv_descale)
     plan.launch(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                 cache_batch_idx, block_table, None, scale, softcap, (window_left, window_right),
-                0 if k is None else k.shape[1], sinks, cache_leftpad)
+                0 if k is None else k.shape[1], sinks, cache_leftpad, kv_descale)
     return out, lse

@@ -64,54 +64,85 @@ def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **descales) -> 
     return all(fp8)
 
 
-def check_no_fp8_cache(*tensors: torch.Tensor) -> None:
-    """``flash_attn_with_kvcache`` has no FP8 path yet (the decode kernel is a kernel of its
-    own, without the forward's FP8 switch): an FP8 q or cache raises NotImplementedError."""
-    if any(t.dtype in FP8_DTYPES for t in tensors):
-        raise NotImplementedError("flash_attn_with_kvcache with an FP8 q or KV cache is not "
-                                  "supported yet (the FP8 forward is flash_attn_func's and "
-                                  "flash_attn_varlen_func's); keep the cache in float16 or "
-                                  "bfloat16")
+def check_kv_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          new: tuple, k_descale, v_descale
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The dtypes of a KV-cache call: q float16 or bfloat16; the caches in q's dtype, or both
+    float8_e4m3fn (an FP8 cache); the new k/v (``new``: (k, v) or ()) in q's dtype or, into
+    an FP8 cache, in e4m3. Returns an FP8 cache's (k, v) descale factors as [B, H_kv] fp32
+    (``descale_view``; None given is 1), None for a cache in q's dtype (where descale
+    factors raise). FP8 queries raise NotImplementedError (the decode runs its matmuls in
+    q's dtype)."""
+    if q.dtype in FP8_DTYPES:
+        raise NotImplementedError(f"flash_attn_with_kvcache takes float16 or bfloat16 q, got "
+                                  f"{q.dtype}: FP8 is supported for the cache (float8_e4m3fn "
+                                  f"k_cache and v_cache with k_descale and v_descale)")
+    caches = {k_cache.dtype, v_cache.dtype}
+    if caches != {FP8_DTYPE}:
+        check_dtypes(q, k_cache, v_cache, *new)
+        given = [name for name, t in (("k_descale", k_descale), ("v_descale", v_descale))
+                 if t is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: descale factors apply to float8_e4m3fn "
+                             f"caches only, got {k_cache.dtype}")
+        return None
+    check_dtypes(q)
+    if new and ({t.dtype for t in new} not in ({q.dtype}, {FP8_DTYPE})):
+        raise ValueError(f"the new k and v must both be in q's dtype ({q.dtype}) or in "
+                         f"torch.float8_e4m3fn for an FP8 cache, got {new[0].dtype} and "
+                         f"{new[1].dtype}")
+    batch, kv_heads = q.shape[0], k_cache.shape[2]
+    return (descale_view("k_descale", k_descale, batch, kv_heads, q.device),
+            descale_view("v_descale", v_descale, batch, kv_heads, q.device))
+
+
+def descale_view(name: str, t: torch.Tensor | None, batch: int, kv_heads: int,
+                 device: torch.device) -> torch.Tensor:
+    """An FP8 descale factor as a float32 [B, H_kv] tensor (a stride-0 view of one factor):
+    ``t`` is [B, H_kv] (FA3's shape: per batch, or sequence, and key/value head), has one
+    element (per-tensor scaling: 0-d, [1], [1, 1]), or is None (1)."""
+    if t is None:
+        return torch.ones((), dtype=torch.float32, device=device).expand(batch, kv_heads)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be a float32 tensor of shape [{batch}, {kv_heads}] "
+                         f"(batch, key/value heads) or of one element, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() == 1:
+        t = t.reshape(()).expand(batch, kv_heads)
+    elif tuple(t.shape) != (batch, kv_heads):
+        raise ValueError(f"{name} must have shape [{batch}, {kv_heads}] (batch, key/value "
+                         f"heads) or one element, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} with q, got {t.device}")
+    return t
 
 
 def fp8_descales(batch: int, kv_heads: int, device: torch.device,
                  **descales) -> torch.Tensor:
     """The FP8 forward's descale factors (``descales``: q_descale, k_descale, v_descale in
-    that order, each a float32 tensor or None for 1), as one contiguous fp32 [3, B, H_kv]
-    tensor. Each is [B, H_kv] (FA3's shape: per batch, or sequence, and key/value head) or
-    has one element (per-tensor scaling: 0-d, [1], [1, 1])."""
-    rows = []
-    for name, t in descales.items():
-        if t is None:
-            rows.append(torch.ones((), dtype=torch.float32, device=device).expand(batch,
-                                                                                 kv_heads))
-            continue
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-            raise ValueError(f"{name} must be a float32 tensor of shape [{batch}, {kv_heads}] "
-                             f"(batch, key/value heads) or of one element, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.numel() == 1:
-            t = t.reshape(()).expand(batch, kv_heads)
-        elif tuple(t.shape) != (batch, kv_heads):
-            raise ValueError(f"{name} must have shape [{batch}, {kv_heads}] (batch, key/value "
-                             f"heads) or one element, got {list(t.shape)}")
-        if t.device != device:
-            raise ValueError(f"{name} must be on {device} with q, got {t.device}")
-        rows.append(t)
-    return torch.stack(rows)
+    that order, each as ``descale_view`` takes it), as one contiguous fp32 [3, B, H_kv]
+    tensor."""
+    return torch.stack([descale_view(name, t, batch, kv_heads, device)
+                        for name, t in descales.items()])
+
+
+def check_fp8_capability(device: torch.device, what: str) -> None:
+    """RuntimeError on a GPU older than sm_90 for ``what`` (an FP8 path): the cuTile compiler
+    (tileiras 13.4) takes float8_e4m3fn arrays for sm_90 and newer only (not sm_89, though
+    Ada has FP8 tensor cores; sm_80 and sm_86 have none)."""
+    capability, name = device_properties(device)
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        raise RuntimeError(f"{name} has compute capability {major}.{minor}; {what} needs 9.0 "
+                           "or newer (Hopper, Blackwell): the cuTile compiler (tileiras 13.4) "
+                           "compiles no float8_e4m3fn code for sm_89 (Ada) and older GPUs")
 
 
 def check_fp8_call(device: torch.device, dropout_p: float, *differentiable) -> None:
     """What the FP8 forward cannot do, before anything launches: a GPU older than sm_90
     (RuntimeError), dropout or a gradient (NotImplementedError: it is a forward for
     inference, as FA3's FP8 path)."""
-    capability, name = device_properties(device)
-    if tuple(capability) < FP8_MIN_CAPABILITY:
-        major, minor = capability
-        raise RuntimeError(f"{name} has compute capability {major}.{minor}; the FP8 forward "
-                           "needs 9.0 or newer (Hopper, Blackwell): the cuTile compiler "
-                           "(tileiras 13.4) has no FP8 tensor-core matmul for sm_89 (Ada) "
-                           "and older GPUs have none")
+    check_fp8_capability(device, "the FP8 forward")
     if dropout_p > 0.0:
         raise NotImplementedError("dropout_p > 0 with float8_e4m3fn inputs: the FP8 forward "
                                   "has no dropout (it is for inference); pass 0")

@@ -39,7 +39,7 @@ def _seqlens(cache_seqlens, batch: int, capacity: int, new_len: int, device) -> 
 
 def _run_plan(plan: tuple, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
               block_table, sinks, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved,
-              return_lse):
+              return_lse, kv_descale):
     """A checked call's result by its plan (the decode plan, whether new rows are appended,
     and the normalised scale, softcap, window and rotary step)."""
     decode, new_rows, scale, softcap, left, right, q_step = plan
@@ -47,7 +47,7 @@ def _run_plan(plan: tuple, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch
         decode, q, k_cache, v_cache, k if new_rows else None, v if new_rows else None,
         cache_seqlens, cache_batch_idx, block_table, scale, softcap, left, right,
         bool(return_lse), sinks, cache_leftpad, rotary_cos, rotary_sin,
-        bool(rotary_interleaved), q_step)
+        bool(rotary_interleaved), q_step, kv_descale)
     return (out, lse) if return_lse else out
 
 
@@ -57,18 +57,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, sinks=None):
+                            return_softmax_lse=False, *, sinks=None, k_descale=None,
+                            v_descale=None):
     """Attention of q against a KV cache; a drop-in for ``flash_attn.flash_attn_with_kvcache``.
 
     Args:
         q: [B, Lq, H, D] float16 or bfloat16 CUDA tensor, Lq >= 1 (one decode step, a few
             speculative tokens, or a chunk of a prompt), D from 1 to 256.
-        k_cache, v_cache: the cache in q's dtype, either contiguous-by-sequence
-            [B_cache, L_cache, H_kv, D] (v: Dv), or paged [num_blocks, page_size, H_kv, D]
-            when ``block_table`` is given; H a multiple of H_kv (GQA/MQA). Unit last stride.
+        k_cache, v_cache: the cache in q's dtype, or both float8_e4m3fn (an FP8 cache, see
+            k_descale), either contiguous-by-sequence [B_cache, L_cache, H_kv, D] (v: Dv),
+            or paged [num_blocks, page_size, H_kv, D] when ``block_table`` is given; H a
+            multiple of H_kv (GQA/MQA). Unit last stride.
         k, v: optional new keys/values [B, L_new, H_kv, D / Dv], written into the cache in
             place at positions cache_seqlens[b] .. cache_seqlens[b] + L_new - 1 before the
-            attention reads it (so it attends to cache_seqlens + L_new keys).
+            attention reads it (so it attends to cache_seqlens + L_new keys). In q's dtype;
+            into an FP8 cache they are stored as x / descale rounded to e4m3 (saturating at
+            +-448), or may be given in float8_e4m3fn already (stored as they are).
         rotary_cos, rotary_sin: optional [L_ro, rotary_dim / 2] in q's dtype, L_ro at least
             the cache's capacity (plus Lq - L_new where q has more rows than k and rows
             step), rotary_dim even and at most D: the rotary embedding of the
@@ -104,6 +108,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return_softmax_lse: also return the LSE.
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the LSE includes them; a
             row that sees no key gets 0 and the sink as its LSE).
+        k_descale, v_descale: an FP8 cache's dequantization factors (FA3's names): its keys
+            stand for k_descale[b, h] * k8 and its values for v_descale[b, h] * v8, each a
+            float32 [B, H_kv] tensor (b the sequence of q, not its cache row under
+            cache_batch_idx) or of one element (per tensor); None is 1. Only with an FP8
+            cache, which the decode widens to q's dtype tile by tile (exact): the matmuls
+            and the softmax run as for a q-dtype cache while a step reads half the bytes.
+            ``flash_tile.quantize_fp8(cache, kv_heads=H_kv)`` makes such a cache. FP8 q is
+            not supported (NotImplementedError).
 
     Returns:
         out [B, Lq, H, Dv] in q's dtype; with ``return_softmax_lse`` the pair (out, lse), lse
@@ -126,16 +138,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, torch.Tensor) and alibi_slopes is None and (
             sinks is None or isinstance(sinks, torch.Tensor) and sinks.is_contiguous()):
         optional = (k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-                    sinks)
+                    sinks, k_descale, v_descale)
         plan_key = _plans.key("kvcache", (q, k_cache, v_cache, cache_seqlens, *(
             t for t in optional if t is not None)), (
             tuple(t is None for t in optional), softmax_scale, causal, window_size, softcap,
             rotary_interleaved, num_splits, return_softmax_lse))
         plan = _plans.find(plan_key)
         if plan is not None:
+            kv_descale = None
+            if k_cache.dtype == _validate.FP8_DTYPE:  # the signature fixes the cache's dtype
+                kv_descale = (_validate.descale_view("k_descale", k_descale, q.shape[0],
+                                                     k_cache.shape[2], q.device),
+                              _validate.descale_view("v_descale", v_descale, q.shape[0],
+                                                     k_cache.shape[2], q.device))
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
-                             rotary_interleaved, return_softmax_lse)
+                             rotary_interleaved, return_softmax_lse, kv_descale)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
@@ -146,8 +164,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     new = (k, v) if k is not None or v is not None else ()
     if new and (k is None or v is None):
         raise ValueError("pass both k and v (the new keys and values), or neither")
-    _validate.check_no_fp8_cache(q, k_cache, v_cache, *new)
-    _validate.check_dtypes(q, k_cache, v_cache, *new)
+    kv_descale = _validate.check_kv_cache_dtypes(q, k_cache, v_cache, new, k_descale,
+                                                 v_descale)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree but for the head dim, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -160,6 +178,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         right = 0
     softcap = _validate.check_softcap(softcap)
     device = _validate.check_device(q, k_cache, v_cache, *new)
+    if kv_descale is not None:
+        _validate.check_fp8_capability(device, "an FP8 KV cache")
     if alibi_slopes is not None:
         alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, heads)
         _validate.check_device(q, alibi_slopes)
@@ -206,10 +226,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _plans.keep(plan_key, plan)
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
-                             rotary_interleaved, return_softmax_lse)
+                             rotary_interleaved, return_softmax_lse, kv_descale)
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,
                                  bool(return_softmax_lse), sinks, cache_leftpad,
-                                 rotary_cos, rotary_sin, bool(rotary_interleaved), q_step)
+                                 rotary_cos, rotary_sin, bool(rotary_interleaved), q_step,
+                                 *(kv_descale or (None, None)))
     return (out, lse) if return_softmax_lse else out

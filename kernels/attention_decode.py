@@ -32,6 +32,17 @@ first key, i + k_len' - Lq - window_left <= j' is i + k_len - Lq - window_left <
 for the right bound and ALiBi's distance), so the pad is one more lower bound, j >= LeftPad[b],
 and the key tiles wholly before it are skipped.
 
+FP8 cache. K and V may be float8_e4m3fn with Q in float16 or bfloat16 (what serving engines
+keep: half the bytes a step reads), standing for KDescale[b, h] k8 and VDescale[b, h] v8 per
+(sequence, key/value head). Each tile is widened to Q's dtype after its load (exact: every
+e4m3 value is a float16 and a bfloat16) and the matmuls run as for a Q-dtype cache; the key
+descale joins the softmax scale once per program (so softcap, the LSE and the masks see the
+dequantized scores) and the value descale multiplies the output (each split's, before the
+combine, which is linear in them). No switch: the cache's dtype is a compile-time fact.
+``cache_append`` writes new rows given in Q's dtype as x / descale rounded to e4m3 (saturating
+at +-448), and new rows given in e4m3 as they are (rotated under ROTARY: the rotation is
+linear, so it commutes with the descale).
+
 A row that sees no key gets an output of 0 and an LSE of +inf, as the forward. Under SINKS
 the head's sink starts split 0's running max and sum (as the forward's SINKS switch), so that
 the combine counts it once; a row that sees no key then gets 0 and an LSE of the sink.
@@ -93,6 +104,12 @@ def _kv_tile(A, kv, j, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
                    padding_mode=ZERO).reshape((TILE_N, COLS))
 
 
+def _kv_descale(Descale, batch, kv_head):
+    """An FP8 cache's descale factor of (sequence, key/value head): Descale [B, H_kv] fp32 (a
+    stride-0 view for one factor per tensor), as a scalar."""
+    return ct.load(Descale, (batch, kv_head), shape=()).item()
+
+
 def _per_row(head_values, TILE_LQ: ConstInt, TILE_G: ConstInt):
     """A [1, TILE_G] tile of per-head values as one per packed row, [TILE_LQ * TILE_G, 1]."""
     return ct.broadcast_to(head_values, (TILE_LQ, TILE_G)).reshape((TILE_LQ * TILE_G, 1))
@@ -118,6 +135,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     K, V, k_lo = kv[0], kv[1], kv[7]
     TILE_M, TILE_N, TILE_D, TILE_DV, PAGED = TILES
     k_t = _kv_tile(K, kv, j, TILE_N, TILE_D, PAGED, True)  # [TILE_D, TILE_N]
+    if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
+        k_t = k_t.astype(q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
@@ -134,6 +153,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
     v = _kv_tile(V, kv, j, TILE_N, TILE_DV, PAGED, False)  # [TILE_N, TILE_DV]
+    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
+        v = v.astype(q.dtype)
     if cut:
         offs_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
         v = ct.where((offs_v < band[0]) & (offs_v >= k_lo), v, 0.0).astype(v.dtype)
@@ -142,7 +163,7 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
 
 
 def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
+                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left, window_right, new_len,
                  NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                  TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
@@ -165,6 +186,8 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     diag_offset = k_len - q_len
     cache_row = _cache_row(BatchIdx, batch, BATCH_IDX)
     page_size = K.shape[2]
+    if K.dtype != Q.dtype:  # an FP8 cache: the scores are those of KDescale * k8
+        qk_scale = qk_scale * _kv_descale(KDescale, batch, kv_head)
 
     q = ct.load(Q, index=(batch, tile_q, kv_head, 0, 0), shape=(1, TILE_LQ, 1, TILE_G, TILE_D),
                 padding_mode=ZERO).reshape((TILE_M, TILE_D))
@@ -206,7 +229,10 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
                                         FEATURES, LEFTPAD)
 
     empty = l_i == 0.0
-    out = acc * (1.0 / ct.where(empty, 1.0, l_i))  # [TILE_M, TILE_DV], 0 where empty
+    inv_l = 1.0 / ct.where(empty, 1.0, l_i)
+    if V.dtype != Q.dtype:  # an FP8 cache: the values are VDescale * v8
+        inv_l = inv_l * _kv_descale(VDescale, batch, kv_head)
+    out = acc * inv_l  # [TILE_M, TILE_DV], 0 where empty
     lse = m_i * LN_2 + ct.log(l_i)  # -inf where empty
     if SPLIT:
         ct.store(OutSplit, index=(split, batch, tile_q, kv_head, 0, 0),
@@ -224,7 +250,8 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
 @ct.kernel
 def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
-                     Slopes, Sinks, LeftPad, qk_scale: float, softcap: float, window_left: int,
+                     Slopes, Sinks, LeftPad, KDescale, VDescale, qk_scale: float, softcap: float,
+                     window_left: int,
                      window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
                      TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
@@ -237,18 +264,20 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
     new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
     holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
-    sequence's first key."""
+    sequence's first key. KDescale and VDescale [B, H_kv] fp32 are read when the caches are
+    float8_e4m3fn (Q float16 or bfloat16)."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
-                 NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                  SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
 
 
 @ct.kernel
 def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
                            OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
-                           LeftPad, qk_scale: float, softcap: float, window_left: int,
-                           window_right: int, new_len: int, NUM_SPLITS: ConstInt,
+                           LeftPad, KDescale, VDescale, qk_scale: float, softcap: float,
+                           window_left: int, window_right: int, new_len: int,
+                           NUM_SPLITS: ConstInt,
                            TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                            TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                            MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
@@ -257,8 +286,8 @@ def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Ou
     """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, qk_scale, softcap, window_left, window_right, new_len,
-                 NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
+                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
                  SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
 
 
@@ -316,8 +345,19 @@ def _rotate(x, x_partner, pos, Cos, Sin, lanes):
     return x.astype(ct.float32) * cos + ct.where(first, -x_partner, x_partner) * sin
 
 
+def _to_cache(x, Cache, New, Descale, batch, kv_head):
+    """A new row x (of New's dtype, or fp32 after a rotation) as the cache stores it: into
+    an FP8 cache from a wider dtype as x / descale rounded to e4m3 (the conversion
+    saturates), otherwise rounded to the cache's dtype (e4m3 rows rotated in fp32 go back
+    unscaled: the rotation is linear)."""
+    if Cache.dtype != New.dtype:
+        if Cache.dtype == ct.float8_e4m3fn:
+            x = x.astype(ct.float32) * (1.0 / _kv_descale(Descale, batch, kv_head))
+    return x.astype(Cache.dtype)
+
+
 def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 new_len, rotary_dim, q_step, TILE_D: ConstInt, TILE_DV: ConstInt, TILE_G: ConstInt,
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D: ConstInt, TILE_DV: ConstInt, TILE_G: ConstInt,
                  PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
                  INTERLEAVED: ConstBool):
     """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache
@@ -338,14 +378,16 @@ def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
             lanes = _rotary_lanes(rotary_dim, TILE_D, INTERLEAVED)
             k = _rotate(ct.gather(KNew, (batch, i, kv_head, lanes[0])),
                         ct.gather(KNew, (batch, i, kv_head, lanes[1]), mask=lanes[4]),
-                        seqlen + i, Cos, Sin, lanes).astype(K.dtype).reshape((1, 1, 1, TILE_D))
+                        seqlen + i, Cos, Sin, lanes).reshape((1, 1, 1, TILE_D))
         else:
             k = ct.load(KNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_D),
                         padding_mode=ZERO)
-        ct.store(K, index=(row, pos, kv_head, 0), tile=k)
+        ct.store(K, index=(row, pos, kv_head, 0),
+                 tile=_to_cache(k, K, KNew, KDescale, batch, kv_head))
         v = ct.load(VNew, index=(batch, i, kv_head, 0), shape=(1, 1, 1, TILE_DV),
                     padding_mode=ZERO)
-        ct.store(V, index=(row, pos, kv_head, 0), tile=v)
+        ct.store(V, index=(row, pos, kv_head, 0),
+                 tile=_to_cache(v, V, VNew, VDescale, batch, kv_head))
     if ROTARY:
         if i < Q.shape[1]:
             lanes = _rotary_lanes(rotary_dim, TILE_D, INTERLEAVED)
@@ -359,7 +401,7 @@ def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
 
 @ct.kernel
 def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 new_len: int, rotary_dim: int, q_step: int, TILE_D: ConstInt,
+                 KDescale, VDescale, new_len: int, rotary_dim: int, q_step: int, TILE_D: ConstInt,
                  TILE_DV: ConstInt, TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool,
                  ROTARY: ConstBool, INTERLEAVED: ConstBool):
     """Grid (L_new, H_kv, B), under ROTARY (max(L_new, Lq), H_kv, B): row bid(0) < new_len of
@@ -369,19 +411,21 @@ def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
     is rotated at that position, and query row bid(0) of Q [B, Lq, H_kv, G, D] (TILE_G >= G)
     at CacheSeqLens[b] + bid(0) * q_step (q_step 1 for a causal or windowed call, 0
     otherwise: flash-attn's rule) into QRot of Q's shape;
-    Cos/Sin [L_ro, rotary_dim / 2] in Q's dtype."""
+    Cos/Sin [L_ro, rotary_dim / 2] in Q's dtype. Into a float8_e4m3fn cache, rows of a wider
+    dtype are divided by KDescale/VDescale [B, H_kv] fp32 (read then only) and rounded."""
     _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
                  INTERLEAVED)
 
 
 @ct.kernel
 def cache_append_int64(KNew, VNew, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64,
-                       CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin, new_len: int,
+                       CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin, KDescale,
+                       VDescale, new_len: int,
                        rotary_dim: int, q_step: int, TILE_D: ConstInt, TILE_DV: ConstInt,
                        TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
                        INTERLEAVED: ConstBool):
     """``cache_append`` with 64-bit shapes and strides for the caches; the same body."""
     _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
                  INTERLEAVED)

@@ -156,6 +156,33 @@ def test_bad_shapes_and_dtypes_raise_before_launch():
         flash_tile.flash_attn_with_kvcache(q, k, k)
 
 
+def test_fp8_cache_checks():
+    """An FP8 cache takes float8_e4m3fn for both caches, q in float16/bfloat16, new rows in
+    q's dtype or e4m3, and descale factors of [B, H_kv] or one element, only with it; the
+    rest raises before any launch (here, before the CPU tensors are turned away)."""
+    q, k = _q(2, 1, 4, 64), _q(2, 32, 2, 64)
+    k8 = k.to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="float16 or bfloat16 q"):
+        flash_tile.flash_attn_with_kvcache(q.to(torch.float8_e4m3fn), k8, k8)
+    with pytest.raises(ValueError, match="same dtype"):
+        flash_tile.flash_attn_with_kvcache(q, k8, k)
+    with pytest.raises(ValueError, match="same dtype"):
+        flash_tile.flash_attn_with_kvcache(q, k.to(torch.float8_e5m2), k.to(torch.float8_e5m2))
+    with pytest.raises(ValueError, match="caches only"):
+        flash_tile.flash_attn_with_kvcache(q, k, k, k_descale=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="new k and v"):
+        flash_tile.flash_attn_with_kvcache(q, k8, k8, k=_q(2, 1, 2, 64).half(),
+                                           v=_q(2, 1, 2, 64).half(), cache_seqlens=3)
+    with pytest.raises(ValueError, match=r"shape \[2, 2\]"):
+        flash_tile.flash_attn_with_kvcache(q, k8, k8, k_descale=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="float32"):
+        flash_tile.flash_attn_with_kvcache(q, k8, k8, v_descale=torch.ones(2, 2).half())
+    with pytest.raises(ValueError, match="CUDA tensors"):  # all of that passed
+        flash_tile.flash_attn_with_kvcache(q, k8, k8, k=k8[:, :1], v=k8[:, :1],
+                                           cache_seqlens=3, k_descale=torch.ones(()),
+                                           v_descale=torch.ones(2, 2))
+
+
 def test_index_checks():
     dev = torch.device("cpu")
     lens = torch.zeros(3, dtype=torch.int32)
@@ -252,6 +279,21 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
         assert aot.summarize(aot.disassemble(single["decode"]))["tma_load"] > 0
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+def test_fp8_cache_compiles(arch, q_dtype):
+    """The decode of an FP8 cache widens its tiles with the e4m3 unpack (F2FP ... E4M3) and
+    keeps its tensor cores, without spills; the append that quantizes rotated rows into it
+    has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
+    cubins = aot.compile_decode(arch, q_dtype, page_size=64, splits=4, fp8_cache=True,
+                                rotary="neox")
+    listing = aot.disassemble(cubins["decode"])
+    decode, append = aot.summarize(listing), aot.summarize(aot.disassemble(cubins["append"]))
+    assert decode["tensor_core"] > 0 and decode["local_memory"] == 0, decode
+    assert ".E4M3.UNPACK" in listing
+    assert append["local_memory"] == 0, append
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 @pytest.mark.parametrize("rotary", ["interleaved", "neox"])
 def test_leftpad_and_rotary_compile(arch, rotary):
@@ -331,18 +373,33 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert append[0] is k_new and append[2] is k_cache and append[4] is lens
     assert append[5] is idx and append[6] is None
     (dq, dk, dv, dout, dlse, dlens, didx, dtable, dslopes, scale, softcap, window, new_len,
-     splits, config, dsinks, dpads) = decode
+     splits, config, dsinks, dpads, ddescale) = decode
     assert dq is q and dk is k_cache and dv is v_cache and dout is out and dlse is lse
     assert dlens is lens and didx is idx and dtable is None and dslopes is None
-    assert dsinks is None
+    assert dsinks is None and ddescale is None
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
     assert config == variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
-    assert append[7:] == (q, None, None) and dpads is None  # no rotary, no pad
+    assert append[7:] == (q, None, None, None) and dpads is None  # no rotary, no pad
     calls.clear()
     flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
     assert [name for name, _ in calls] == ["decode"]
     assert calls[0][1][5].tolist() == [7, 7] and calls[0][1][4] is None  # no LSE asked
+
+    # An FP8 cache: the descale factors reach both launches as [B, H_kv] views (one factor
+    # per tensor expanded, none given as 1), new bf16 rows go to the append to be quantized.
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "H200"))
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    calls.clear()
+    flash_tile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=lens,
+                                       k_descale=torch.tensor(0.5))
+    (_, append), (_, decode) = calls
+    assert append[2] is k8 and append[-1] is decode[-1]
+    kd, vd = decode[-1]
+    assert kd.shape == vd.shape == (2, 2) and kd.eq(0.5).all() and vd.eq(1.0).all()
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
+    with pytest.raises(RuntimeError, match="9.0 or newer"):
+        flash_tile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens)
 
 
 @pytest.mark.parametrize("causal,window,q_step", [(True, (-1, -1), 1), (False, (-1, -1), 0),
@@ -376,10 +433,10 @@ def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_st
         calls.clear()
     call(cos, sin)
     (_, append), (_, decode) = calls
-    q_arg, q_rot, rotary = append[7:]
+    q_arg, q_rot, rotary, kv_descale = append[7:]
     assert q_arg is q and q_rot.shape == q.shape and q_rot is not q
     assert rotary == _launch_decode.Rotary(cos, sin, False, q_step)
-    assert decode[0] is q_rot and decode[-1] is pads
+    assert decode[0] is q_rot and decode[-2] is pads and kv_descale is decode[-1] is None
 
 
 @pytest.mark.parametrize("arch,page_size", [("sm_90", None), ("sm_90", 64), ("sm_80", None)])

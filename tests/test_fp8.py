@@ -229,12 +229,6 @@ def test_fp8_descale_checks(hopper):
         _validate.fp8_descales(2, 2, torch.device("meta"), q_descale=torch.ones(2, 2))
 
 
-def test_fp8_kv_cache_is_not_supported(no_launch):
-    cache = torch.randn(2, 64, 2, 64).to(E4M3)
-    with pytest.raises(NotImplementedError, match="FP8 q or KV cache"):
-        flash_tile.flash_attn_with_kvcache(torch.randn(2, 1, 4, 64).bfloat16(), cache, cache)
-
-
 def test_fp8_varlen_checks(hopper):
     q = torch.randn(30, 4, 64).to(E4M3)
     cu = torch.tensor([0, 10, 30], dtype=torch.int32)
