@@ -6,6 +6,10 @@ bf16): flash_tile's ``flash_attn_with_kvcache`` on a contiguous cache and on pag
 efficient backends on the contiguous cache (``enable_gqa``, causal bottom-right through an
 explicit Lq = 1 call, which needs no mask) and flash_tile's own ``flash_attn_func``. Every
 backend is checked against an fp32 reference (flash-attn's 2x rule) before it is timed.
+``flash_tile_fp8`` is the same step on the cache quantized to float8_e4m3fn per (sequence,
+key/value head) (``flash_tile.quantize_fp8``, with ``k_descale``/``v_descale``), checked
+against the reference of the dequantized cache; ``fp8_speedup`` is the bf16 cache's time per
+step over the FP8 cache's (its GB/s counts the FP8 bytes it reads, half the bf16 ones).
 
 GB/s counts the K and V bytes the step must read, B * L * H_kv * (D + Dv) * 2, over the GPU
 time per call with the calls queued behind a sleep (``bench_attention.device_ms``), so that
@@ -37,8 +41,8 @@ from bench_attention import (device_ms, failure, machine_info, md_table, results
 from bench_launch import decode_layers, host_us
 from flash_tile import _launch, reference
 
-BACKENDS = ("flash_tile", "flash_tile_paged16", "flash_tile_paged64", "flash_tile_paged256",
-            "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
+BACKENDS = ("flash_tile", "flash_tile_fp8", "flash_tile_paged16", "flash_tile_paged64",
+            "flash_tile_paged256", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
 NOTE = ("Rows with Lq > 1 give SDPA torch's `causal_lower_right` bias (its `is_causal` is top-"
         "left, which decode cannot use); SDPA's backends read the cache far slower with it, so "
         "those rows' ratios compare against SDPA as a user would call it, not against cuDNN's "
@@ -104,7 +108,7 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
     low = reference.attention_dense(*seqs, diag_offset=length - q_len, window=(-1, 0))
     nbytes = batch * length * kv_heads * head_dim * 2 * 2
 
-    def measure(name, call):
+    def measure(name, call, ref=ref, low=low, nbytes=nbytes):
         try:
             out = call()
             report = reference.check_error(out[ends].transpose(1, 2), ref, low)
@@ -118,6 +122,16 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
 
     for name, call in runners(q, k, v, lens).items():
         measure(name, call)
+    (k8, kd), (v8, vd) = (flash_tile.quantize_fp8(t) for t in (k, v))
+    deq = [(t8[ends].float() * d[ends][:, None, :, None]).transpose(1, 2)
+           for t8, d in ((k8, kd), (v8, vd))]
+    args = dict(diag_offset=length - q_len, window=(-1, 0))
+    measure("flash_tile_fp8", functools.partial(
+        flash_tile.flash_attn_with_kvcache, q, k8, v8, cache_seqlens=lens, causal=True,
+        k_descale=kd, v_descale=vd),
+        reference.attention_dense(seqs[0].float(), *deq, **args),
+        reference.attention_dense(seqs[0], *(t.to(q.dtype) for t in deq), **args), nbytes // 2)
+    del k8, v8
     for size in page_sizes:  # one paged copy at a time: the caches can be tens of GiB
         kp, vp, table = paged(k, v, size, gen)
         measure(f"flash_tile_paged{size}", functools.partial(
@@ -126,6 +140,8 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
         del kp, vp, table
     ours, cudnn = row["gbps"].get("flash_tile"), row["gbps"].get("sdpa_cudnn")
     row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
+    fp8 = row["gbps"].get("flash_tile_fp8")
+    row["fp8_speedup"] = round(2 * fp8 / ours, 3) if ours and fp8 else None
     row["fraction_of_bandwidth"] = round(ours / bandwidth, 3) if ours else None
     row["cache_mib"] = round(nbytes / 2**20, 1)
     return row
@@ -209,7 +225,7 @@ def sweep_table(rows):
 def table(rows, bandwidth):
     names = [n for n in BACKENDS if any(n in r["gbps"] for r in rows)]
     head = ["B", "L", "H/H_kv", "Lq", "cache MiB", *names, "vs cuDNN", "of bandwidth",
-            "targets"]
+            "FP8 cache speedup", "targets"]
     lines = []
     for r in rows:
         ratio, frac = r["ratio_vs_cudnn"], r["fraction_of_bandwidth"]
@@ -221,6 +237,7 @@ def table(rows, bandwidth):
         lines.append([r["batch"], r["seqlen"], f"{r['heads']}/{r['kv_heads']}", r["q_len"],
                       r["cache_mib"], *(r["gbps"].get(n, "-") for n in names),
                       f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-",
+                      f"{r['fp8_speedup']:.2f}x" if r.get("fp8_speedup") else "-",
                       "missed: " + ", ".join(misses) if misses else "met"])
     return (f"K/V GB/s per backend; read bandwidth measured in the same run: "
             f"{bandwidth:.0f} GB/s.\n\n{NOTE}\n\n" + md_table(head, lines))
