@@ -14,8 +14,9 @@ docs/experiments/evidence/2026-12-03-launch-plans-h200.md). A key is only made w
 sound: plain tensors (no tensor subclass) on a CUDA device in eager mode (no torch.compile
 or other tracer, no dispatch mode), no autograd to record (no input needs its gradient, or
 grad mode is off) and autocast off.
-The callers add their own conditions (no ALiBi, mask, dropout or FP8, a unit last stride);
-every other call takes the full path each time, as does a call whose key is new.
+The callers add their own conditions (no ALiBi, mask or dropout, no FP8 forward, a unit
+last stride); every other call takes the full path each time, as does a call whose key is
+new.
 
 The plans live in ``autotune.plans`` beside the choices they were made from, and
 ``autotune.clear_memory_cache`` forgets both.
