@@ -39,7 +39,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from flash_tile import _launch, _ops, autotune, quantize_fp8, variants
+from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
 from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, interleaved_ms
 from bench_attention import machine_info, md_table, save_json, write_report
 
@@ -122,7 +122,8 @@ def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dty
 
 def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool):
     """``run(config)`` of the FP8 forward's kernel alone: e4m3 q, k, v quantized per head and
-    V^T (``_launch.keys_major``) made once, then fresh bf16 outputs and one launch a call."""
+    V^T (``_launch.keys_major``) made once, then ``_ops_fp8.fp8_forward``: fresh bf16 outputs
+    and one launch a call."""
     x8, descale = zip(*(quantize_fp8(torch.randn(batch, length, heads, head_dim, device="cuda",
                                                  dtype=torch.bfloat16))
                         for _ in range(3)))
@@ -131,10 +132,8 @@ def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool)
     scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
 
     def run(config):
-        out, lse = _ops._forward_outputs(q, v, True, torch.bfloat16)
-        _launch.launch_forward(q, k, v_t, out, lse, None, None, scale, 0.0, 0, window, config,
-                               descale=descale)
-        return out, lse
+        return _ops_fp8.fp8_forward(q, k, v_t, descale, None, scale, 0.0, 0, window, True,
+                                    config)
     return run
 
 

@@ -32,10 +32,21 @@ def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The op's body: q [B, H, Lq, D], k [B, H_kv, Lk, D] e4m3 views with a unit last stride,
     v [B, H_kv, Lk, Dv] e4m3 of any strides: two launches, the keys-major copy of v
     (``keys_major``) and the forward."""
-    out, lse = _ops._forward_outputs(q, v, return_lse, OUT_DTYPE)
-    launch_forward(q, k, keys_major(v), out, lse if return_lse else None, alibi_slopes, None,
-                   scale, softcap, diag_offset, (window_left, window_right), _config(q, v),
-                   sinks=sinks, descale=descale)
+    return fp8_forward(q, k, keys_major(v), descale, alibi_slopes, scale, softcap,
+                       diag_offset, (window_left, window_right), return_lse, _config(q, v),
+                       sinks)
+
+
+def fp8_forward(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, descale: torch.Tensor,
+                alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+                diag_offset: int, window: tuple[int, int], return_lse: bool, config,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the FP8 forward on V^T made already (``keys_major``: v_t [B, H_kv, Dv,
+    Lk]) with the tile ``config``: fresh outputs and one launch (the op's body, and the
+    benchmarks that time the kernel alone)."""
+    out, lse = _ops._forward_outputs(q, v_t.transpose(2, 3), return_lse, OUT_DTYPE)
+    launch_forward(q, k, v_t, out, lse if return_lse else None, alibi_slopes, None, scale,
+                   softcap, diag_offset, window, config, sinks=sinks, descale=descale)
     return out, lse
 
 
