@@ -65,11 +65,15 @@ def _dequantized(k8, v8, kd, vd):
     return k8.float() * scale(kd), v8.float() * scale(vd)
 
 
-def _check(q, k_deq, v_deq, out, lse, seqlens, table, window=(-1, -1)):
+def _check(q, k_deq, v_deq, out, lse, seqlens, table, window=(-1, -1), batch_idx=None,
+           leftpad=None, alibi_slopes=None, **features):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
-    for b, (k, v) in enumerate(reference.cache_sequences(k_deq, v_deq, lengths, None, table)):
+    seqs = reference.cache_sequences(k_deq, v_deq, lengths, batch_idx, table, leftpad)
+    for b, (k, v) in enumerate(seqs):
         qb = q[b:b + 1].transpose(1, 2)
-        args = dict(diag_offset=k.shape[2] - q.shape[1], window=window)
+        slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
+        args = dict(diag_offset=k.shape[2] - q.shape[1], window=window, alibi_slopes=slopes,
+                    **features)
         ref, ref_lse = reference.attention_dense(qb.float(), k, v, return_lse=True, **args)
         low = reference.attention_dense(qb, k.to(q.dtype), v.to(q.dtype), **args)
         report = reference.check_error(out[b:b + 1].transpose(1, 2), ref, low)
@@ -105,6 +109,32 @@ def test_fp8_cache_matches_the_dequantized_cache(page_size, q_len, causal, dtype
     _check(q, k_deq, v_deq, out, lse, seqlens, table, (-1, 0) if causal else (-1, -1))
     again, _ = call()
     assert torch.equal(again, out)
+
+
+def test_fp8_cache_with_every_feature():
+    """cache_batch_idx (the factors follow the sequence, not its cache row), left pads,
+    softcap, ALiBi, sinks, a group of 4 heads, 3 query rows causal, 3 splits."""
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    batch, capacity, kv_heads, heads, d, q_len = 3, 400, 2, 8, 64, 3
+    seqlens, pads = [3, 203, 400], [0, 17, 100]
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda")  # sequence b's cache row
+    k8, v8, _, _, _ = _fp8_cache(batch, capacity, kv_heads, d, None, [400] * batch, gen, "head")
+    kd, vd = (torch.rand(batch, kv_heads, generator=gen, device="cuda") + 0.5 for _ in range(2))
+    q = torch.randn(batch, q_len, heads, d, generator=gen, device="cuda").to(torch.bfloat16)
+    slopes = torch.rand(batch, heads, generator=gen, device="cuda") * 0.1
+    sinks = torch.randn(heads, generator=gen, device="cuda")
+    lens, leftpad = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (seqlens, pads))
+    out, lse = flash_tile.flash_attn_with_kvcache(
+        q, k8, v8, cache_seqlens=lens, cache_batch_idx=rows, cache_leftpad=leftpad,
+        causal=True, softcap=30.0, alibi_slopes=slopes, sinks=sinks, num_splits=3,
+        return_softmax_lse=True, k_descale=kd, v_descale=vd)
+    k_deq, v_deq = torch.empty_like(k8, dtype=torch.float32), torch.empty_like(
+        v8, dtype=torch.float32)
+    for b, r in enumerate(rows.tolist()):  # sequence b's row, with sequence b's factors
+        k_deq[r], v_deq[r] = (t[r].float() * f[b][None, :, None] for t, f in ((k8, kd),
+                                                                             (v8, vd)))
+    _check(q, k_deq, v_deq, out, lse, seqlens, None, (-1, 0), rows.cpu(), leftpad.cpu(),
+           slopes, softcap=30.0, sinks=sinks)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
