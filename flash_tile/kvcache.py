@@ -114,8 +114,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_batch_idx) or of one element (per tensor); None is 1. Only with an FP8
             cache, which the decode widens to q's dtype tile by tile (exact): the matmuls
             and the softmax run as for a q-dtype cache while a step reads half the bytes.
-            ``flash_tile.quantize_fp8(cache, kv_heads=H_kv)`` makes such a cache. FP8 q is
-            not supported (NotImplementedError).
+            ``flash_tile.quantize_fp8(cache)`` makes such a cache with [B, H_kv] factors
+            (``per="tensor"`` one factor, as a paged cache needs). FP8 q is not supported
+            (NotImplementedError).
 
     Returns:
         out [B, Lq, H, Dv] in q's dtype; with ``return_softmax_lse`` the pair (out, lse), lse
