@@ -91,9 +91,28 @@ def check_kv_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"the new k and v must both be in q's dtype ({q.dtype}) or in "
                          f"torch.float8_e4m3fn for an FP8 cache, got {new[0].dtype} and "
                          f"{new[1].dtype}")
-    batch, kv_heads = q.shape[0], k_cache.shape[2]
-    return (descale_view("k_descale", k_descale, batch, kv_heads, q.device),
-            descale_view("v_descale", v_descale, batch, kv_heads, q.device))
+    return kv_descales(k_descale, v_descale, q.shape[0], k_cache.shape[2], q.device)
+
+
+def kv_descales(k_descale, v_descale, batch: int, kv_heads: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 cache's (k, v) descale factors as [B, H_kv] fp32 views (``descale_view``)."""
+    return (descale_view("k_descale", k_descale, batch, kv_heads, device),
+            descale_view("v_descale", v_descale, batch, kv_heads, device))
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """The factor 1 on ``device``: made once (a call without descales launches no fill
+    kernel), except while a CUDA graph is captured, where the fill is the graph's to replay
+    (a tensor made then holds nothing until the graph runs)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.ones((), dtype=torch.float32, device=device)
+    return _kept_one(device)
+
+
+@functools.cache
+def _kept_one(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def descale_view(name: str, t: torch.Tensor | None, batch: int, kv_heads: int,
@@ -102,7 +121,7 @@ def descale_view(name: str, t: torch.Tensor | None, batch: int, kv_heads: int,
     ``t`` is [B, H_kv] (FA3's shape: per batch, or sequence, and key/value head), has one
     element (per-tensor scaling: 0-d, [1], [1, 1]), or is None (1)."""
     if t is None:
-        return torch.ones((), dtype=torch.float32, device=device).expand(batch, kv_heads)
+        return _one(device).expand(batch, kv_heads)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
         raise ValueError(f"{name} must be a float32 tensor of shape [{batch}, {kv_heads}] "
                          f"(batch, key/value heads) or of one element, got "

@@ -148,10 +148,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if plan is not None:
             kv_descale = None
             if k_cache.dtype == _validate.FP8_DTYPE:  # the signature fixes the cache's dtype
-                kv_descale = (_validate.descale_view("k_descale", k_descale, q.shape[0],
-                                                     k_cache.shape[2], q.device),
-                              _validate.descale_view("v_descale", v_descale, q.shape[0],
-                                                     k_cache.shape[2], q.device))
+                kv_descale = _validate.kv_descales(k_descale, v_descale, q.shape[0],
+                                                   k_cache.shape[2], q.device)
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
                              rotary_interleaved, return_softmax_lse, kv_descale)
