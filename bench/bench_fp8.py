@@ -12,15 +12,15 @@ N(0, 1) with 0.1% of the entries N(0, 10), bf16, quantized per (batch, head) wit
   row records null and the reason; the Markdown quotes cuDNN's published H200 figure
   instead, marked as such.
 
-Correctness before timing: the FP8 output's RMSE on 256 query rows (the first and the last
-128) against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2
-(FA3's baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule
-there; a row that fails is reported, not timed. ``rmse_rotated`` is the same error with q and
-k rotated by ``flash_tile.hadamard_rotate`` before quantization (FA3's incoherent processing,
-9.1e-3 in its table; the issue's target 1.0e-2): the same kernel, so not timed again. Both backends run their arch's default tile
-variant, FP8 its own (``variants.fp8_config``; FLASH_TILE_AUTOTUNE=0 unless set: FP8 is
-never tuned, so the bf16 baseline is not either). Times are GPU time per call with the calls
-queued behind a sleep (``bench_attention.device_ms``).
+Correctness before timing: the FP8 output's RMSE on 256 query rows (the first and the last 128)
+against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2 (FA3's
+baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule there; a
+row that fails is reported, not timed. ``rmse_rotated`` is the same error with q and k rotated
+by ``flash_tile.hadamard_rotate`` before quantization (FA3's incoherent processing, 9.1e-3 in
+its table; the issue's target 1.0e-2): the same kernel, so not timed again. Both backends run
+their arch's default tile variant, FP8 its own (``variants.fp8_config``; FLASH_TILE_AUTOTUNE=0
+unless set: FP8 is never tuned, so the bf16 baseline is not either). Times are GPU time per
+call with the calls queued behind a sleep (``bench_attention.device_ms``).
 
     python bench/bench_fp8.py                 # bench/results/fp8-<gpu>.{json,md,png}
     python bench/bench_fp8.py --head-dims 128 --lengths 4096 --out /tmp/fp8

@@ -163,9 +163,9 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
 
 
 def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left, window_right, new_len,
-                 NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
-                 TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left, window_right,
+                 new_len, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
+                 TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                  PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
                  STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
@@ -268,8 +268,9 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
     float8_e4m3fn (Q float16 or bfloat16)."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
                  Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
-                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                 SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS,
+                 LEFTPAD)
 
 
 @ct.kernel
@@ -287,8 +288,9 @@ def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Ou
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
                  Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
-                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT,
-                 SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS, LEFTPAD)
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS,
+                 LEFTPAD)
 
 
 @ct.kernel
@@ -350,16 +352,16 @@ def _to_cache(x, Cache, New, Descale, batch, kv_head):
     an FP8 cache from a wider dtype as x / descale rounded to e4m3 (the conversion
     saturates), otherwise rounded to the cache's dtype (e4m3 rows rotated in fp32 go back
     unscaled: the rotation is linear)."""
-    if Cache.dtype != New.dtype:
-        if Cache.dtype == ct.float8_e4m3fn:
+    if Cache.dtype == ct.float8_e4m3fn:
+        if New.dtype != Cache.dtype:  # rows in Q's dtype: quantized by the cache's factor
             x = x.astype(ct.float32) * (1.0 / _kv_descale(Descale, batch, kv_head))
     return x.astype(Cache.dtype)
 
 
 def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D: ConstInt, TILE_DV: ConstInt, TILE_G: ConstInt,
-                 PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
-                 INTERLEAVED: ConstBool):
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D: ConstInt,
+                 TILE_DV: ConstInt, TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool,
+                 ROTARY: ConstBool, INTERLEAVED: ConstBool):
     """Row bid(0) of KNew/VNew of key/value head bid(1) of sequence bid(2) into the cache
     (rotated under ROTARY), and under ROTARY query row bid(0) of the head's group into QRot."""
     ct.grid_dependency_control_launch_dependents()  # the decode waits for these writes
@@ -414,18 +416,18 @@ def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
     Cos/Sin [L_ro, rotary_dim / 2] in Q's dtype. Into a float8_e4m3fn cache, rows of a wider
     dtype are divided by KDescale/VDescale [B, H_kv] fp32 (read then only) and rounded."""
     _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
-                 INTERLEAVED)
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED,
+                 BATCH_IDX, ROTARY, INTERLEAVED)
 
 
 @ct.kernel
 def cache_append_int64(KNew, VNew, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64,
                        CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin, KDescale,
-                       VDescale, new_len: int,
-                       rotary_dim: int, q_step: int, TILE_D: ConstInt, TILE_DV: ConstInt,
+                       VDescale, new_len: int, rotary_dim: int, q_step: int, TILE_D: ConstInt,
+                       TILE_DV: ConstInt,
                        TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
                        INTERLEAVED: ConstBool):
     """``cache_append`` with 64-bit shapes and strides for the caches; the same body."""
     _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
-                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED, BATCH_IDX, ROTARY,
-                 INTERLEAVED)
+                 KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED,
+                 BATCH_IDX, ROTARY, INTERLEAVED)
