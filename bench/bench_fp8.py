@@ -8,11 +8,15 @@ N(0, 1) with 0.1% of the entries N(0, 10), bf16, quantized per (batch, head) wit
 - ``flash_tile_fp8``: ``flash_attn_func`` on the e4m3 tensors with their descale factors
   (the timed call includes the keys-major copy of V and the descale stack it makes);
 - ``flash_tile_bf16``: ``flash_attn_func`` on the bf16 inputs;
-- ``cudnn_fp8``: cuDNN's FP8 SDPA through ``nvidia-cudnn-frontend`` is not wired here: the
-  row records null and the reason; the Markdown quotes cuDNN's published H200 figure
-  instead, marked as such.
+- ``cudnn_fp8``: cuDNN's FP8 SDPA forward (``graph.sdpa_fp8`` of ``nvidia-cudnn-frontend``'s
+  Python graph API, heuristics A then fallback) on the same inputs quantized per tensor (its
+  descales are one element each), e4m3 output scaled by V's factor (Hopper's FP8 SDPA writes
+  e4m3 O; flash_tile writes bf16) and P quantized at 448 / max P = 448. Null with the reason
+  where the package or a plan is missing; the Markdown then quotes cuDNN's published H200
+  figure instead, marked as such. The GPU machine has no network: carry the package (a
+  cp312 wheel's ``cudnn`` folder) and put it on PYTHONPATH.
 
-Correctness before timing: the FP8 output's RMSE on 256 query rows (the first and the last 128)
+Correctness before timing: each FP8 output's RMSE on 256 query rows (the first and the last 128)
 against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2 (FA3's
 baseline FP8 attention: 2.4e-2), and the bf16 output must pass flash-attn's 2x rule there; a
 row that fails is reported, not timed. ``rmse_rotated`` is the same error with q and k rotated
@@ -27,7 +31,8 @@ call with the calls queued behind a sleep (``bench_attention.device_ms``).
 
 Each JSON row carries ``head_dim``, ``seqlen``, ``causal``, ``batch``, ``heads``, ``tflops``
 ({flash_tile_fp8, flash_tile_bf16, cudnn_fp8}, null where not measured), ``ratio_vs_bf16``,
-``rmse``, ``rmse_rotated`` and ``skipped`` (the reasons).
+``ratio_vs_cudnn`` (flash_tile FP8 over cuDNN FP8), ``rmse``, ``rmse_rotated``, ``rmse_cudnn``
+and ``skipped`` (the reasons).
 """
 
 import argparse
@@ -44,6 +49,7 @@ from bench_attention import (device_ms, failure, machine_info, md_table,  # noqa
                              results_path, save_json, write_report)
 from flash_tile import reference  # noqa: E402
 from flash_tile._timing import flops, grid_shape  # noqa: E402
+from flash_tile.fp8 import E4M3_MAX  # noqa: E402
 
 BACKENDS = ("flash_tile_fp8", "flash_tile_bf16", "cudnn_fp8")
 RMSE_LIMIT = 5e-2
@@ -54,13 +60,47 @@ CUDNN_PUBLISHED = ("1042-1062 TFLOP/s (cudnn-frontend's published H200 results, 
                    "64/8, D=128)")
 
 
-def cudnn_reason():
-    """Why the cuDNN FP8 column is null."""
-    try:
-        import cudnn  # noqa: F401
-    except ImportError as e:
-        return f"skipped: nvidia-cudnn-frontend not installed ({e})"
-    return "skipped: the cudnn-frontend FP8 SDPA graph is not wired into this benchmark yet"
+def cudnn_fp8(q, k, v, causal):
+    """(run, output): cuDNN's FP8 SDPA forward on per-tensor e4m3 copies of the [B, L, H, D]
+    bf16 q, k, v, built as a cudnn-frontend graph; ``run()`` executes it on the current
+    stream and ``output()`` dequantizes its e4m3 O to float32 [B, L, H, D]."""
+    import cudnn
+    (q8, qd), (k8, kd), (v8, vd) = (flash_tile.quantize_fp8(t, per="tensor") for t in (q, k, v))
+    batch, length, heads, dim = q.shape
+    shape = (batch, heads, length, dim)  # cuDNN's BHSD dims over the BSHD memory
+    stride = (q8.stride(0), q8.stride(2), q8.stride(1), 1)
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=handle)
+    tq, tk, tv = (graph.tensor(name=n, dim=shape, stride=stride, data_type=e4m3) for n in "qkv")
+    one = {"dim": (1, 1, 1, 1), "stride": (1, 1, 1, 1), "data_type": f32}
+    # O is a convex mix of V's rows, so V's factor keeps it in e4m3's range; P <= 1.
+    factors = {"descale_q": qd, "descale_k": kd, "descale_v": vd, "descale_s": 1 / E4M3_MAX,
+               "scale_s": E4M3_MAX, "scale_o": 1 / vd}
+    scalars = {n: graph.tensor(name=n, **one) for n in factors}
+    o, _, amax_s, amax_o = graph.sdpa_fp8(q=tq, k=tk, v=tv, **scalars, generate_stats=False,
+                                          attn_scale=dim ** -0.5, use_causal_mask=causal,
+                                          name="sdpa_fp8")
+    o.set_output(True).set_dim(shape).set_stride(stride).set_data_type(e4m3)
+    for amax in (amax_s, amax_o):
+        amax.set_output(True).set_dim(one["dim"]).set_stride(one["stride"]).set_data_type(f32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    out8 = torch.empty_like(q8)
+    pack = {tq: q8, tk: k8, tv: v8, o: out8,
+            amax_s: torch.empty(one["dim"], device="cuda"),
+            amax_o: torch.empty(one["dim"], device="cuda")}
+    pack.update({scalars[n]: torch.as_tensor(x, dtype=torch.float32, device="cuda"
+                                             ).reshape(one["dim"])
+                 for n, x in factors.items()})
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device="cuda")
+    return (lambda: graph.execute(pack, workspace, handle=handle),
+            lambda: out8.float() * vd)
 
 
 def _checked_rows(length):
@@ -88,11 +128,25 @@ def check(q, k, v, outs8, out16, causal):
     return rmse, reference.check_error(out16[:, rows].transpose(1, 2), ref, out_pt)["ok"]
 
 
+def _cudnn_runner(q, k, v, causal, skipped):
+    """cudnn_fp8's (run, output), or None with the reason in ``skipped``."""
+    try:
+        run, output = cudnn_fp8(q, k, v, causal)
+        run()
+        return run, output
+    except ImportError as e:
+        skipped["cudnn_fp8"] = f"skipped: nvidia-cudnn-frontend not installed ({e})"
+    except Exception as e:  # noqa: BLE001 - a graph cuDNN does not support is reported
+        skipped["cudnn_fp8"] = failure(e)
+    return None
+
+
 def bench_row(length, head_dim, causal, seed=0):
     batch, heads = grid_shape(length, head_dim)
     row = {"batch": batch, "heads": heads, "seqlen": length, "head_dim": head_dim,
            "causal": causal, "tflops": dict.fromkeys(BACKENDS), "ratio_vs_bf16": None,
-           "rmse": None, "rmse_rotated": None, "skipped": {"cudnn_fp8": cudnn_reason()}}
+           "ratio_vs_cudnn": None, "rmse": None, "rmse_rotated": None, "rmse_cudnn": None,
+           "skipped": {}}
     q, k, v = (reference.outlier_inputs(batch, length, heads, head_dim, seed + s, "cuda")
                for s in range(3))
     (q8, qd), (k8, kd), (v8, vd) = (flash_tile.quantize_fp8(t) for t in (q, k, v))
@@ -101,19 +155,24 @@ def bench_row(length, head_dim, causal, seed=0):
             "flash_tile_bf16": lambda: flash_tile.flash_attn_func(q, k, v, causal=causal)}
     (qr8, qrd), (kr8, krd) = (flash_tile.quantize_fp8(t) for t in
                               flash_tile.hadamard_rotate(q, k))
+    cudnn = _cudnn_runner(q, k, v, causal, row["skipped"])
     try:
         with torch.no_grad():
-            rotated = flash_tile.flash_attn_func(qr8, kr8, v8, causal=causal, q_descale=qrd,
-                                                 k_descale=krd, v_descale=vd)
-            (rmse, row["rmse_rotated"]), bf16_ok = check(
-                q, k, v, (runs["flash_tile_fp8"](), rotated), runs["flash_tile_bf16"](), causal)
+            outs8 = [runs["flash_tile_fp8"](), flash_tile.flash_attn_func(
+                qr8, kr8, v8, causal=causal, q_descale=qrd, k_descale=krd, v_descale=vd)]
+            rmse, bf16_ok = check(q, k, v, outs8 + ([cudnn[1]()] if cudnn else []),
+                                  runs["flash_tile_bf16"](), causal)
     except Exception as e:  # noqa: BLE001 - reported in the row
         row["skipped"].update(flash_tile_fp8=failure(e), flash_tile_bf16=failure(e))
         return row
-    row["rmse"] = rmse
-    if not (math.isfinite(rmse) and rmse <= RMSE_LIMIT):
-        row["skipped"]["flash_tile_fp8"] = f"failed the check: RMSE {rmse:.3g} > {RMSE_LIMIT}"
-        runs.pop("flash_tile_fp8")
+    row["rmse"], row["rmse_rotated"] = rmse[:2]
+    if cudnn:
+        row["rmse_cudnn"] = rmse[2]
+        runs["cudnn_fp8"] = cudnn[0]
+    for name, err in (("flash_tile_fp8", row["rmse"]), ("cudnn_fp8", row["rmse_cudnn"])):
+        if name in runs and not (math.isfinite(err) and err <= RMSE_LIMIT):
+            row["skipped"][name] = f"failed the check: RMSE {err:.3g} > {RMSE_LIMIT}"
+            runs.pop(name)
     if not bf16_ok:
         row["skipped"]["flash_tile_bf16"] = "failed the check: beyond flash-attn's 2x rule"
         runs.pop("flash_tile_bf16")
@@ -121,22 +180,26 @@ def bench_row(length, head_dim, causal, seed=0):
     with torch.no_grad():
         for name, fn in runs.items():
             row["tflops"][name] = f / device_ms(fn) / 1e9
-    fp8, bf16 = row["tflops"]["flash_tile_fp8"], row["tflops"]["flash_tile_bf16"]
+    fp8, bf16, cudnn_tflops = (row["tflops"][n] for n in BACKENDS)
     if fp8 and bf16:
         row["ratio_vs_bf16"] = fp8 / bf16
+    if fp8 and cudnn_tflops:
+        row["ratio_vs_cudnn"] = fp8 / cudnn_tflops
     return row
 
 
 def table(rows):
-    head = ["D", "L", "B", "H", "causal", *BACKENDS, "FP8 / bf16", "RMSE", "RMSE rotated"]
+    head = ["D", "L", "B", "H", "causal", *BACKENDS, "FP8 / bf16", "FP8 / cuDNN", "RMSE",
+            "RMSE rotated", "RMSE cuDNN"]
 
     def cell(x, fmt="{:.0f}"):
         return "-" if x is None else fmt.format(x)
     return md_table(head, ([r["head_dim"], r["seqlen"], r["batch"], r["heads"],
                             "yes" if r["causal"] else "no",
                             *(cell(r["tflops"][n]) for n in BACKENDS),
-                            cell(r["ratio_vs_bf16"], "{:.2f}x"), cell(r["rmse"], "{:.2e}"),
-                            cell(r["rmse_rotated"], "{:.2e}")]
+                            cell(r["ratio_vs_bf16"], "{:.2f}x"),
+                            cell(r["ratio_vs_cudnn"], "{:.2f}x"), cell(r["rmse"], "{:.2e}"),
+                            cell(r["rmse_rotated"], "{:.2e}"), cell(r["rmse_cudnn"], "{:.2e}")]
                            for r in rows))
 
 
@@ -162,8 +225,16 @@ def targets(rows):
     if rotated:
         lines.append(f"- RMSE with q, k Hadamard-rotated (target 1.0e-2, FA3 9.1e-3): "
                      f"{'met' if max(rotated) <= 1e-2 else 'NOT met'} (worst {max(rotated):.2e})")
-    lines.append(f"- cuDNN FP8: not measured here ({rows[0]['skipped']['cudnn_fp8']}); its "
-                 f"published figure, not from this run: {CUDNN_PUBLISHED}")
+    vs_cudnn = sorted(r["ratio_vs_cudnn"] for r in rows if r["ratio_vs_cudnn"])
+    if vs_cudnn:
+        met = sum(x >= 1.0 for x in vs_cudnn)
+        lines.append(f"- >= 1.0x cuDNN FP8 (same run): met on {met}/{len(vs_cudnn)} rows (worst "
+                     f"{vs_cudnn[0]:.2f}x, best {vs_cudnn[-1]:.2f}x)")
+    missing = sorted({r["skipped"]["cudnn_fp8"] for r in rows if "cudnn_fp8" in r["skipped"]})
+    if missing:
+        lines.append(f"- cuDNN FP8 not measured on {len(rows) - len(vs_cudnn)} rows "
+                     f"({'; '.join(missing)}); its published figure, not from this run: "
+                     f"{CUDNN_PUBLISHED}")
     return "\n".join(lines)
 
 
@@ -175,7 +246,7 @@ def plot(rows, path):
     dims = sorted({r["head_dim"] for r in rows})
     fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.5), squeeze=False)
     for ax, d in zip(axes[0], dims):
-        for name, color in (("flash_tile_fp8", "C3"), ("flash_tile_bf16", "C0")):
+        for name, color in zip(BACKENDS, ("C3", "C0", "C2")):
             for causal, style in ((False, "-"), (True, "--")):
                 pts = [(r["seqlen"], r["tflops"][name]) for r in rows if r["head_dim"] == d
                        and r["causal"] == causal and r["tflops"][name]]
@@ -201,6 +272,12 @@ def main():
     info = machine_info()
     info["note"] = ("FP8: e4m3 q, k, v quantized per (batch, head), bf16 output; both "
                     "backends on their arch's default tile variant (FP8: variants.fp8_config).")
+    try:
+        import cudnn
+        info["note"] += (f" cuDNN {cudnn.backend_version()} through cudnn-frontend "
+                         f"{getattr(cudnn, '__version__', '?')}: per-tensor e4m3 inputs, e4m3 O.")
+    except ImportError:
+        pass
     rows = []
     grid = [(d, n, c) for d in args.head_dims for n in args.lengths for c in (False, True)]
     for d, n, causal in tqdm(grid, desc="fp8"):
