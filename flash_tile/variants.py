@@ -126,14 +126,15 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # At D=128, 128x256 with 8 worker warps took 0.87-0.96x the time of the bf16 default 128x128
 # on 5 of 6 rows (1.05x at 1k causal; 128x64 1.18-1.27x, 64x128 1.30-1.36x); at D=64, 64x128
 # o2 0.95-1.00x of 64x64 o3 (128x256 nww8 0.93-1.07x, 128x128 nww8 1.04-1.12x; non-causal
-# rows); at D=256 the bf16 default stayed (64x128 nww8 1.67x) [H200, 2026-12-03,
-# bench_variants.py --dtype fp8, L 1k/4k/16k;
-# docs/experiments/evidence/2026-12-03-fp8-h200.md]. Both compile to QGMMA for both
-# matmuls with no spills (D=64: 128 registers, D=128: 168); 128x256 spills 31 LDL/STL on sm_120, so
-# other GPUs launch the bf16 defaults, untimed. At D=256 the tensor core accumulates P V
-# itself (else 521 LDL/STL; docs/kernel-internals.md, "FP8"), and every other tile tried
-# spilled with the precise accumulation too (64x64: 229, 128x32 nww8: 164, 64x128: 488
-# LDL/STL) [tileiras 13.4 SASS].
+# rows) [H200, 2026-12-03, bench_variants.py --dtype fp8, L 1k/4k/16k;
+# docs/experiments/evidence/2026-12-03-fp8-h200.md]. Since the tensor core accumulates both
+# matmuls itself (use_fast_acc; no second accumulator), 128x128 nww8 compiles without spills
+# at D=256 and took 0.84-0.94x the time of the bf16 default 128x64 there (64x128 nww8
+# 1.61-1.84x); at D=128 it took 0.87-0.99x of 128x256 at L <= 8k but 1.04x at 8k causal and
+# 1.07-1.08x at 16k, so 128x256 stayed [H200, 2026-12-03, L 1k-16k;
+# docs/experiments/evidence/2026-12-03-fp8-fast-acc-h200.md]. All compile to QGMMA for both
+# matmuls with no spills (D=64: 128 registers, D=128 and 256: 168); 128x256 spills 31 LDL/STL
+# on sm_120, so other GPUs launch the bf16 defaults, untimed [tileiras 13.4 SASS].
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8)
 
@@ -147,7 +148,7 @@ _DEFAULTS = {
 }
 
 _FP8_DEFAULTS = {**_DEFAULTS,
-                 (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_WIDE))}
+                 (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")

@@ -115,7 +115,9 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
         k_t = ct.load(K, index=(batch, kv_head, 0, j), shape=(1, 1, TILE_D, TILE_N),
                       order=(0, 1, 3, 2), padding_mode=ZERO, latency=LATENCY_K)
     s = ct.zeros((q.shape[0], TILE_N), dtype=ct.float32)
-    s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s)  # [TILE_M, TILE_N] raw scores q . k
+    # Under FP8 the tensor core adds into s itself: with use_fast_acc=False tileiras sums in
+    # fresh registers and adds those to the zeros, one FADD a score (128 a thread a tile).
+    s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s, use_fast_acc=FP8)  # raw scores q . k
 
     # The scores in log2 units; plain ones still owe score_scale, applied after the row max.
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
@@ -141,12 +143,13 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
     # FP8 (both e4m3): P in [0, 1] rounds to e4m3 as it is (FA3's choice), and V^T's keys
-    # are the contiguous axis. Under use_fast_acc=False tileiras sums each tile's P V in
-    # fresh registers and adds it to acc in fp32; that holds a second accumulator, which at
-    # Dv > 128 spills (521 LDL/STL on sm_90's 128x64 tile), so there the tensor core adds
-    # into acc itself, as FA3 does (its fp32 accumulator keeps fewer mantissa bits).
+    # are the contiguous axis. The tensor core adds into acc itself, as FA3 does (its fp32
+    # accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
+    # tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
+    # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128), and the
+    # second accumulator spills at Dv = 256 (521 LDL/STL on sm_90's 128x64 tile).
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha,
-                 use_fast_acc=FP8 and TILE_DV > 128)  # [TILE_M, TILE_DV]
+                 use_fast_acc=FP8)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
 
 
