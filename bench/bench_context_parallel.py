@@ -2,19 +2,23 @@
 
 Each row is one causal sequence of L tokens (bf16, D = 128, GQA 32/8): ``flash_attn_func`` on
 one GPU, then ``flash_tile.distributed.ring_flash_attn_func`` on W GPUs (W processes, NCCL,
-zigzag shards), forward and forward+backward. The sharded run's output is checked against
+zigzag shards, ``--communication``: the ring of point-to-point passes or the all-gather),
+forward and forward+backward. The sharded run's output is checked against
 the one-GPU output (the largest difference is recorded: bf16 rounding apart, both run the
 same kernels). TFLOP/s count the whole sequence's
 FLOPs (``_timing.flops``) over the slowest rank's median time; ``speedup_vs_1gpu`` is the
-W-GPU rate over the one-GPU rate. ``gather_ms`` times the K/V all-gather alone: the form
-gathers before its kernels, so none of it is hidden.
+W-GPU rate over the one-GPU rate. ``gather_ms`` times the K all-gather alone: the all-gather
+form gathers K and V before its kernels, so none of it is hidden; the ring passes the same
+bytes in W - 1 steps beside its kernels.
 
     python bench/bench_context_parallel.py            # bench/results/context-parallel-<gpu>x2.*
+    python bench/bench_context_parallel.py --communication all_gather --out /tmp/cp-gather
 
 Needs W GPUs on one host. NVLink multicast stays off (flash_tile.distributed sets
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 Writes <out>.json (rows with ``seqlen``, ``tflops`` {"1gpu", "2gpu"} and
-``fwd_bwd_tflops`` likewise, ``speedup_vs_1gpu``, ``fwd_bwd_speedup_vs_1gpu``, ``gather_ms``),
+``fwd_bwd_tflops`` likewise, ``speedup_vs_1gpu``, ``fwd_bwd_speedup_vs_1gpu``, ``gather_ms``,
+``communication``),
 <out>.md and <out>.png.
 """
 
@@ -58,7 +62,7 @@ def _median_ms(fn):
     return statistics.median(cuda_time_ms(fn, warmup=1, iters=3) for _ in range(ROUNDS))
 
 
-def _worker(rank, world, path, lengths, results):
+def _worker(rank, world, path, lengths, communication, results):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -66,10 +70,12 @@ def _worker(rank, world, path, lengths, results):
             whole = _inputs(length, f"cuda:{rank}")
             q, k, v, dout = (distributed.zigzag_shard(t, rank, world) for t in whole)
             forward, fwd_bwd = _steps(
-                lambda *t: distributed.ring_flash_attn_func(*t, causal=True), q, k, v, dout)
+                lambda *t: distributed.ring_flash_attn_func(*t, causal=True,
+                                                            communication=communication),
+                q, k, v, dout)
             mine = forward().detach()
             times = torch.tensor([_median_ms(forward), _median_ms(fwd_bwd),
-                                  _median_ms(lambda: distributed.gather_shards(k))],
+                                  _median_ms(lambda k=k: distributed.gather_shards(k))],
                                  device=f"cuda:{rank}")
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
             if rank == 0:  # one GPU on the whole sequence, and rank 0's rows against it
@@ -87,17 +93,18 @@ def _worker(rank, world, path, lengths, results):
         dist.destroy_process_group()
 
 
-def bench(lengths, world):
+def bench(lengths, world, communication):
     rows = []
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         results = manager.dict()
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), lengths, results),
-                 nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), lengths, communication,
+                                results), nprocs=world, join=True)
         for length in lengths:
             fwd_ms, fwd_bwd_ms, gather_ms, one_fwd, one_fwd_bwd, err = results[length]
             f = flops(1, HEADS, length, length, HEAD_DIM, True)
             rows.append({
-                "seqlen": length, "gpus": world, "max_abs_diff_vs_1gpu": err,
+                "seqlen": length, "gpus": world, "communication": communication,
+                "max_abs_diff_vs_1gpu": err,
                 "tflops": {"1gpu": round(f / one_fwd / 1e9, 1),
                            f"{world}gpu": round(f / fwd_ms / 1e9, 1)},
                 "fwd_bwd_tflops": {"1gpu": round(3.5 * f / one_fwd_bwd / 1e9, 1),
@@ -120,8 +127,9 @@ def table(rows):
                       f"{r['speedup_vs_1gpu']:.2f}x", r["fwd_bwd_tflops"]["1gpu"],
                       r["fwd_bwd_tflops"][w], f"{r['fwd_bwd_speedup_vs_1gpu']:.2f}x",
                       r["gather_ms"], "met" if met else "missed"])
-    return (f"Causal, bf16, D = {HEAD_DIM}, GQA {HEADS}/{KV_HEADS}, batch 1; the slowest "
-            "rank's median GPU time.\n\n" + md_table(head, lines))
+    return (f"Causal, bf16, D = {HEAD_DIM}, GQA {HEADS}/{KV_HEADS}, batch 1, "
+            f"communication {rows[0]['communication']}; the slowest rank's median GPU "
+            "time.\n\n" + md_table(head, lines))
 
 
 def plot(rows, path):
@@ -135,6 +143,7 @@ def main():
     parser.add_argument("--lengths", nargs="+", type=int,
                         default=[32768, 65536, 131072, 262144])
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--communication", default="ring", choices=distributed.COMMUNICATIONS)
     parser.add_argument("--out", help="output path prefix (default: "
                                       "bench/results/context-parallel-<gpu>x<W>)")
     args = parser.parse_args()
@@ -143,7 +152,7 @@ def main():
     args.out = args.out or results_path("context-parallel") + f"x{args.gpus}"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     info = machine_info()
-    rows = bench(args.lengths, args.gpus)
+    rows = bench(args.lengths, args.gpus, args.communication)
     save_json(args.out, info, rows=rows)
     write_report(args.out, f"Context parallelism, {args.gpus} GPUs against one", info,
                  table(rows))

@@ -1,6 +1,7 @@
 """Context parallelism on the CPU: 2 and 4 processes over gloo run ``ring_flash_attn_func``
-with the float64 reference standing in for the kernels (its ``attention`` seam); each rank's
-output shard and its shards' gradients must equal those of unsharded attention on the whole
+in both its communications (the ring of point-to-point passes and the all-gather) with the
+float64 reference standing in for the kernels (its ``attention`` seam); each rank's output
+shard and its shards' gradients must equal those of unsharded attention on the whole
 sequence. (A run on GPUs, through NCCL and the kernels, needs a machine with two GPUs.)"""
 
 import os
@@ -12,16 +13,20 @@ import torch.multiprocessing as mp
 
 from flash_tile import distributed, reference
 
-# (causal, window, softcap, heads, kv_heads)
+# (causal, window, softcap, heads, kv_heads). The narrow windows leave whole steps of the
+# ring with no chunk pair on some ranks (at 4 ranks chunks are 8 rows).
 CASES = [(True, (-1, -1), 0.0, 4, 2), (False, (-1, -1), 0.0, 4, 4),
-         (True, (12, -1), 0.0, 4, 1), (False, (5, 9), 3.0, 2, 2)]
+         (True, (12, -1), 0.0, 4, 1), (False, (5, 9), 3.0, 2, 2), (True, (3, -1), 0.0, 2, 1),
+         (False, (0, 2), 0.0, 2, 2)]
 BATCH, LENGTH, DIM = 2, 64, 16
 
 
 def _attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
-    """The seam's float64 stand-in for the kernels: the same arguments, plain attention."""
+    """The seam's float64 stand-in for the kernels: the same arguments, plain attention with
+    its LSE (+inf where a row sees no key, as the kernels')."""
     assert dropout_p == 0.0
-    return reference.attention_dense(q, k, v, scale, diag_offset, window, softcap)
+    return reference.attention_dense(q, k, v, scale, diag_offset, window, softcap,
+                                     return_lse=True)
 
 
 def _inputs(heads, kv_heads):
@@ -33,7 +38,7 @@ def _inputs(heads, kv_heads):
     return randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
 
 
-def _worker(rank, world, path):
+def _worker(rank, world, path, communication):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
         for causal, window, softcap, heads, kv_heads in CASES:
@@ -48,7 +53,8 @@ def _worker(rank, world, path):
             shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
                       for t in (q, k, v)]
             out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
-                                                   softcap=softcap, attention=_attention)
+                                                   softcap=softcap, attention=_attention,
+                                                   communication=communication)
             out.backward(distributed.zigzag_shard(dout, rank, world))
             torch.testing.assert_close(out, distributed.zigzag_shard(ref.detach(), rank, world))
             for got, leaf in zip(shards, leaves):
@@ -58,9 +64,11 @@ def _worker(rank, world, path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("communication", distributed.COMMUNICATIONS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_attention_equals_the_unsharded(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world, join=True)
+def test_sharded_attention_equals_the_unsharded(world, communication, tmp_path):
+    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), communication), nprocs=world,
+             join=True)
 
 
 def test_zigzag_shards_round_trip():
@@ -72,13 +80,30 @@ def test_zigzag_shards_round_trip():
         distributed.zigzag_shard(x, 0, 5)
 
 
+def test_band_meets_where_a_key_is_visible():
+    """The ring skips a (query chunk, key chunk) pair exactly when no row sees a key."""
+    for length in (1, 4, 7):
+        for offset in range(-10, 11):
+            for window in [(-1, -1), (-1, 0), (0, 0), (2, -1), (0, 3), (3, 1)]:
+                expected = bool(reference.visible_keys(length, length, offset, window).any())
+                assert distributed._band_meets(offset, length, window) == expected
+
+
+def test_bad_communication_is_refused_before_any_transfer():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="communication must be one of"):
+        distributed.ring_flash_attn_func(q, q, q, communication="broadcast")
+    with pytest.raises(ValueError, match="two equal chunks"):
+        distributed.ring_flash_attn_func(q, q[:, :6], q[:, :6])
+
+
 def test_multicast_stays_off():
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         assert os.environ.get(name) == value, name
 
 
-def _gpu_worker(rank, world, path, length, causal):
+def _gpu_worker(rank, world, path, length, causal, communication, window=(-1, -1)):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -88,11 +113,12 @@ def _gpu_worker(rank, world, path, length, causal):
         q, k, v, dout = (torch.randn(1, length, h, 128, generator=gen, device="cuda",
                                      dtype=torch.bfloat16) for h in (16, 4, 4, 16))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        whole = flash_tile.flash_attn_func(*leaves, causal=causal)
+        whole = flash_tile.flash_attn_func(*leaves, causal=causal, window_size=window)
         whole.backward(dout)
         shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
                   for t in (q, k, v)]
-        out = distributed.ring_flash_attn_func(*shards, causal=causal)
+        out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
+                                               communication=communication)
         out.backward(distributed.zigzag_shard(dout, rank, world))
         # The same kernels on the same rows, summed in another order: bf16 rounding apart.
         torch.testing.assert_close(out, distributed.zigzag_shard(whole.detach(), rank, world),
@@ -107,8 +133,21 @@ def _gpu_worker(rank, world, path, length, causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="needs two GPUs (NCCL between them)")
+@pytest.mark.parametrize("communication", distributed.COMMUNICATIONS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("length", [8192, 32768])
-def test_two_gpus_equal_one(length, causal, tmp_path):
-    mp.spawn(_gpu_worker, args=(2, str(tmp_path / "rendezvous"), length, causal), nprocs=2,
-             join=True)
+def test_two_gpus_equal_one(length, causal, communication, tmp_path):
+    mp.spawn(_gpu_worker, args=(2, str(tmp_path / "rendezvous"), length, causal,
+                                communication), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
+                                           (True, (300, -1))])
+def test_one_rank_ring_equals_one_call(causal, window, tmp_path):
+    """The ring on one rank (NCCL, no transfers): its two chunks' kernel calls with their LSEs,
+    the merge and the backward through the LSE against one flash_attn_func call; the window
+    leaves rows of the late chunk with no key in one of its pairs (LSE +inf)."""
+    mp.spawn(_gpu_worker, args=(1, str(tmp_path / "rendezvous"), 4096, causal, "ring",
+                                window), nprocs=1, join=True)
