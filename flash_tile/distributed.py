@@ -30,6 +30,14 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
 Which form is faster at a given size was not measured (no machine with two GPUs has run
 either).
 
+Packed variable-length batches (``ring_flash_attn_varlen_func``, ``zigzag_shard_varlen``):
+every sequence is cut in 2W chunks and sharded in the same zigzag order, so a rank's packed
+shard holds, per sequence, an early and a late chunk. The ring gathers the early chunks of all
+sequences into one packed tensor and the late ones into another (a row gather a step) and makes
+one varlen kernel call per (query half, key half) pair over all sequences at once: under a
+causal mask a pair is skipped, run causal (the same chunk) or run in full, as for one
+sequence.
+
 PyTorch's own ``torch.distributed.tensor.experimental.context_parallel`` cannot take these
 kernels: it swaps in its ring for the three aten SDPA ops (``_scaled_dot_product_flash /
 efficient / cudnn_attention``) and flex_attention through DTensor's private op-handler table,
@@ -51,6 +59,7 @@ import torch.distributed as dist
 from flash_tile import _validate
 from flash_tile._ops import attention_forward
 from flash_tile.api import _autocast, _dropout_seed
+from flash_tile.varlen import flash_attn_varlen_func
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -150,15 +159,37 @@ def _band_meets(diag_offset, length, window):
 
 
 def _merge(parts, dtype):
-    """One output [B, H, L, Dv] in ``dtype`` from partial (out, lse) pairs over disjoint keys,
-    weighted by exp(lse_part - lse) in fp32; an LSE of +inf (no key seen) weighs nothing."""
+    """One output [..., Dv] in ``dtype`` from partial (out [..., Dv], lse [...]) pairs over
+    disjoint keys, weighted by exp(lse_part - lse) in fp32 at least (float64 stays float64);
+    an LSE of +inf (no key seen) weighs nothing."""
     lses = torch.stack([torch.where(torch.isposinf(lse), -math.inf, lse) for _, lse in parts])
     top = lses.amax(dim=0)
     top = torch.where(top == -math.inf, 0.0, top)  # rows that saw no key at all
-    weights = torch.exp(lses - top)  # [n, B, H, L]
+    weights = torch.exp(lses - top)  # [n, ...]
     total = weights.sum(dim=0)
-    out = sum(w[..., None] * o.float() for w, (o, _) in zip(weights, parts))
+    wide = torch.promote_types(dtype, torch.float32)
+    out = sum(w[..., None].to(wide) * o.to(wide) for w, (o, _) in zip(weights, parts))
     return (out / torch.where(total == 0.0, 1.0, total)[..., None]).to(dtype)
+
+
+def _ring_loop(shard, group, attend):
+    """Walk the ring: at step s, ``attend(owner, *shard)`` runs the step's kernel calls on the
+    K/V shard of rank ``owner`` = (rank - s) mod W and says whether it read it, while the
+    shard goes on to the next rank. Returns the shards no step read (for ``_DependOn``)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    idle = []
+    for step in range(world):
+        pending = []
+        if step + 1 < world:  # on its way to the next rank while this step's kernels run
+            following = _RingPass.apply(group, pending, *shard)
+        if not attend((rank - step) % world, *shard):
+            idle.extend(shard)
+        for works, _ in pending:
+            for work in works:
+                work.wait()
+        if step + 1 < world:
+            shard = following
+    return idle
 
 
 def _ring(q, k, v, group, window, scale, softcap, dropout_p, attention):
@@ -167,13 +198,11 @@ def _ring(q, k, v, group, window, scale, softcap, dropout_p, attention):
     chunk = q.shape[1] // 2
     queries = [c.transpose(1, 2) for c in q.split(chunk, dim=1)]  # [B, H, chunk, D]
     positions = (rank, 2 * world - 1 - rank)  # the zigzag chunks' places in the sequence
-    parts, idle, shard = ([], []), [], (k, v)
-    for step in range(world):
-        pending = []
-        if step + 1 < world:  # on its way to the next rank while this step's kernels run
-            following = _RingPass.apply(group, pending, *shard)
-        owner = (rank - step) % world
-        keys, values = ([c.transpose(1, 2) for c in t.split(chunk, dim=1)] for t in shard)
+    parts = ([], [])
+
+    def attend(owner, k_shard, v_shard):
+        keys, values = ([c.transpose(1, 2) for c in t.split(chunk, dim=1)]
+                        for t in (k_shard, v_shard))
         read = False
         for i, q_position in enumerate(positions):
             for j, k_position in enumerate((owner, 2 * world - 1 - owner)):
@@ -182,13 +211,9 @@ def _ring(q, k, v, group, window, scale, softcap, dropout_p, attention):
                     parts[i].append(attention(queries[i], keys[j], values[j], offset, window,
                                               scale, softcap, dropout_p))
                     read = True
-        if not read:
-            idle.extend(shard)
-        for works, _ in pending:
-            for work in works:
-                work.wait()
-        if step + 1 < world:
-            shard = following
+        return read
+
+    idle = _ring_loop((k, v), group, attend)
     # A query chunk that saw no key chunk at all (only under a window): zeros, as the kernels.
     outs = [_merge(p, q.dtype) if p else queries[i].new_zeros(
                 (*queries[i].shape[:3], v.shape[3])) for i, p in enumerate(parts)]
@@ -221,6 +246,131 @@ def kernel_attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
     ``attention``: the CPU tests put the float64 reference there."""
     return attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
                              window[1], True, dropout_p, _dropout_seed(dropout_p))
+
+
+def varlen_kernel_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap,
+                            dropout_p):
+    """The varlen ring's local attention: ``flash_attn_varlen_func`` on packed [total, H, D]
+    sequences with the same offsets for queries and keys (``causal`` aligned as flash-attn);
+    returns (out [total, H, Dv], LSE [H, total] fp32), both differentiable. The seam
+    ``ring_flash_attn_varlen_func`` takes as ``attention``."""
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, scale, causal, softcap=softcap, return_lse=True)
+
+
+def _offsets(cu_seqlens, world_size: int, total: int | None = None) -> list[int]:
+    """``cu_seqlens`` (a list or a 1-D integer tensor) as a host list, checked: it starts at
+    0, ends at ``total`` where given, and every sequence's length is a multiple of 2W."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not cu or cu[0] != 0 or (total is not None and cu[-1] != total):
+        raise ValueError(f"cu_seqlens must run from 0 to the packed length {total}, got "
+                         f"{cu[:1]} .. {cu[-1:]}")
+    for b, (start, end) in enumerate(zip(cu, cu[1:])):
+        if end < start or (end - start) % (2 * world_size):
+            raise ValueError(f"sequence {b} has length {end - start}: each must be a "
+                             f"multiple of 2 * world_size = {2 * world_size}")
+    return cu
+
+
+def _chunk_rows(cu: list[int], pieces: int, which: int) -> torch.Tensor:
+    """The packed rows of chunk ``which`` of ``pieces`` equal chunks of every sequence."""
+    starts, lengths = torch.tensor(cu[:-1]), torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    size = lengths // pieces
+    first = starts + which * size
+    within = torch.arange(int(size.sum())) - torch.repeat_interleave(size.cumsum(0) - size,
+                                                                     size)
+    return torch.repeat_interleave(first, size) + within
+
+
+def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int,
+                        world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of packed sequences x [total, ...] with offsets ``cu_seqlens``
+    (int [B + 1], a list or a tensor): for each sequence, chunks rank and 2W - 1 - rank of
+    its 2W equal chunks, one after the other, the sequences in order. Every length must be a
+    multiple of 2W; the shard's offsets are cu_seqlens // W."""
+    cu = _offsets(cu_seqlens, world_size, x.shape[0])
+    local = [c // world_size for c in cu]
+    rows = torch.empty(local[-1], dtype=torch.long)
+    halves = _chunk_rows(local, 2, 0), _chunk_rows(local, 2, 1)
+    for half, chunk in zip(halves, (rank, 2 * world_size - 1 - rank)):
+        rows[half] = _chunk_rows(cu, 2 * world_size, chunk)
+    return x.index_select(0, rows.to(x.device))
+
+
+def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
+                 attention):
+    """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): each sequence's
+    early and late halves gathered into packed tensors of their own, one kernel call a
+    (query half, key half) pair over every sequence at once."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    halves = [_chunk_rows(cu, 2, i).to(q.device) for i in (0, 1)]
+    half_cu = torch.tensor([c // 2 for c in cu], dtype=torch.int32, device=q.device)
+    half_max = max(1, max_seqlen // 2)
+    queries = [q.index_select(0, rows) for rows in halves]
+    positions = (rank, 2 * world - 1 - rank)
+    parts = ([], [])
+
+    def attend(owner, k_shard, v_shard):
+        keys, values = ([t.index_select(0, rows) for rows in halves] for t in (k_shard, v_shard))
+        for i, q_position in enumerate(positions):
+            for j, k_position in enumerate((owner, 2 * world - 1 - owner)):
+                if causal and k_position > q_position:
+                    continue  # the whole key chunk lies after the query chunk
+                out, lse = attention(queries[i], keys[j], values[j], half_cu, half_max,
+                                     causal and k_position == q_position, scale, softcap,
+                                     dropout_p)
+                parts[i].append((out, lse.transpose(0, 1)))  # lse as out's [total, H]
+        return True  # a query chunk always sees the key chunk at or before it
+
+    _ring_loop((k, v), group, attend)
+    early, late = (_merge(p, q.dtype) for p in parts)
+    out = early.new_empty((q.shape[0], *early.shape[1:]))
+    return out.index_copy(0, halves[0], early).index_copy(0, halves[1], late)
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, causal=False,
+                                softmax_scale=None, softcap=0.0, dropout_p=0.0, *,
+                                attention=varlen_kernel_attention):
+    """Packed variable-length sequences sharded across ``group`` (default: the world), in
+    flash-attn's varlen layout, forward and backward, by the ring (module docstring).
+
+    Args:
+        q: this rank's zigzag shard [total_local, H, D] of the packed queries
+            (``zigzag_shard_varlen``: for each sequence, chunks rank and 2W - 1 - rank of it
+            cut in 2W), fp16 or bf16; k, v: the same shards [total_local, H_kv, D / Dv].
+        cu_seqlens: int32 [B + 1], the offsets of the shard's sequences (the whole batch's
+            offsets // W; the same on every rank); each local length even. Read on the host
+            (a device sync), as the ring gathers each sequence's halves.
+        max_seqlen: the longest local sequence (an int), as flash-attn's signature has it.
+        causal: each sequence's own causal mask (queries and keys of a sequence are equally
+            many, so bottom-right and top-left agree); no window, ALiBi or sinks here.
+        softmax_scale, softcap, dropout_p: as ``flash_attn_varlen_func``.
+        attention: the local attention (``varlen_kernel_attention``); the seam through which
+            tests run the float64 reference.
+
+    Returns:
+        This rank's shard of the output, [total_local, H, Dv] in q's dtype; gradients reach q,
+        k and v of every rank (dK/dV back around the ring to their owners).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [total, heads, head_dim], got shape "
+                             f"{tuple(t.shape)}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k and v must hold the same packed rows, got {q.shape[0]}, "
+                         f"{k.shape[0]} and {v.shape[0]}")
+    cu = _offsets(cu_seqlens, 1, q.shape[0])  # each local length even: two halves
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
+    if q.is_cuda:
+        q, k, v = _autocast(q, k, v)
+        _validate.check_dtypes(q, k, v)
+    dropout_p = _validate.check_dropout(dropout_p)
+    scale = _validate.check_scale(softmax_scale if softmax_scale is not None
+                                  else 1.0 / math.sqrt(q.shape[2]))
+    softcap = _validate.check_softcap(softcap)
+    return _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
+                        attention)
 
 
 COMMUNICATIONS = ("ring", "all_gather")

@@ -71,6 +71,78 @@ def test_sharded_attention_equals_the_unsharded(world, communication, tmp_path):
              join=True)
 
 
+VARLEN_LENGTHS = [24, 0, 8, 40, 16]  # multiples of 2W for W = 2 and 4, one empty sequence
+# (causal, softcap, heads, kv_heads)
+VARLEN_CASES = [(True, 0.0, 4, 2), (False, 0.0, 2, 2), (True, 2.5, 2, 1)]
+
+
+def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dropout_p):
+    """The varlen seam's float64 stand-in: each sequence through the dense reference."""
+    assert dropout_p == 0.0
+    cu = cu_seqlens.tolist()
+    assert max_seqlen >= max(b - a for a, b in zip(cu, cu[1:]))
+    outs, lses = [], []
+    for a, b in zip(cu, cu[1:]):
+        if a == b:
+            continue
+        out, lse = reference.attention_dense(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)),
+                                             scale, 0, (-1, 0) if causal else (-1, -1),
+                                             softcap, return_lse=True)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _varlen_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        cu = torch.tensor([0, *VARLEN_LENGTHS]).cumsum(0).to(torch.int32)
+        for causal, softcap, heads, kv_heads in VARLEN_CASES:
+            gen = torch.Generator().manual_seed(11)
+            total = int(cu[-1])
+            q, k, v, dout = (torch.randn(total, h, DIM, generator=gen, dtype=torch.float64)
+                             for h in (heads, kv_heads, kv_heads, heads))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref, _ = _varlen_attention(*leaves, cu, max(VARLEN_LENGTHS), causal, DIM ** -0.5,
+                                       softcap, 0.0)
+            ref.backward(dout)
+            shards = [distributed.zigzag_shard_varlen(t, cu, rank, world).clone()
+                      .requires_grad_() for t in (q, k, v)]
+            local_cu = cu // world
+            out = distributed.ring_flash_attn_varlen_func(
+                *shards, local_cu, max(VARLEN_LENGTHS) // world, causal=causal,
+                softcap=softcap, attention=_varlen_attention)
+            out.backward(distributed.zigzag_shard_varlen(dout, cu, rank, world))
+            torch.testing.assert_close(
+                out, distributed.zigzag_shard_varlen(ref.detach(), cu, rank, world))
+            for got, leaf in zip(shards, leaves):
+                torch.testing.assert_close(
+                    got.grad, distributed.zigzag_shard_varlen(leaf.grad, cu, rank, world))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_varlen_attention_equals_the_unsharded(world, tmp_path):
+    mp.spawn(_varlen_worker, args=(world, str(tmp_path / "rendezvous")), nprocs=world,
+             join=True)
+
+
+def test_varlen_shards_and_their_checks():
+    x = torch.arange(48)
+    assert distributed.zigzag_shard_varlen(x, [0, 16, 16, 48], 1, 2).tolist() == [
+        *range(4, 12), *range(24, 40)]
+    with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 4"):
+        distributed.zigzag_shard_varlen(x, [0, 18, 48], 0, 2)
+    with pytest.raises(ValueError, match="from 0 to the packed length 48"):
+        distributed.zigzag_shard_varlen(x, [0, 16, 40], 0, 2)
+    q = torch.randn(10, 2, 16)
+    with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 2"):
+        distributed.ring_flash_attn_varlen_func(q, q, q, torch.tensor([0, 3, 10]), 7)
+    with pytest.raises(ValueError, match="same packed rows"):
+        distributed.ring_flash_attn_varlen_func(q, q[:8], q[:8], torch.tensor([0, 10]), 10)
+
+
 def test_zigzag_shards_round_trip():
     x = torch.arange(2 * 24 * 3).view(2, 24, 3)
     shards = [distributed.zigzag_shard(x, r, 3) for r in range(3)]
@@ -151,3 +223,48 @@ def test_one_rank_ring_equals_one_call(causal, window, tmp_path):
     leaves rows of the late chunk with no key in one of its pairs (LSE +inf)."""
     mp.spawn(_gpu_worker, args=(1, str(tmp_path / "rendezvous"), 4096, causal, "ring",
                                 window), nprocs=1, join=True)
+
+
+def _gpu_varlen_worker(rank, world, path, causal):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        import flash_tile
+
+        lengths = [4096, 1024, 0, 2048 + 512]
+        cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        q, k, v, dout = (torch.randn(int(cu[-1]), h, 128, generator=gen, device="cuda",
+                                     dtype=torch.bfloat16) for h in (16, 4, 4, 16))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        whole = flash_tile.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths),
+                                                  causal=causal)
+        whole.backward(dout)
+        shards = [distributed.zigzag_shard_varlen(t, cu, rank, world).clone().requires_grad_()
+                  for t in (q, k, v)]
+        out = distributed.ring_flash_attn_varlen_func(*shards, cu // world,
+                                                      max(lengths) // world, causal=causal)
+        out.backward(distributed.zigzag_shard_varlen(dout, cu, rank, world))
+        # The same kernels on the same rows, summed in another order: bf16 rounding apart.
+        torch.testing.assert_close(
+            out, distributed.zigzag_shard_varlen(whole.detach(), cu, rank, world),
+            rtol=2e-2, atol=2e-2)
+        for got, leaf in zip(shards, leaves):
+            torch.testing.assert_close(
+                got.grad, distributed.zigzag_shard_varlen(leaf.grad, cu, rank, world),
+                rtol=5e-2, atol=5e-2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_ring_equals_one_call(world, causal, tmp_path):
+    """The varlen ring through the kernels against one flash_attn_varlen_func call on the
+    whole packed batch: on one rank (its half-sequence calls, the merge, the backward through
+    the LSE) and, given two GPUs, across them."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPU(s)")
+    mp.spawn(_gpu_varlen_worker, args=(world, str(tmp_path / "rendezvous"), causal),
+             nprocs=world, join=True)
