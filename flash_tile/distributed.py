@@ -20,7 +20,11 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   zigzag order gives every rank two chunk pairs a step. The backward is autograd's: each call's
   own backward (the kernels take the LSE's gradient), and each ``_RingPass`` sends its shard's
   gradient back to the rank it came from, so dK and dV travel back around the ring to their
-  owners. Each rank holds two K/V shards at a time.
+  owners. Without gradients a rank holds two K/V shards at a time; for a backward every step's
+  calls keep their shard, as the all-gather form keeps the whole K/V. The backward's
+  transfers are not overlapped (each waits before the next step's gradients are summed), and
+  dK/dV are summed in the inputs' dtype from step to step, so their rounding is not one
+  call's fp32 sums.
 - ``"all_gather"``: Llama 3's form. The keys and values are all-gathered (``_GatherShards``,
   differentiable: in the backward their gradients come back to their owners by a
   reduce-scatter, or an all-reduce where the backend has none, as gloo) and each local query
@@ -57,9 +61,8 @@ import torch
 import torch.distributed as dist
 
 from flash_tile import _validate
-from flash_tile._ops import attention_forward
+from flash_tile._ops import attention_forward, varlen_attention
 from flash_tile.api import _autocast, _dropout_seed
-from flash_tile.varlen import flash_attn_varlen_func
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -84,7 +87,7 @@ class _GatherShards(torch.autograd.Function):
     def backward(ctx, grad):
         world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         parts = [p.contiguous() for p in grad.chunk(world, dim=1)]
-        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+        if grad.is_cuda:  # NCCL has a reduce-scatter (a group may name no single backend)
             mine = torch.empty_like(parts[rank])
             dist.reduce_scatter(mine, parts, group=ctx.group)
             return mine, None
@@ -217,8 +220,9 @@ def _ring(q, k, v, group, window, scale, softcap, dropout_p, attention):
     # A query chunk that saw no key chunk at all (only under a window): zeros, as the kernels.
     outs = [_merge(p, q.dtype) if p else queries[i].new_zeros(
                 (*queries[i].shape[:3], v.shape[3])) for i, p in enumerate(parts)]
-    out = torch.cat([o.transpose(1, 2) for o in outs], dim=1)
-    return _DependOn.apply(out, *idle) if idle else out
+    if idle:  # before the concatenation: the result stays a tensor of its own, not a view
+        outs[0] = _DependOn.apply(outs[0], *idle)
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1)
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
@@ -245,17 +249,27 @@ def kernel_attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
     sees no key), both differentiable. The seam ``ring_flash_attn_func`` takes as
     ``attention``: the CPU tests put the float64 reference there."""
     return attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
-                             window[1], True, dropout_p, _dropout_seed(dropout_p))
+                             window[1], True, dropout_p, _rank_seed(dropout_p))
+
+
+def _rank_seed(dropout_p: float) -> int:
+    """A dropout seed drawn as the single-GPU calls draw theirs, with this rank folded in:
+    ranks seeded alike (one model's initialisation) would otherwise draw the same seed for the
+    same call and drop the same local positions on every rank."""
+    seed = _dropout_seed(dropout_p)
+    return (seed + 1_000_003 * dist.get_rank()) % (2**31 - 1) if seed else 0
 
 
 def varlen_kernel_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap,
                             dropout_p):
-    """The varlen ring's local attention: ``flash_attn_varlen_func`` on packed [total, H, D]
-    sequences with the same offsets for queries and keys (``causal`` aligned as flash-attn);
+    """The varlen ring's local attention: ``flash_attn_varlen_func``'s kernels on packed
+    [total, H, D] sequences with the same offsets for queries and keys (``causal`` aligned as
+    flash-attn; the dropout seed as ``kernel_attention``'s);
     returns (out [total, H, Dv], LSE [H, total] fp32), both differentiable. The seam
     ``ring_flash_attn_varlen_func`` takes as ``attention``."""
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  dropout_p, scale, causal, softcap=softcap, return_lse=True)
+    del max_seqlen  # flash-attn's signature has it; the kernels' grid does not need it
+    return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, None, scale, softcap, -1,
+                            0 if causal else -1, True, dropout_p, _rank_seed(dropout_p))
 
 
 def _offsets(cu_seqlens, world_size: int, total: int | None = None) -> list[int]:
@@ -339,8 +353,9 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
             (``zigzag_shard_varlen``: for each sequence, chunks rank and 2W - 1 - rank of it
             cut in 2W), fp16 or bf16; k, v: the same shards [total_local, H_kv, D / Dv].
         cu_seqlens: int32 [B + 1], the offsets of the shard's sequences (the whole batch's
-            offsets // W; the same on every rank); each local length even. Read on the host
-            (a device sync), as the ring gathers each sequence's halves.
+            offsets // W; the same on every rank, not checked across them); each local
+            length even. Read on the host (a device sync), as the ring gathers each
+            sequence's halves.
         max_seqlen: the longest local sequence (an int), as flash-attn's signature has it.
         causal: each sequence's own causal mask (queries and keys of a sequence are equally
             many, so bottom-right and top-left agree); no window, ALiBi or sinks here.
@@ -386,14 +401,16 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         q: this rank's zigzag shard [B, L_local, H, D] of the queries (``zigzag_shard``:
             chunks rank and 2W - 1 - rank of the sequence cut in 2W), fp16 or bf16;
             k, v: the same shards [B, L_local, H_kv, D / Dv] of the keys and values. Every
-            rank holds the same L_local = L / W.
+            rank holds the same L_local = L / W
+            (not checked across ranks: that would take a collective; a mismatch hangs the
+            transfers or fails in them).
         causal, window_size: as ``flash_attn_func`` on the whole sequence (L queries against
             L keys: bottom-right and top-left agree); rows and keys keep their global
             positions.
         softmax_scale, softcap, dropout_p: as ``flash_attn_func`` (dropout's pattern depends
             on the shard's local positions, so it differs from an unsharded call's).
         communication: ``"ring"`` (K/V shards passed around the ring, overlapped with the
-            kernels; two shards held at a time) or ``"all_gather"`` (the whole K/V gathered
+            kernels) or ``"all_gather"`` (the whole K/V gathered
             on every rank, one kernel call a query chunk); the module docstring has both.
         attention: the local attention (``kernel_attention``: flash_tile's kernels); a
             function of (q, k, v, diag_offset, window, scale, softcap, dropout_p) on [B, H,
