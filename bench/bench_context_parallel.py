@@ -7,7 +7,9 @@ forward and forward+backward. The sharded run's output is checked against
 the one-GPU output (the largest difference is recorded: bf16 rounding apart, both run the
 same kernels). TFLOP/s count the whole sequence's
 FLOPs (``_timing.flops``) over the slowest rank's median time; ``speedup_vs_1gpu`` is the
-W-GPU rate over the one-GPU rate. ``gather_ms`` times the K all-gather alone: the all-gather
+W-GPU rate over the one-GPU rate. ``communication_hidden`` is the share of the NCCL kernels'
+time that other kernels overlap in one profiled forward and forward+backward (torch.profiler;
+the least of the ranks). ``gather_ms`` times the K all-gather alone: the all-gather
 form gathers K and V before its kernels, so none of it is hidden; the ring passes the same
 bytes in W - 1 steps beside its kernels.
 
@@ -18,11 +20,12 @@ Needs W GPUs on one host. NVLink multicast stays off (flash_tile.distributed set
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 Writes <out>.json (rows with ``seqlen``, ``tflops`` {"1gpu", "2gpu"} and
 ``fwd_bwd_tflops`` likewise, ``speedup_vs_1gpu``, ``fwd_bwd_speedup_vs_1gpu``, ``gather_ms``,
-``communication``),
+``communication``, ``communication_hidden``),
 <out>.md and <out>.png.
 """
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -35,7 +38,7 @@ import flash_tile
 from bench_attention import (machine_info, md_table, pass_bars, results_path, save_json,
                              write_report)
 from flash_tile import distributed
-from flash_tile._timing import cuda_time_ms, flops
+from flash_tile._timing import cuda_time_ms, flops, profiled_overlap
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ROUNDS = 3
@@ -62,6 +65,13 @@ def _median_ms(fn):
     return statistics.median(cuda_time_ms(fn, warmup=1, iters=3) for _ in range(ROUNDS))
 
 
+def _hidden(fn) -> float:
+    """The share of one call's NCCL kernel time that other kernels overlap (a profile; NaN
+    without communication kernels)."""
+    share = profiled_overlap(fn, lambda name: "nccl" in name.lower())
+    return math.nan if share is None else share
+
+
 def _worker(rank, world, path, lengths, communication, results):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
@@ -78,6 +88,8 @@ def _worker(rank, world, path, lengths, communication, results):
                                   _median_ms(lambda k=k: distributed.gather_shards(k))],
                                  device=f"cuda:{rank}")
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            hidden = torch.tensor([_hidden(forward), _hidden(fwd_bwd)], device=f"cuda:{rank}")
+            dist.all_reduce(hidden, op=dist.ReduceOp.MIN)  # the least hidden rank's share
             if rank == 0:  # one GPU on the whole sequence, and rank 0's rows against it
                 one_fwd, one_fwd_bwd = _steps(
                     lambda *t: flash_tile.flash_attn_func(*t, causal=True), *whole[:3],
@@ -85,7 +97,8 @@ def _worker(rank, world, path, lengths, communication, results):
                 expect = distributed.zigzag_shard(one_fwd().detach(), 0, world)
                 results[length] = (*times.tolist(), _median_ms(one_fwd),
                                    _median_ms(one_fwd_bwd),
-                                   (mine.float() - expect.float()).abs().max().item())
+                                   (mine.float() - expect.float()).abs().max().item(),
+                                   *hidden.tolist())
             del whole, q, k, v, dout, mine
             torch.cuda.empty_cache()
             dist.barrier()
@@ -100,7 +113,8 @@ def bench(lengths, world, communication):
         mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous"), lengths, communication,
                                 results), nprocs=world, join=True)
         for length in lengths:
-            fwd_ms, fwd_bwd_ms, gather_ms, one_fwd, one_fwd_bwd, err = results[length]
+            (fwd_ms, fwd_bwd_ms, gather_ms, one_fwd, one_fwd_bwd, err, hidden_fwd,
+             hidden_fwd_bwd) = results[length]
             f = flops(1, HEADS, length, length, HEAD_DIM, True)
             rows.append({
                 "seqlen": length, "gpus": world, "communication": communication,
@@ -111,13 +125,16 @@ def bench(lengths, world, communication):
                                    f"{world}gpu": round(3.5 * f / fwd_bwd_ms / 1e9, 1)},
                 "speedup_vs_1gpu": round(one_fwd / fwd_ms, 3),
                 "fwd_bwd_speedup_vs_1gpu": round(one_fwd_bwd / fwd_bwd_ms, 3),
-                "gather_ms": round(gather_ms, 3)})
+                "gather_ms": round(gather_ms, 3),
+                "communication_hidden": {"fwd": round(hidden_fwd, 3),
+                                         "fwd_bwd": round(hidden_fwd_bwd, 3)}})
     return rows
 
 
 def table(rows):
     head = ["L", "GPUs", "fwd TFLOP/s 1 GPU", "fwd W GPUs", "speedup", "fwd+bwd 1 GPU",
-            "fwd+bwd W GPUs", "speedup", "K gather ms", "target (>= 1.8x at L >= 64k)"]
+            "fwd+bwd W GPUs", "speedup", "NCCL time hidden fwd / fwd+bwd", "K gather ms",
+            "target (>= 1.8x at L >= 64k)"]
     lines = []
     for r in rows:
         w = f"{r['gpus']}gpu"
@@ -126,6 +143,7 @@ def table(rows):
         lines.append([r["seqlen"], r["gpus"], r["tflops"]["1gpu"], r["tflops"][w],
                       f"{r['speedup_vs_1gpu']:.2f}x", r["fwd_bwd_tflops"]["1gpu"],
                       r["fwd_bwd_tflops"][w], f"{r['fwd_bwd_speedup_vs_1gpu']:.2f}x",
+                      "{fwd:.0%} / {fwd_bwd:.0%}".format(**r["communication_hidden"]),
                       r["gather_ms"], "met" if met else "missed"])
     return (f"Causal, bf16, D = {HEAD_DIM}, GQA {HEADS}/{KV_HEADS}, batch 1, "
             f"communication {rows[0]['communication']}; the slowest rank's median GPU "

@@ -101,3 +101,38 @@ def paired_ms(a: Callable[[], object], b: Callable[[], object], rounds: int, pai
             times[which].extend(round_ms[which])
         costs.append(sum(round_ms[1]) / sum(round_ms[0]) - 1)
     return statistics.median(times[0]), statistics.median(times[1]), statistics.median(costs)
+
+
+def hidden_fraction(communication: list[tuple[float, float]],
+                    compute: list[tuple[float, float]]) -> float | None:
+    """The share of the communication intervals' total length that some compute interval
+    covers (intervals as (start, end) on one clock, e.g. a profile's GPU kernels); None
+    without communication."""
+    total = sum(end - start for start, end in communication)
+    if total <= 0:
+        return None
+    merged: list[list[float]] = []  # the compute intervals' union, sorted and disjoint
+    for start, end in sorted(compute):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    covered = sum(max(0.0, min(end, m_end) - max(start, m_start))
+                  for start, end in communication for m_start, m_end in merged)
+    return covered / total
+
+
+def profiled_overlap(fn: Callable[[], object], is_communication: Callable[[str], bool]
+                     ) -> float | None:
+    """``hidden_fraction`` of one profiled call of ``fn`` on the current CUDA device: its GPU
+    kernels named as communication by ``is_communication`` against all its other kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
+    return hidden_fraction([(s, t) for n, s, t in spans if is_communication(n)],
+                           [(s, t) for n, s, t in spans if not is_communication(n)])

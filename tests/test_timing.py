@@ -102,3 +102,12 @@ def test_paired_rounds_alternate_neighbours_and_take_the_median_ratio(monkeypatc
     assert (a_ms, b_ms, cost) == pytest.approx((1.0, 1.2, 0.2))  # medians, not means
     with pytest.raises(ValueError, match="even"):
         _timing.paired_ms(call("a"), call("b"), 1, 3, 1)
+
+
+def test_hidden_fraction_counts_the_covered_share_of_communication():
+    # 10 units of communication: 0-4 half covered by 2-6, 10-16 covered by 9-12 and 11-14
+    # (merged to 9-14): 2 + 4 = 6 of 10.
+    assert _timing.hidden_fraction([(0, 4), (10, 16)], [(11, 14), (2, 6), (9, 12)]) == 0.6
+    assert _timing.hidden_fraction([(0, 4)], []) == 0.0
+    assert _timing.hidden_fraction([(0, 4)], [(-1, 9)]) == 1.0
+    assert _timing.hidden_fraction([], [(0, 1)]) is None
