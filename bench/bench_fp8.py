@@ -13,8 +13,8 @@ N(0, 1) with 0.1% of the entries N(0, 10), bf16, quantized per (batch, head) wit
   descales are one element each), e4m3 output scaled by V's factor (Hopper's FP8 SDPA writes
   e4m3 O; flash_tile writes bf16) and P quantized at 448 / max P = 448. Null with the reason
   where the package or a plan is missing; the Markdown then quotes cuDNN's published H200
-  figure instead, marked as such. The GPU machine has no network: carry the package (a
-  cp312 wheel's ``cudnn`` folder) and put it on PYTHONPATH.
+  figure instead, marked as such. Where the GPU machine has no network, carry the package
+  (``bench/pack_cudnn_frontend.py``) and put it on PYTHONPATH.
 
 Correctness before timing: each FP8 output's RMSE on 256 query rows (the first and the last 128)
 against an fp32 reference of the original bf16 inputs must be finite and at most 5e-2 (FA3's
