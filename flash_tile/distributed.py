@@ -16,7 +16,8 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   beside the kernels). Each (query chunk, key chunk) pair whose causal or window band meets is
   one kernel call with its band placed by the chunks' global positions (``diag_offset``) and
   returns its output and LSE; a query chunk's partial outputs merge through their LSEs in
-  fp32 (the same sum as one call over all keys, in another order). Under a causal mask the
+  fp32 (one call's result up to the rounding of each partial to q's dtype and the order of
+  the sums). Under a causal mask the
   zigzag order gives every rank two chunk pairs a step. The backward is autograd's: each call's
   own backward (the kernels take the LSE's gradient), and each ``_RingPass`` sends its shard's
   gradient back to the rank it came from, so dK and dV travel back around the ring to their
