@@ -37,9 +37,9 @@ either).
 
 Packed variable-length batches (``ring_flash_attn_varlen_func``, ``zigzag_shard_varlen``):
 every sequence is cut in 2W chunks and sharded in the same zigzag order, so a rank's packed
-shard holds, per sequence, an early and a late chunk. The ring gathers the early chunks of all
-sequences into one packed tensor and the late ones into another (a row gather a step) and makes
-one varlen kernel call per (query half, key half) pair over all sequences at once: under a
+shard holds, per sequence, an early and a late chunk. The ring reorders the shards' rows once,
+all sequences' early chunks first and then their late ones (K/V travel in that order), and
+makes one varlen kernel call per (query half, key half) pair over all sequences at once: under a
 causal mask a pair is skipped, run causal (the same chunk) or run in full, as for one
 sequence.
 
@@ -314,19 +314,24 @@ def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int,
 
 def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
                  attention):
-    """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): each sequence's
-    early and late halves gathered into packed tensors of their own, one kernel call a
-    (query half, key half) pair over every sequence at once."""
+    """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): the shards'
+    rows reordered once, every sequence's early half first and then every late half (the
+    same order on every rank, so the K/V passed around the ring need no reordering), and one
+    kernel call a (query half, key half) pair over every sequence at once."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    halves = [_chunk_rows(cu, 2, i).to(q.device) for i in (0, 1)]
+    order = torch.cat([_chunk_rows(cu, 2, i) for i in (0, 1)]).to(q.device)
+    early_rows = (cu[-1] - cu[0]) // 2
     half_cu = torch.tensor([c // 2 for c in cu], dtype=torch.int32, device=q.device)
     half_max = max(1, max_seqlen // 2)
-    queries = [q.index_select(0, rows) for rows in halves]
+    def halves(t):  # slices, not split: an empty batch still has two (empty) halves
+        return t[:early_rows], t[early_rows:]
+
+    queries = halves(q.index_select(0, order))
     positions = (rank, 2 * world - 1 - rank)
     parts = ([], [])
 
     def attend(owner, k_shard, v_shard):
-        keys, values = ([t.index_select(0, rows) for rows in halves] for t in (k_shard, v_shard))
+        keys, values = halves(k_shard), halves(v_shard)
         for i, q_position in enumerate(positions):
             for j, k_position in enumerate((owner, 2 * world - 1 - owner)):
                 if causal and k_position > q_position:
@@ -337,10 +342,9 @@ def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout
                 parts[i].append((out, lse.transpose(0, 1)))  # lse as out's [total, H]
         return True  # a query chunk always sees the key chunk at or before it
 
-    _ring_loop((k, v), group, attend)
-    early, late = (_merge(p, q.dtype) for p in parts)
-    out = early.new_empty((q.shape[0], *early.shape[1:]))
-    return out.index_copy(0, halves[0], early).index_copy(0, halves[1], late)
+    _ring_loop(tuple(t.index_select(0, order) for t in (k, v)), group, attend)
+    merged = torch.cat([_merge(p, q.dtype) for p in parts])
+    return merged.new_empty(merged.shape).index_copy(0, order, merged)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, causal=False,
