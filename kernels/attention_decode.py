@@ -424,9 +424,8 @@ def cache_append(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
 def cache_append_int64(KNew, VNew, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64,
                        CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin, KDescale,
                        VDescale, new_len: int, rotary_dim: int, q_step: int, TILE_D: ConstInt,
-                       TILE_DV: ConstInt,
-                       TILE_G: ConstInt, PAGED: ConstBool, BATCH_IDX: ConstBool, ROTARY: ConstBool,
-                       INTERLEAVED: ConstBool):
+                       TILE_DV: ConstInt, TILE_G: ConstInt, PAGED: ConstBool,
+                       BATCH_IDX: ConstBool, ROTARY: ConstBool, INTERLEAVED: ConstBool):
     """``cache_append`` with 64-bit shapes and strides for the caches; the same body."""
     _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, Cos, Sin,
                  KDescale, VDescale, new_len, rotary_dim, q_step, TILE_D, TILE_DV, TILE_G, PAGED,

@@ -146,8 +146,9 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     # are the contiguous axis. The tensor core adds into acc itself, as FA3 does (its fp32
     # accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
     # tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
-    # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128), and the
-    # second accumulator spills at Dv = 256 (521 LDL/STL on sm_90's 128x64 tile).
+    # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128,
+    # non-causal, no LSE), and the second accumulator spills at Dv = 256 (521 LDL/STL on
+    # sm_90's 128x64 tile).
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha,
                  use_fast_acc=FP8)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
