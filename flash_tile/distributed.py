@@ -11,21 +11,19 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
 
 - ``"ring"`` (the default): W steps; at step s each rank attends its two query chunks to the
   K/V shard of rank (rank - s) mod W, while that shard goes on to the next rank by batched
-  ``isend``/``irecv`` (``_RingPass``: the transfer is started before the step's kernels and
-  waited for after them; under NCCL the wait is a stream dependency, so the transfer runs
-  beside the kernels). Each (query chunk, key chunk) pair whose causal or window band meets is
-  one kernel call with its band placed by the chunks' global positions (``diag_offset``) and
-  returns its output and LSE; a query chunk's partial outputs merge through their LSEs in
-  fp32 (one call's result up to the rounding of each partial to q's dtype and the order of
-  the sums). Under a causal mask the
-  zigzag order gives every rank two chunk pairs a step. The backward is autograd's: each call's
-  own backward (the kernels take the LSE's gradient), and each ``_RingPass`` sends its shard's
-  gradient back to the rank it came from, so dK and dV travel back around the ring to their
-  owners. Without gradients a rank holds two K/V shards at a time; for a backward every step's
-  calls keep their shard, as the all-gather form keeps the whole K/V. The backward's
-  transfers are not overlapped (each waits before the next step's gradients are summed), and
-  dK/dV are summed in the inputs' dtype from step to step, so their rounding is not one
-  call's fp32 sums.
+  ``isend``/``irecv`` (started before the step's kernels and waited for after them; under
+  NCCL the wait is a stream dependency, so the transfer runs beside the kernels). Each
+  (query chunk, key chunk) pair whose causal or window band meets is one kernel call with its
+  band placed by the chunks' global positions (``diag_offset``) and returns its output and
+  LSE; a query chunk's partial outputs merge through their LSEs in fp32 (one call's result up
+  to the rounding of each partial to q's dtype and the order of the sums). Under a causal
+  mask the zigzag order gives every rank two chunk pairs a step. The backward walks the ring
+  again (``_ring_backward``, as ring-flash-attn's): each pair's backward kernel takes the merged
+  output and LSE, so its P is the whole row's; dQ sums locally in fp32, and each shard's
+  dK/dV sum, in fp32, follows the shard one step behind, so after W steps it reaches its
+  owner. The K/V transfer runs beside a step's kernels and the sums' transfer beside the
+  next step's. A rank holds two K/V shards and two dK/dV sums at a time, plus the saved
+  shard, output and LSE.
 - ``"all_gather"``: Llama 3's form. The keys and values are all-gathered (``_GatherShards``,
   differentiable: in the backward their gradients come back to their owners by a
   reduce-scatter, or an all-reduce where the backend has none, as gloo) and each local query
@@ -55,14 +53,16 @@ in the environment where they are unset (NCCL reads them when a communicator is 
 import it before the process group's first collective).
 """
 
+import dataclasses
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from flash_tile import _validate
-from flash_tile._ops import attention_forward, varlen_attention
+from flash_tile._ops import attention_forward, backward_op, varlen_attention, varlen_backward_op
 from flash_tile.api import _autocast, _dropout_seed
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -114,43 +114,73 @@ def _exchange(sends, receives, group, step):
     return dist.batch_isend_irecv(ops)
 
 
-class _RingPass(torch.autograd.Function):
-    """The previous rank's ``tensors`` (each rank sends its own to the next), differentiable.
-    The forward only starts the transfer and appends (works, tensors in flight) to
-    ``pending``: wait on every work there before reading the outputs. The backward sends each
-    output's gradient back to the previous rank and returns what the next rank sent back."""
-
-    @staticmethod
-    def forward(ctx, group, pending, *tensors):
-        ctx.group = group
-        sends = [t.contiguous() for t in tensors]
-        receives = [torch.empty_like(t) for t in sends]
-        pending.append((_exchange(sends, receives, group, 1), sends))
-        return tuple(receives)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        sends = [g.contiguous() for g in grads]  # unused outputs arrive as zeros
-        receives = [torch.empty_like(g) for g in sends]
-        for work in _exchange(sends, receives, ctx.group, -1):
-            work.wait()
-        return (None, None, *receives)
+def _pass_on(tensors, group):
+    """Start sending ``tensors`` to the next rank; (what the previous rank sends, the
+    transfer to ``_wait`` for before reading it: its works and the tensors in flight, kept
+    alive until then)."""
+    sends = [t.contiguous() for t in tensors]
+    receives = [torch.empty_like(t) for t in sends]
+    return receives, (_exchange(sends, receives, group, 1), sends)
 
 
-class _DependOn(torch.autograd.Function):
-    """``x`` itself, with ``others`` as inputs whose gradient is zero: a K/V shard that no
-    chunk pair of this rank reads still has its ``_RingPass`` backward run, in step with the
-    other ranks' (a rank that skipped it would leave its neighbours waiting)."""
+def _wait(transfer):
+    for work in transfer[0]:
+        work.wait()
 
-    @staticmethod
-    def forward(ctx, x, *others):
-        ctx.others = [(t.shape, t.dtype, t.device) for t in others]
-        return x.view_as(x)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device)
-                        for shape, dtype, device in ctx.others))
+@dataclasses.dataclass(frozen=True)
+class LocalAttention:
+    """The local attention the distributed forms run, a forward and its backward without
+    autograd, so that the ring can hand the backward the merged output and LSE.
+
+    Dense (``ring_flash_attn_func``), on [B, H, L, D] views (K/V with fewer heads under GQA),
+    query row i seeing key j iff i + diag_offset - left <= j <= i + diag_offset + right:
+    ``forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed)`` -> (out [B, H,
+    Lq, Dv] in q's dtype, LSE [B, H, Lq] fp32 at least, natural log, +inf where a row sees no
+    key); ``backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
+    seed)`` -> (dq, dk, dv), P recomputed from the given LSE (the whole row's, not the call's),
+    Delta from the given output.
+
+    Varlen (``ring_flash_attn_varlen_func``), on packed [total, H, D] sequences with the same
+    offsets for queries and keys: ``forward(q, k, v, cu_seqlens, max_seqlen, causal, scale,
+    softcap, dropout_p, seed)`` -> (out [total, H, Dv], LSE [H, total]) and
+    ``backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap,
+    dropout_p, seed)`` -> (dq, dk, dv).
+
+    The seam through which the CPU tests run the float64 reference twins."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _kernel_forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
+    return attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
+                             window[1], True, dropout_p, seed)
+
+
+def _kernel_backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
+                     seed):
+    return backward_op(dout, q, k, v, out, lse, None, None, None, scale, softcap, diag_offset,
+                       window[0], window[1], dropout_p, seed)[:3]
+
+
+def _varlen_kernel_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dropout_p,
+                           seed):
+    del max_seqlen  # flash-attn's signature has it; the kernels' grid does not need it
+    return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, None, scale, softcap, -1,
+                            0 if causal else -1, True, dropout_p, seed)
+
+
+def _varlen_kernel_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
+                            softcap, dropout_p, seed):
+    del max_seqlen
+    return varlen_backward_op(dout, q, k, v, out, lse, None, cu_seqlens, cu_seqlens, None,
+                              scale, softcap, -1, 0 if causal else -1, dropout_p, seed)[:3]
+
+
+#: flash_tile's kernels as the local attention (dense and varlen).
+kernel_attention = LocalAttention(_kernel_forward, _kernel_backward)
+varlen_kernel_attention = LocalAttention(_varlen_kernel_forward, _varlen_kernel_backward)
 
 
 def _band_meets(diag_offset, length, window):
@@ -162,68 +192,163 @@ def _band_meets(diag_offset, length, window):
     return lowest <= highest
 
 
-def _merge(parts, dtype):
-    """One output [..., Dv] in ``dtype`` from partial (out [..., Dv], lse [...]) pairs over
-    disjoint keys, weighted by exp(lse_part - lse) in fp32 at least (float64 stays float64);
-    an LSE of +inf (no key seen) weighs nothing."""
-    lses = torch.stack([torch.where(torch.isposinf(lse), -math.inf, lse) for _, lse in parts])
+def _merge(parts, like):
+    """(out [..., Dv] in ``like``'s dtype, LSE [...] in fp32 at least) from partial (out,
+    lse) pairs over disjoint keys, weighted by exp(lse_part - lse); an LSE of +inf (no key
+    seen) weighs nothing, and a row no part saw gets zeros and +inf. No parts: ``like``
+    [..., Dv] holds the shape."""
+    wide = torch.promote_types(like.dtype, torch.float32)
+    if not parts:
+        return torch.zeros_like(like), torch.full(like.shape[:-1], math.inf, dtype=wide,
+                                                  device=like.device)
+    lses = torch.stack([torch.where(torch.isposinf(lse), -math.inf, lse).to(wide)
+                        for _, lse in parts])
     top = lses.amax(dim=0)
     top = torch.where(top == -math.inf, 0.0, top)  # rows that saw no key at all
     weights = torch.exp(lses - top)  # [n, ...]
     total = weights.sum(dim=0)
-    wide = torch.promote_types(dtype, torch.float32)
-    out = sum(w[..., None].to(wide) * o.to(wide) for w, (o, _) in zip(weights, parts))
-    return (out / torch.where(total == 0.0, 1.0, total)[..., None]).to(dtype)
+    out = sum(w[..., None] * o.to(wide) for w, (o, _) in zip(weights, parts))
+    out = out / torch.where(total == 0.0, 1.0, total)[..., None]
+    lse = torch.where(total == 0.0, math.inf, top + torch.log(total))
+    return out.to(like.dtype), lse
 
 
-def _ring_loop(shard, group, attend):
-    """Walk the ring: at step s, ``attend(owner, *shard)`` runs the step's kernel calls on the
-    K/V shard of rank ``owner`` = (rank - s) mod W and says whether it read it, while the
-    shard goes on to the next rank. Returns the shards no step read (for ``_DependOn``)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    idle = []
-    for step in range(world):
-        pending = []
-        if step + 1 < world:  # on its way to the next rank while this step's kernels run
-            following = _RingPass.apply(group, pending, *shard)
-        if not attend((rank - step) % world, *shard):
-            idle.extend(shard)
-        for works, _ in pending:
-            for work in works:
-                work.wait()
-        if step + 1 < world:
-            shard = following
-    return idle
+class _Ring:
+    """One rank's ring over zigzag shards split in two halves (an early and a late chunk):
+    which (query half, key half) pairs meet when the K/V shard of rank ``owner`` is here,
+    and the local calls on them, with the halves' output and LSE laid out alike (the LSE as
+    the output without its last dimension). Subclasses: ``_DenseRing``, ``_VarlenRing``."""
+
+    def __init__(self, group, local, scale, softcap, dropout_p):
+        self.group, self.local = group, local
+        self.scale, self.softcap, self.dropout_p = scale, softcap, dropout_p
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.positions = (self.rank, 2 * self.world - 1 - self.rank)
+        self.seeds = {}  # (step, query half, key half) -> the forward's dropout seed
+
+    def owner_positions(self, owner):
+        return owner, 2 * self.world - 1 - owner
 
 
-def _ring(q, k, v, group, window, scale, softcap, dropout_p, attention):
-    """The ring form (module docstring) on validated shards; this rank's output shard."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk = q.shape[1] // 2
-    queries = [c.transpose(1, 2) for c in q.split(chunk, dim=1)]  # [B, H, chunk, D]
-    positions = (rank, 2 * world - 1 - rank)  # the zigzag chunks' places in the sequence
+def _ring_forward(ring, q, k, v):
+    """The ring's forward (module docstring): this rank's (out, LSE) per query half."""
+    queries = ring.halves(q)
     parts = ([], [])
+    shard = (k, v)
+    for step in range(ring.world):
+        if step + 1 < ring.world:  # on its way to the next rank while this step's calls run
+            following, transfer = _pass_on(shard, ring.group)
+        keys, values = ring.halves(shard[0]), ring.halves(shard[1])
+        for i, j, band in ring.pairs((ring.rank - step) % ring.world):
+            seed = ring.seeds[step, i, j] = _rank_seed(ring.dropout_p)
+            parts[i].append(ring.attend(queries[i], keys[j], values[j], band, seed))
+        if step + 1 < ring.world:
+            _wait(transfer)
+            shard = following
+    like = [q_half.new_empty((*q_half.shape[:-1], v.shape[-1])) for q_half in queries]
+    return [_merge(p, x) for p, x in zip(parts, like)]
 
-    def attend(owner, k_shard, v_shard):
-        keys, values = ([c.transpose(1, 2) for c in t.split(chunk, dim=1)]
-                        for t in (k_shard, v_shard))
-        read = False
-        for i, q_position in enumerate(positions):
-            for j, k_position in enumerate((owner, 2 * world - 1 - owner)):
-                offset = (q_position - k_position) * chunk
-                if _band_meets(offset, chunk, window):
-                    parts[i].append(attention(queries[i], keys[j], values[j], offset, window,
-                                              scale, softcap, dropout_p))
-                    read = True
-        return read
 
-    idle = _ring_loop((k, v), group, attend)
-    # A query chunk that saw no key chunk at all (only under a window): zeros, as the kernels.
-    outs = [_merge(p, q.dtype) if p else queries[i].new_zeros(
-                (*queries[i].shape[:3], v.shape[3])) for i, p in enumerate(parts)]
-    if idle:  # before the concatenation: the result stays a tensor of its own, not a view
-        outs[0] = _DependOn.apply(outs[0], *idle)
-    return torch.cat([o.transpose(1, 2) for o in outs], dim=1)
+def _ring_backward(ring, dout, q, k, v, outs, lses):
+    """The ring's backward: each step's pairs take the merged output and LSE (so P is the
+    whole row's), dQ sums locally in fp32, and each K/V shard's dK/dV sum in fp32 travels
+    one step behind the shard, so that after W steps it reaches its owner. The K/V transfer
+    runs beside a step's calls; the sums' beside the next step's."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    queries, douts = ring.halves(q), ring.halves(dout)
+    dq = [torch.zeros_like(x, dtype=wide) for x in queries]
+    shard, incoming = (k, v), None
+    for step in range(ring.world):
+        if step + 1 < ring.world:
+            following, transfer = _pass_on(shard, ring.group)
+        keys, values = ring.halves(shard[0]), ring.halves(shard[1])
+        part = [torch.zeros_like(t, dtype=wide) for t in shard]  # dK, dV of this shard
+        dk, dv = ring.halves(part[0]), ring.halves(part[1])
+        for i, j, band in ring.pairs((ring.rank - step) % ring.world):
+            got = ring.attend_backward(douts[i], queries[i], keys[j], values[j], outs[i],
+                                       lses[i], band, ring.seeds[step, i, j])
+            for acc, g in zip((dq[i], dk[j], dv[j]), got):
+                acc += g
+        if incoming is not None:  # the sums of the ranks before, one step behind the shard
+            _wait(incoming[1])
+            for mine, before in zip(part, incoming[0]):
+                mine += before
+        if step + 1 < ring.world:
+            _wait(transfer)
+            shard = following
+        if ring.world > 1:
+            incoming = _pass_on(part, ring.group)
+    if incoming is not None:  # the last step's sums, sent on to their owner (the next rank)
+        _wait(incoming[1])
+        part = incoming[0]
+    return ring.join(dq).to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring's output shard, differentiable in q, k and v (``_ring_backward``)."""
+
+    @staticmethod
+    def forward(ctx, ring, q, k, v):
+        merged = _ring_forward(ring, q, k, v)
+        outs, lses = zip(*merged)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, *outs, *lses)
+        return ring.join(outs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, *rest = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, rest[:2], rest[2:])
+        return None, dq, dk, dv
+
+
+class _LocalCall(torch.autograd.Function):
+    """A dense ``LocalAttention``'s output, differentiable in q, k and v: (local, band,
+    q, k, v), band = (diag_offset, window, scale, softcap, dropout_p, seed)."""
+
+    @staticmethod
+    def forward(ctx, local, band, q, k, v):
+        out, lse = local.forward(q, k, v, *band)
+        ctx.local, ctx.band = local, band
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (None, None, *ctx.local.backward(dout, q, k, v, out, lse, *ctx.band))
+
+
+class _DenseRing(_Ring):
+    """The ring over [B, L_local, H, D] shards: a query chunk against a key chunk at their
+    global places, the band placed by ``diag_offset``."""
+
+    def __init__(self, group, local, scale, softcap, dropout_p, chunk, window):
+        super().__init__(group, local, scale, softcap, dropout_p)
+        self.chunk, self.window = chunk, window
+
+    def halves(self, t):
+        return t.split(self.chunk, dim=1)
+
+    def join(self, halves):
+        return torch.cat(halves, dim=1)
+
+    def pairs(self, owner):
+        return [(i, j, (qp - kp) * self.chunk) for i, qp in enumerate(self.positions)
+                for j, kp in enumerate(self.owner_positions(owner))
+                if _band_meets((qp - kp) * self.chunk, self.chunk, self.window)]
+
+    def attend(self, q, k, v, diag_offset, seed):
+        out, lse = self.local.forward(*(t.transpose(1, 2) for t in (q, k, v)), diag_offset,
+                                      self.window, self.scale, self.softcap, self.dropout_p,
+                                      seed)
+        return out.transpose(1, 2), lse.transpose(1, 2)
+
+    def attend_backward(self, dout, q, k, v, out, lse, diag_offset, seed):
+        grads = self.local.backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)),
+                                    lse.transpose(1, 2).contiguous(), diag_offset, self.window,
+                                    self.scale, self.softcap, self.dropout_p, seed)
+        return [g.transpose(1, 2) for g in grads]
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
@@ -243,34 +368,12 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat([*firsts, *reversed(lasts)], dim=dim)
 
 
-def kernel_attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
-    """The local attention: flash_tile's kernels on [B, H, L, D] views (K/V with fewer heads
-    under GQA), query row i seeing key j iff i + diag_offset - left <= j <= i + diag_offset +
-    right; returns (out [B, H, Lq, Dv] in q's dtype, LSE [B, H, Lq] fp32, +inf where a row
-    sees no key), both differentiable. The seam ``ring_flash_attn_func`` takes as
-    ``attention``: the CPU tests put the float64 reference there."""
-    return attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
-                             window[1], True, dropout_p, _rank_seed(dropout_p))
-
-
 def _rank_seed(dropout_p: float) -> int:
     """A dropout seed drawn as the single-GPU calls draw theirs, with this rank folded in:
     ranks seeded alike (one model's initialisation) would otherwise draw the same seed for the
     same call and drop the same local positions on every rank."""
     seed = _dropout_seed(dropout_p)
     return (seed + 1_000_003 * dist.get_rank()) % (2**31 - 1) if seed else 0
-
-
-def varlen_kernel_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap,
-                            dropout_p):
-    """The varlen ring's local attention: ``flash_attn_varlen_func``'s kernels on packed
-    [total, H, D] sequences with the same offsets for queries and keys (``causal`` aligned as
-    flash-attn; the dropout seed as ``kernel_attention``'s);
-    returns (out [total, H, Dv], LSE [H, total] fp32), both differentiable. The seam
-    ``ring_flash_attn_varlen_func`` takes as ``attention``."""
-    del max_seqlen  # flash-attn's signature has it; the kernels' grid does not need it
-    return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, None, scale, softcap, -1,
-                            0 if causal else -1, True, dropout_p, _rank_seed(dropout_p))
 
 
 def _offsets(cu_seqlens, world_size: int, total: int | None = None) -> list[int]:
@@ -312,39 +415,51 @@ def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int,
     return x.index_select(0, rows.to(x.device))
 
 
-def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
-                 attention):
-    """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): the shards'
-    rows reordered once, every sequence's early half first and then every late half (the
-    same order on every rank, so the K/V passed around the ring need no reordering), and one
-    kernel call a (query half, key half) pair over every sequence at once."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+class _VarlenRing(_Ring):
+    """The ring over packed zigzag shards whose rows ``_ring_varlen`` reordered: every
+    sequence's early half first, then every late half; one varlen call a (query half, key
+    half) pair over every sequence at once."""
+
+    def __init__(self, group, local, scale, softcap, dropout_p, cu, max_seqlen, causal,
+                 device):
+        super().__init__(group, local, scale, softcap, dropout_p)
+        self.causal, self.early_rows = causal, (cu[-1] - cu[0]) // 2
+        # Each half of the reordered rows packs every sequence's half, at offsets cu // 2.
+        self.half_cu = torch.tensor([c // 2 for c in cu], dtype=torch.int32, device=device)
+        self.half_max = max(1, max_seqlen // 2)
+
+    def halves(self, t):  # slices, not split: an empty batch still has two (empty) halves
+        return t[:self.early_rows], t[self.early_rows:]
+
+    def join(self, halves):
+        return torch.cat(halves)
+
+    def pairs(self, owner):
+        # Skipped: a key chunk wholly after the query chunk; causal: the same chunk.
+        return [(i, j, self.causal and kp == qp) for i, qp in enumerate(self.positions)
+                for j, kp in enumerate(self.owner_positions(owner))
+                if not (self.causal and kp > qp)]
+
+    def attend(self, q, k, v, causal, seed):
+        out, lse = self.local.forward(q, k, v, self.half_cu, self.half_max, causal,
+                                      self.scale, self.softcap, self.dropout_p, seed)
+        return out, lse.transpose(0, 1)  # the LSE as out's [total, H]
+
+    def attend_backward(self, dout, q, k, v, out, lse, causal, seed):
+        return self.local.backward(dout, q, k, v, out, lse.transpose(0, 1).contiguous(),
+                                   self.half_cu, self.half_max, causal, self.scale,
+                                   self.softcap, self.dropout_p, seed)
+
+
+def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p, local):
+    """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): the shards' rows
+    reordered once, every sequence's early half first and then every late half (the same
+    order on every rank, so the K/V passed around the ring need no reordering)."""
+    ring = _VarlenRing(group, local, scale, softcap, dropout_p, cu, max_seqlen, causal,
+                       q.device)
     order = torch.cat([_chunk_rows(cu, 2, i) for i in (0, 1)]).to(q.device)
-    early_rows = (cu[-1] - cu[0]) // 2
-    half_cu = torch.tensor([c // 2 for c in cu], dtype=torch.int32, device=q.device)
-    half_max = max(1, max_seqlen // 2)
-    def halves(t):  # slices, not split: an empty batch still has two (empty) halves
-        return t[:early_rows], t[early_rows:]
-
-    queries = halves(q.index_select(0, order))
-    positions = (rank, 2 * world - 1 - rank)
-    parts = ([], [])
-
-    def attend(owner, k_shard, v_shard):
-        keys, values = halves(k_shard), halves(v_shard)
-        for i, q_position in enumerate(positions):
-            for j, k_position in enumerate((owner, 2 * world - 1 - owner)):
-                if causal and k_position > q_position:
-                    continue  # the whole key chunk lies after the query chunk
-                out, lse = attention(queries[i], keys[j], values[j], half_cu, half_max,
-                                     causal and k_position == q_position, scale, softcap,
-                                     dropout_p)
-                parts[i].append((out, lse.transpose(0, 1)))  # lse as out's [total, H]
-        return True  # a query chunk always sees the key chunk at or before it
-
-    _ring_loop(tuple(t.index_select(0, order) for t in (k, v)), group, attend)
-    merged = torch.cat([_merge(p, q.dtype) for p in parts])
-    return merged.new_empty(merged.shape).index_copy(0, order, merged)
+    out = _RingAttention.apply(ring, *(t.index_select(0, order) for t in (q, k, v)))
+    return out.new_empty(out.shape).index_copy(0, order, out)
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, causal=False,
@@ -365,8 +480,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
         causal: each sequence's own causal mask (queries and keys of a sequence are equally
             many, so bottom-right and top-left agree); no window, ALiBi or sinks here.
         softmax_scale, softcap, dropout_p: as ``flash_attn_varlen_func``.
-        attention: the local attention (``varlen_kernel_attention``); the seam through which
-            tests run the float64 reference.
+        attention: the local attention, a ``LocalAttention`` (``varlen_kernel_attention``:
+            flash_tile's kernels); the seam through which tests run the float64 twins.
 
     Returns:
         This rank's shard of the output, [total_local, H, Dv] in q's dtype; gradients reach q,
@@ -417,10 +532,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         communication: ``"ring"`` (K/V shards passed around the ring, overlapped with the
             kernels) or ``"all_gather"`` (the whole K/V gathered
             on every rank, one kernel call a query chunk); the module docstring has both.
-        attention: the local attention (``kernel_attention``: flash_tile's kernels); a
-            function of (q, k, v, diag_offset, window, scale, softcap, dropout_p) on [B, H,
-            L, D] tensors returning (out, LSE), the seam through which tests run the float64
-            reference.
+        attention: the local attention, a ``LocalAttention`` (``kernel_attention``:
+            flash_tile's kernels); the seam through which tests run the float64 twins.
 
     Returns:
         This rank's shard of the output, [B, L_local, H, Dv] in q's dtype. Gradients reach
@@ -449,7 +562,9 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
                                   else 1.0 / math.sqrt(q.shape[3]))
     softcap = _validate.check_softcap(softcap)
     if communication == "ring":
-        return _ring(q, k, v, group, (left, right), scale, softcap, dropout_p, attention)
+        ring = _DenseRing(group, attention, scale, softcap, dropout_p, q.shape[1] // 2,
+                          (left, right))
+        return _RingAttention.apply(ring, q, k, v)
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[1] // 2
@@ -459,7 +574,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     outs = []
     for piece, position in zip(q.split(chunk, dim=1), (rank, 2 * world - 1 - rank)):
         # Global rows [position * chunk, ...) against keys [0, L): offset by the first row.
-        out, _ = attention(piece.transpose(1, 2), k_all, v_all, position * chunk, (left, right),
-                           scale, softcap, dropout_p)
+        out = _LocalCall.apply(attention, (position * chunk, (left, right), scale, softcap,
+                                           dropout_p, _rank_seed(dropout_p)),
+                               piece.transpose(1, 2), k_all, v_all)
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)

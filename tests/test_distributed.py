@@ -21,12 +21,22 @@ CASES = [(True, (-1, -1), 0.0, 4, 2), (False, (-1, -1), 0.0, 4, 4),
 BATCH, LENGTH, DIM = 2, 64, 16
 
 
-def _attention(q, k, v, diag_offset, window, scale, softcap, dropout_p):
-    """The seam's float64 stand-in for the kernels: the same arguments, plain attention with
-    its LSE (+inf where a row sees no key, as the kernels')."""
+def _forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
+    """The dense seam's float64 forward: plain attention with its LSE (+inf where a row sees
+    no key, as the kernels')."""
     assert dropout_p == 0.0
     return reference.attention_dense(q, k, v, scale, diag_offset, window, softcap,
                                      return_lse=True)
+
+
+def _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p, seed):
+    """The dense seam's float64 backward: the backward kernels' twin, P recomputed from the
+    LSE it is given (the merged one)."""
+    return reference.attention_tiles_backward(q, k, v, out, lse, dout, scale, diag_offset,
+                                              window, softcap)
+
+
+REFERENCE = distributed.LocalAttention(_forward, _backward)
 
 
 def _inputs(heads, kv_heads):
@@ -53,7 +63,7 @@ def _worker(rank, world, path, communication):
             shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
                       for t in (q, k, v)]
             out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
-                                                   softcap=softcap, attention=_attention,
+                                                   softcap=softcap, attention=REFERENCE,
                                                    communication=communication)
             out.mul_(1.0)  # a tensor of its own on every rank, idle ring steps or not
             out.backward(distributed.zigzag_shard(dout, rank, world))
@@ -77,8 +87,9 @@ VARLEN_LENGTHS = [24, 0, 8, 40, 16]  # multiples of 2W for W = 2 and 4, one empt
 VARLEN_CASES = [(True, 0.0, 4, 2), (False, 0.0, 2, 2), (True, 2.5, 2, 1)]
 
 
-def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dropout_p):
-    """The varlen seam's float64 stand-in: each sequence through the dense reference."""
+def _varlen_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dropout_p,
+                    seed=0):
+    """The varlen seam's float64 forward: each sequence through the dense reference."""
     assert dropout_p == 0.0
     cu = cu_seqlens.tolist()
     assert max_seqlen >= max(b - a for a, b in zip(cu, cu[1:]))
@@ -94,6 +105,16 @@ def _varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, d
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap,
+                     dropout_p, seed):
+    """The varlen seam's float64 backward: the varlen backward kernels' twin."""
+    return reference.varlen_tiles_backward(q, k, v, out, lse, dout, cu_seqlens, cu_seqlens,
+                                           scale, (-1, 0) if causal else (-1, -1), softcap)
+
+
+VARLEN_REFERENCE = distributed.LocalAttention(_varlen_forward, _varlen_backward)
+
+
 def _varlen_worker(rank, world, path):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
@@ -104,7 +125,7 @@ def _varlen_worker(rank, world, path):
             q, k, v, dout = (torch.randn(total, h, DIM, generator=gen, dtype=torch.float64)
                              for h in (heads, kv_heads, kv_heads, heads))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref, _ = _varlen_attention(*leaves, cu, max(VARLEN_LENGTHS), causal, DIM ** -0.5,
+            ref, _ = _varlen_forward(*leaves, cu, max(VARLEN_LENGTHS), causal, DIM ** -0.5,
                                        softcap, 0.0)
             ref.backward(dout)
             shards = [distributed.zigzag_shard_varlen(t, cu, rank, world).clone()
@@ -112,7 +133,7 @@ def _varlen_worker(rank, world, path):
             local_cu = cu // world
             out = distributed.ring_flash_attn_varlen_func(
                 *shards, local_cu, max(VARLEN_LENGTHS) // world, causal=causal,
-                softcap=softcap, attention=_varlen_attention)
+                softcap=softcap, attention=VARLEN_REFERENCE)
             out.backward(distributed.zigzag_shard_varlen(dout, cu, rank, world))
             torch.testing.assert_close(
                 out, distributed.zigzag_shard_varlen(ref.detach(), cu, rank, world))
