@@ -1,9 +1,12 @@
 """Context parallelism on the CPU: 2 and 4 processes over gloo run ``ring_flash_attn_func``
 in both its communications (the ring of point-to-point passes and the all-gather) with the
-float64 reference standing in for the kernels (its ``attention`` seam); each rank's output
-shard and its shards' gradients must equal those of unsharded attention on the whole
-sequence. (A run on GPUs, through NCCL and the kernels, needs a machine with two GPUs.)"""
+float64 twins standing in for the kernels (the ``LocalAttention`` seam: the dense reference
+forward and the backward kernels' twin, which recomputes P from the merged LSE the ring's
+backward hands it); each rank's output shard and its shards' gradients must equal those of
+unsharded attention on the whole sequence, by autograd. (A run on GPUs, through NCCL and
+the kernels, needs a machine with two GPUs; one-rank cases run on one.)"""
 
+import inspect
 import os
 
 import pytest
@@ -11,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flash_tile import distributed, reference
+from flash_tile import _ops, distributed, reference
 
 # (causal, window, softcap, heads, kv_heads). The narrow windows leave whole steps of the
 # ring with no chunk pair on some ranks (at 4 ranks chunks are 8 rows).
@@ -191,6 +194,108 @@ def test_bad_communication_is_refused_before_any_transfer():
         distributed.ring_flash_attn_func(q, q[:, :6], q[:, :6])
 
 
+def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
+    """``kernel_attention`` and ``varlen_kernel_attention`` call flash_tile's ops (whose bodies
+    need a GPU) with their arguments in the ops' order: the ops are stood in for by the
+    float64 twins, which read every argument by the op body's own parameter name."""
+    def bound(body, args):
+        arguments = inspect.signature(body).bind(*args).arguments
+        assert arguments.get("alibi_slopes") is None and arguments.get("dlse") is None
+        assert arguments.get("return_lse", True) and arguments["dropout_p"] == 0.0
+        return arguments, (arguments["window_left"], arguments["window_right"])
+
+    def forward(*args):
+        a, window = bound(_ops._forward_impl, args)
+        return reference.attention_dense(a["q"], a["k"], a["v"], a["scale"], a["diag_offset"],
+                                         window, a["softcap"], return_lse=True)
+
+    def backward(*args):
+        a, window = bound(_ops._backward_impl, args)
+        return (*reference.attention_tiles_backward(
+            a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], a["scale"],
+            a["diag_offset"], window, a["softcap"]), None)
+
+    def varlen_forward(*args):
+        a, window = bound(_ops._varlen_forward_impl, args)
+        assert torch.equal(a["cu_seqlens_q"], a["cu_seqlens_k"])
+        return reference.varlen_tiles(a["q"], a["k"], a["v"], a["cu_seqlens_q"],
+                                      a["cu_seqlens_k"], a["scale"], window, a["softcap"])
+
+    def varlen_backward(*args):
+        a, window = bound(_ops._varlen_backward_impl, args)
+        return (*reference.varlen_tiles_backward(
+            a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], a["cu_seqlens_q"],
+            a["cu_seqlens_k"], a["scale"], window, a["softcap"]), None)
+
+    for name, fake in (("attention_forward", forward), ("backward_op", backward),
+                       ("varlen_attention", varlen_forward),
+                       ("varlen_backward_op", varlen_backward)):
+        monkeypatch.setattr(distributed, name, fake)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
+                     for shape in ((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 8), (2, 4, 24, 8)))
+    band = (9, (5, 3), 0.3, 2.0, 0.0)  # diag_offset, window, scale, softcap, dropout_p
+    out, lse = distributed.kernel_attention.forward(q, k, v, *band, 0)
+    want_out, want_lse = _forward(q, k, v, *band, 0)
+    torch.testing.assert_close((out, lse), (want_out, want_lse))
+    for got, want in zip(distributed.kernel_attention.backward(dout, q, k, v, out, lse, *band,
+                                                               0),
+                         _backward(dout, q, k, v, out, lse, *band, 0)):
+        torch.testing.assert_close(got, want)
+
+    cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32)
+    packed = [t[0].transpose(0, 1) for t in (q, k[:, :, :24], v[:, :, :24], dout)]
+    band = (cu, 17, True, 0.3, 2.0, 0.0)  # cu_seqlens, max_seqlen, causal, scale, softcap, p
+    out, lse = distributed.varlen_kernel_attention.forward(*packed[:3], *band, 0)
+    torch.testing.assert_close((out, lse), _varlen_forward(*packed[:3], *band, 0))
+    for got, want in zip(
+            distributed.varlen_kernel_attention.backward(packed[3], *packed[:3], out, lse, *band,
+                                                         0),
+            _varlen_backward(packed[3], *packed[:3], out, lse, *band, 0)):
+        torch.testing.assert_close(got, want)
+
+
+def _seed_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        calls = {"forward": [], "backward": []}
+
+        def forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
+            calls["forward"].append((diag_offset, seed))
+            return _forward(q, k, v, diag_offset, window, scale, softcap, 0.0, seed)
+
+        def backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
+                     seed):
+            calls["backward"].append((diag_offset, seed))
+            return _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, 0.0,
+                             seed)
+
+        q, k, v, dout = (distributed.zigzag_shard(t, rank, world).requires_grad_()
+                         for t in _inputs(2, 2))
+        torch.manual_seed(0)  # ranks seeded alike: _rank_seed folds the rank in
+        # The seed's draw asks whether a CUDA graph is being captured; a CPU build cannot say.
+        torch.cuda.is_current_stream_capturing = lambda: False
+        out = distributed.ring_flash_attn_func(
+            q, k, v, dropout_p=0.25, attention=distributed.LocalAttention(forward, backward))
+        out.backward(dout.detach())
+        seeds = [seed for _, seed in calls["forward"]]
+        assert len(calls["forward"]) == 4 * world and len(set(seeds)) == len(seeds)
+        assert all(seed > 0 for seed in seeds)
+        assert sorted(calls["backward"]) == sorted(calls["forward"])
+        everyone = [None] * world
+        dist.all_gather_object(everyone, seeds)
+        assert len({s for rank_seeds in everyone for s in rank_seeds}) == 4 * world * world
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_backward_reuses_each_pairs_dropout_seed(tmp_path):
+    """Under dropout every (query chunk, key chunk) call draws a seed of its own, and the
+    ring's backward hands each pair's backward the seed its forward drew (the dropout
+    pattern is a function of it)."""
+    mp.spawn(_seed_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+
+
 def test_multicast_stays_off():
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -241,7 +346,8 @@ def test_two_gpus_equal_one(length, causal, communication, tmp_path):
                                            (True, (300, -1))])
 def test_one_rank_ring_equals_one_call(causal, window, tmp_path):
     """The ring on one rank (NCCL, no transfers): its two chunks' kernel calls with their LSEs,
-    the merge and the backward through the LSE against one flash_attn_func call; the window
+    the merge and the ring's backward (each pair's backward kernel on the merged output and
+    LSE, the sums in fp32) against one flash_attn_func call; the window
     leaves rows of the late chunk with no key in one of its pairs (LSE +inf)."""
     mp.spawn(_gpu_worker, args=(1, str(tmp_path / "rendezvous"), 4096, causal, "ring",
                                 window), nprocs=1, join=True)
@@ -284,8 +390,8 @@ def _gpu_varlen_worker(rank, world, path, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_ring_equals_one_call(world, causal, tmp_path):
     """The varlen ring through the kernels against one flash_attn_varlen_func call on the
-    whole packed batch: on one rank (its half-sequence calls, the merge, the backward through
-    the LSE) and, given two GPUs, across them."""
+    whole packed batch: on one rank (its half-sequence calls, the merge, the ring's backward)
+    and, given two GPUs, across them."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPU(s)")
     mp.spawn(_gpu_varlen_worker, args=(world, str(tmp_path / "rendezvous"), causal),
