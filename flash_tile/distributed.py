@@ -22,7 +22,8 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   output and LSE, so its P is the whole row's; dQ sums locally in fp32, and each shard's
   dK/dV sum, in fp32, follows the shard one step behind, so after W steps it reaches its
   owner. The K/V transfer runs beside a step's kernels and the sums' transfer beside the
-  next step's. A rank holds two K/V shards and two dK/dV sums at a time, plus the saved
+  next step's. A rank holds two K/V shards (the one in use, the one arriving) and up to three
+  fp32 dK/dV sums (this step's, the one arriving, the one still being sent), plus the saved
   shard, output and LSE.
 - ``"all_gather"``: Llama 3's form. The keys and values are all-gathered (``_GatherShards``,
   differentiable: in the backward their gradients come back to their owners by a
@@ -62,7 +63,8 @@ import torch
 import torch.distributed as dist
 
 from flash_tile import _validate
-from flash_tile._ops import attention_forward, backward_op, varlen_attention, varlen_backward_op
+from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
+                             varlen_attention)
 from flash_tile.api import _autocast, _dropout_seed
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
@@ -160,8 +162,10 @@ def _kernel_forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, see
 
 def _kernel_backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
                      seed):
-    return backward_op(dout, q, k, v, out, lse, None, None, None, scale, softcap, diag_offset,
-                       window[0], window[1], dropout_p, seed)[:3]
+    # The op's body, as attention_forward runs it in eager mode (the custom op's dispatch costs
+    # host time a call, and the ring makes up to 4 W of them).
+    return _backward_impl(dout, q, k, v, out, lse, None, None, None, scale, softcap,
+                          diag_offset, window[0], window[1], dropout_p, seed)[:3]
 
 
 def _varlen_kernel_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dropout_p,
@@ -174,8 +178,8 @@ def _varlen_kernel_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softc
 def _varlen_kernel_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
                             softcap, dropout_p, seed):
     del max_seqlen
-    return varlen_backward_op(dout, q, k, v, out, lse, None, cu_seqlens, cu_seqlens, None,
-                              scale, softcap, -1, 0 if causal else -1, dropout_p, seed)[:3]
+    return _varlen_backward_impl(dout, q, k, v, out, lse, None, cu_seqlens, cu_seqlens, None,
+                                 scale, softcap, -1, 0 if causal else -1, dropout_p, seed)[:3]
 
 
 #: flash_tile's kernels as the local attention (dense and varlen).
@@ -217,7 +221,8 @@ class _Ring:
     """One rank's ring over zigzag shards split in two halves (an early and a late chunk):
     which (query half, key half) pairs meet when the K/V shard of rank ``owner`` is here,
     and the local calls on them, with the halves' output and LSE laid out alike (the LSE as
-    the output without its last dimension). Subclasses: ``_DenseRing``, ``_VarlenRing``."""
+    the output without its last dimension; ``lse_for_backward`` lays a merged one out as the
+    local backward takes it). Subclasses: ``_DenseRing``, ``_VarlenRing``."""
 
     def __init__(self, group, local, scale, softcap, dropout_p):
         self.group, self.local = group, local
@@ -289,10 +294,10 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ring, q, k, v):
-        merged = _ring_forward(ring, q, k, v)
-        outs, lses = zip(*merged)
+        outs, lses = zip(*_ring_forward(ring, q, k, v))
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, *outs, *lses)
+        # The LSEs in the local backward's layout, once for every step that reads them.
+        ctx.save_for_backward(q, k, v, *outs, *(ring.lse_for_backward(x) for x in lses))
         return ring.join(outs)
 
     @staticmethod
@@ -344,10 +349,14 @@ class _DenseRing(_Ring):
                                       seed)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
+    @staticmethod
+    def lse_for_backward(lse):
+        return lse.transpose(1, 2).contiguous()  # [B, H, chunk], as the forward returns it
+
     def attend_backward(self, dout, q, k, v, out, lse, diag_offset, seed):
-        grads = self.local.backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)),
-                                    lse.transpose(1, 2).contiguous(), diag_offset, self.window,
-                                    self.scale, self.softcap, self.dropout_p, seed)
+        grads = self.local.backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse,
+                                    diag_offset, self.window, self.scale, self.softcap,
+                                    self.dropout_p, seed)
         return [g.transpose(1, 2) for g in grads]
 
 
@@ -445,10 +454,13 @@ class _VarlenRing(_Ring):
                                       self.scale, self.softcap, self.dropout_p, seed)
         return out, lse.transpose(0, 1)  # the LSE as out's [total, H]
 
+    @staticmethod
+    def lse_for_backward(lse):
+        return lse.transpose(0, 1).contiguous()  # [H, total], as the forward returns it
+
     def attend_backward(self, dout, q, k, v, out, lse, causal, seed):
-        return self.local.backward(dout, q, k, v, out, lse.transpose(0, 1).contiguous(),
-                                   self.half_cu, self.half_max, causal, self.scale,
-                                   self.softcap, self.dropout_p, seed)
+        return self.local.backward(dout, q, k, v, out, lse, self.half_cu, self.half_max,
+                                   causal, self.scale, self.softcap, self.dropout_p, seed)
 
 
 def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p, local):

@@ -7,6 +7,7 @@ unsharded attention on the whole sequence, by autograd. (A run on GPUs, through 
 the kernels, needs a machine with two GPUs; one-rank cases run on one.)"""
 
 import inspect
+import itertools
 import os
 
 import pytest
@@ -68,7 +69,6 @@ def _worker(rank, world, path, communication):
             out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
                                                    softcap=softcap, attention=REFERENCE,
                                                    communication=communication)
-            out.mul_(1.0)  # a tensor of its own on every rank, idle ring steps or not
             out.backward(distributed.zigzag_shard(dout, rank, world))
             torch.testing.assert_close(out, distributed.zigzag_shard(ref.detach(), rank, world))
             for got, leaf in zip(shards, leaves):
@@ -194,6 +194,9 @@ def test_bad_communication_is_refused_before_any_transfer():
         distributed.ring_flash_attn_func(q, q[:, :6], q[:, :6])
 
 
+SEED = 5  # a dropout seed unlike every other argument
+
+
 def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
     """``kernel_attention`` and ``varlen_kernel_attention`` call flash_tile's ops (whose bodies
     need a GPU) with their arguments in the ops' order: the ops are stood in for by the
@@ -202,6 +205,7 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
         arguments = inspect.signature(body).bind(*args).arguments
         assert arguments.get("alibi_slopes") is None and arguments.get("dlse") is None
         assert arguments.get("return_lse", True) and arguments["dropout_p"] == 0.0
+        assert arguments["dropout_seed"] == SEED  # a swap with dropout_p would fail above
         return arguments, (arguments["window_left"], arguments["window_right"])
 
     def forward(*args):
@@ -227,31 +231,31 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
             a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], a["cu_seqlens_q"],
             a["cu_seqlens_k"], a["scale"], window, a["softcap"]), None)
 
-    for name, fake in (("attention_forward", forward), ("backward_op", backward),
+    for name, fake in (("attention_forward", forward), ("_backward_impl", backward),
                        ("varlen_attention", varlen_forward),
-                       ("varlen_backward_op", varlen_backward)):
+                       ("_varlen_backward_impl", varlen_backward)):
         monkeypatch.setattr(distributed, name, fake)
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(shape, generator=gen, dtype=torch.float64)
                      for shape in ((2, 4, 24, 16), (2, 2, 40, 16), (2, 2, 40, 8), (2, 4, 24, 8)))
     band = (9, (5, 3), 0.3, 2.0, 0.0)  # diag_offset, window, scale, softcap, dropout_p
-    out, lse = distributed.kernel_attention.forward(q, k, v, *band, 0)
-    want_out, want_lse = _forward(q, k, v, *band, 0)
+    out, lse = distributed.kernel_attention.forward(q, k, v, *band, SEED)
+    want_out, want_lse = _forward(q, k, v, *band, SEED)
     torch.testing.assert_close((out, lse), (want_out, want_lse))
     for got, want in zip(distributed.kernel_attention.backward(dout, q, k, v, out, lse, *band,
-                                                               0),
-                         _backward(dout, q, k, v, out, lse, *band, 0)):
+                                                               SEED),
+                         _backward(dout, q, k, v, out, lse, *band, SEED)):
         torch.testing.assert_close(got, want)
 
     cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32)
     packed = [t[0].transpose(0, 1) for t in (q, k[:, :, :24], v[:, :, :24], dout)]
     band = (cu, 17, True, 0.3, 2.0, 0.0)  # cu_seqlens, max_seqlen, causal, scale, softcap, p
-    out, lse = distributed.varlen_kernel_attention.forward(*packed[:3], *band, 0)
-    torch.testing.assert_close((out, lse), _varlen_forward(*packed[:3], *band, 0))
+    out, lse = distributed.varlen_kernel_attention.forward(*packed[:3], *band, SEED)
+    torch.testing.assert_close((out, lse), _varlen_forward(*packed[:3], *band, SEED))
     for got, want in zip(
             distributed.varlen_kernel_attention.backward(packed[3], *packed[:3], out, lse, *band,
-                                                         0),
-            _varlen_backward(packed[3], *packed[:3], out, lse, *band, 0)):
+                                                         SEED),
+            _varlen_backward(packed[3], *packed[:3], out, lse, *band, SEED)):
         torch.testing.assert_close(got, want)
 
 
@@ -260,27 +264,30 @@ def _seed_worker(rank, world, path):
     try:
         calls = {"forward": [], "backward": []}
 
+        def pair(q, k, diag_offset):  # the same in the forward and the backward
+            return diag_offset, q.data_ptr(), k.sum().item()
+
         def forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
-            calls["forward"].append((diag_offset, seed))
+            calls["forward"].append((pair(q, k, diag_offset), seed))
             return _forward(q, k, v, diag_offset, window, scale, softcap, 0.0, seed)
 
         def backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
                      seed):
-            calls["backward"].append((diag_offset, seed))
+            calls["backward"].append((pair(q, k, diag_offset), seed))
             return _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, 0.0,
                              seed)
 
         q, k, v, dout = (distributed.zigzag_shard(t, rank, world).requires_grad_()
                          for t in _inputs(2, 2))
-        torch.manual_seed(0)  # ranks seeded alike: _rank_seed folds the rank in
-        # The seed's draw asks whether a CUDA graph is being captured; a CPU build cannot say.
-        torch.cuda.is_current_stream_capturing = lambda: False
+        # Every rank draws the same seeds (ranks seeded alike); _rank_seed folds the rank in.
+        draws = itertools.count(1)
+        distributed._dropout_seed = lambda p: next(draws)
         out = distributed.ring_flash_attn_func(
             q, k, v, dropout_p=0.25, attention=distributed.LocalAttention(forward, backward))
         out.backward(dout.detach())
         seeds = [seed for _, seed in calls["forward"]]
         assert len(calls["forward"]) == 4 * world and len(set(seeds)) == len(seeds)
-        assert all(seed > 0 for seed in seeds)
+        assert len({p for p, _ in calls["forward"]}) == 4 * world  # the pairs told apart
         assert sorted(calls["backward"]) == sorted(calls["forward"])
         everyone = [None] * world
         dist.all_gather_object(everyone, seeds)
