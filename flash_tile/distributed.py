@@ -235,21 +235,29 @@ class _Ring:
         return owner, 2 * self.world - 1 - owner
 
 
+def _walk(ring, shard):
+    """The ring's W steps: yields (step, the K/V shard held, its halves, the (query half, key
+    half, band) pairs that meet on it), the shard on its way to the next rank while the
+    caller's step runs, and waited for before the next."""
+    for step in range(ring.world):
+        last = step + 1 == ring.world
+        if not last:
+            following, transfer = _pass_on(shard, ring.group)
+        yield (step, shard, [ring.halves(t) for t in shard],
+               ring.pairs((ring.rank - step) % ring.world))
+        if not last:
+            _wait(transfer)
+            shard = following
+
+
 def _ring_forward(ring, q, k, v):
     """The ring's forward (module docstring): this rank's (out, LSE) per query half."""
     queries = ring.halves(q)
     parts = ([], [])
-    shard = (k, v)
-    for step in range(ring.world):
-        if step + 1 < ring.world:  # on its way to the next rank while this step's calls run
-            following, transfer = _pass_on(shard, ring.group)
-        keys, values = ring.halves(shard[0]), ring.halves(shard[1])
-        for i, j, band in ring.pairs((ring.rank - step) % ring.world):
+    for step, _, (keys, values), pairs in _walk(ring, (k, v)):
+        for i, j, band in pairs:
             seed = ring.seeds[step, i, j] = _rank_seed(ring.dropout_p)
             parts[i].append(ring.attend(queries[i], keys[j], values[j], band, seed))
-        if step + 1 < ring.world:
-            _wait(transfer)
-            shard = following
     like = [q_half.new_empty((*q_half.shape[:-1], v.shape[-1])) for q_half in queries]
     return [_merge(p, x) for p, x in zip(parts, like)]
 
@@ -262,14 +270,11 @@ def _ring_backward(ring, dout, q, k, v, outs, lses):
     wide = torch.promote_types(q.dtype, torch.float32)
     queries, douts = ring.halves(q), ring.halves(dout)
     dq = [torch.zeros_like(x, dtype=wide) for x in queries]
-    shard, incoming = (k, v), None
-    for step in range(ring.world):
-        if step + 1 < ring.world:
-            following, transfer = _pass_on(shard, ring.group)
-        keys, values = ring.halves(shard[0]), ring.halves(shard[1])
+    incoming = None
+    for step, shard, (keys, values), pairs in _walk(ring, (k, v)):
         part = [torch.zeros_like(t, dtype=wide) for t in shard]  # dK, dV of this shard
         dk, dv = ring.halves(part[0]), ring.halves(part[1])
-        for i, j, band in ring.pairs((ring.rank - step) % ring.world):
+        for i, j, band in pairs:
             got = ring.attend_backward(douts[i], queries[i], keys[j], values[j], outs[i],
                                        lses[i], band, ring.seeds[step, i, j])
             for acc, g in zip((dq[i], dk[j], dv[j]), got):
@@ -278,10 +283,7 @@ def _ring_backward(ring, dout, q, k, v, outs, lses):
             _wait(incoming[1])
             for mine, before in zip(part, incoming[0]):
                 mine += before
-        if step + 1 < ring.world:
-            _wait(transfer)
-            shard = following
-        if ring.world > 1:
+        if ring.world > 1:  # on to the next rank, which holds this shard at the next step
             incoming = _pass_on(part, ring.group)
     if incoming is not None:  # the last step's sums, sent on to their owner (the next rank)
         _wait(incoming[1])
