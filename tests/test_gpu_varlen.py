@@ -10,7 +10,7 @@ import torch
 
 import flash_tile
 from conftest import VARIANTS_CAPABILITY
-from flash_tile import _ops, autotune, reference, variants, varlen
+from flash_tile import _launch, _ops, autotune, reference, variants, varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -144,6 +144,60 @@ def test_offsets_that_start_past_row_zero(causal, backward_form):
     ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features)
     low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features)
     _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
+GUARD = 64  # NaN rows on each side of a guarded view
+
+
+def _guarded(shape, dtype, dim=0):
+    """(a NaN-filled buffer, the view of ``shape`` inside it): GUARD rows of the buffer
+    along ``dim`` on each side, and along a last ``dim`` a few more to keep the buffer's rows
+    16-byte aligned, as the ops' own fp32 LSE rows are where TMA stores them."""
+    width = shape[dim] + 2 * GUARD
+    width += -width % 8
+    buffer = torch.full((*shape[:dim], width, *shape[dim + 1:]), math.nan, dtype=dtype,
+                        device="cuda")
+    return buffer, buffer.narrow(dim, GUARD, shape[dim])
+
+
+def _only_sequence_rows_written(buffer, cu, dim=0):
+    """Rows cu[0] .. cu[-1] (along ``dim``) of the view inside ``buffer`` are written (no
+    NaN left); every other row of the buffer, the view's rows outside the sequences and the
+    guards, is still all NaN."""
+    rows = torch.arange(buffer.shape[dim], device=buffer.device)
+    inside = (rows >= GUARD + cu[0]) & (rows < GUARD + cu[-1])
+    nan = torch.isnan(buffer.float()).movedim(dim, 0).flatten(1)
+    assert not bool(nan[inside].any()) and bool(nan[~inside].all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_clipped_stores_write_only_their_sequences(causal, backward_form):
+    """The varlen kernels' stores are clipped to each sequence (tile views of the packed
+    arrays made per sequence at run time, TMA stores on sm_90): the output, LSE and gradients
+    are views inside NaN-filled buffers, the offsets start past row 0 and end short of the
+    last row, and after the forward and the backward only the sequences' rows have changed.
+    (compute-sanitizer's memcheck cannot vouch for these stores: it flags the tensor maps
+    they write at run time into a driver-owned region as out-of-bounds atomics.)"""
+    lengths = ([300, 130, 17, 203, 1, 40], [200, 130, 50, 203, 9, 40])
+    heads, kv_heads, dim = 4, 2, 128
+    q, k, v, dout, cu_q, cu_k = _inputs(*lengths, heads, kv_heads, dim, dim, torch.bfloat16, 12)
+    cu_q, cu_k = cu_q[1:-1], cu_k[1:-1]
+    (out_buffer, out), (dq_buffer, dq) = (_guarded(q.shape, q.dtype) for _ in range(2))
+    (dk_buffer, dk), (dv_buffer, dv) = (_guarded(k.shape, k.dtype) for _ in range(2))
+    lse_buffer, lse = _guarded((heads, q.shape[0]), torch.float32, dim=1)
+    capability = torch.cuda.get_device_capability()
+    window, scale = ((-1, 0) if causal else (-1, -1)), dim ** -0.5
+    packing = _launch.Varlen(cu_q, cu_k)
+    _launch.launch_forward(*_ops._packed(q, k, v, out), lse[None], None, None, scale, 0.0, 0,
+                           window, variants.default_config(capability, dim), varlen=packing)
+    _launch.launch_backward(*_ops._packed(dout, q, k, v, out), lse[None],
+                            *_ops._packed(dq, dk, dv), None, None, None, scale, 0.0, 0, window,
+                            variants.default_backward_config(capability, dim, plain=True),
+                            varlen=packing)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for buffer, cu, axis in ((out_buffer, cu_q, 0), (lse_buffer, cu_q, 1), (dq_buffer, cu_q, 0),
+                             (dk_buffer, cu_k, 0), (dv_buffer, cu_k, 0)):
+        _only_sequence_rows_written(buffer, cu, axis)
 
 
 def test_lse_and_rows_without_keys():
