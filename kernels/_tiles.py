@@ -288,12 +288,26 @@ def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLE
     return ct.load(A, index=(batch, head, index), shape=(1, 1, ROWS), padding_mode=padding)
 
 
+def _whole(index, length, ROWS: ConstInt):
+    """Whether tile ``index`` of ROWS rows lies inside a sequence of ``length`` rows."""
+    return (index + 1) * ROWS <= length
+
+
 def store_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
     """Store the [1, 1, ROWS, COLS] ``tile`` as tile ``index`` of A[batch, head]; under VARLEN
-    into rows start .. start + length of the packed A, clipped at the sequence's last row."""
+    into rows start .. start + length of the packed A, clipped at the sequence's last row. A
+    whole tile goes through a view of the packed A that steps one row at a time (the launch's
+    tensor map, as ``load_seq_rows``); only the sequence's ragged last tile is clipped through
+    a slice, whose tensor map each program writes at run time (a 128-byte global write and a
+    fence before the store)."""
     if VARLEN:
-        A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
-            (0, head, index, 0), tile)
+        ROWS, COLS = tile.shape[2], tile.shape[3]
+        if _whole(index, length, ROWS):
+            A.tiled_view(tile.shape, traversal_steps=(1, 1, 1, COLS)).store(
+                (0, head, start + index * ROWS, 0), tile)
+        else:
+            A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
+                (0, head, index, 0), tile)
     else:
         ct.store(A, index=(batch, head, index, 0), tile=tile)
 
@@ -302,7 +316,7 @@ def add_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
     """Add the [1, 1, ROWS, COLS] ``tile`` into tile ``index`` of A[batch, head] atomically, as
     ``store_seq_rows`` stores it: a tiled view's reduce-add, which tileiras makes one TMA
     reduce (UTMAREDG) where A is 16-byte aligned, and per-element REDs otherwise."""
-    if VARLEN:
+    if VARLEN:  # one slice a program, its tensor map written once for the whole K-loop
         A.slice(axis=2, start=start, stop=start + length).tiled_view(
             tile.shape).atomic_store_add((0, head, index, 0), tile)
     else:
@@ -312,8 +326,12 @@ def add_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
 def store_seq_vector(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
     """``store_seq_rows`` for a [1, 1, ROWS] tile of an fp32 [B, H, L] row vector."""
     if VARLEN:
-        A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
-            (0, head, index), tile)
+        if _whole(index, length, tile.shape[2]):
+            A.tiled_view(tile.shape, traversal_steps=(1, 1, 1)).store(
+                (0, head, start + index * tile.shape[2]), tile)
+        else:
+            A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
+                (0, head, index), tile)
     else:
         ct.store(A, index=(batch, head, index), tile=tile)
 
