@@ -136,7 +136,8 @@ def test_the_gradient_reaches_the_backward_launch(monkeypatch):
 @pytest.mark.parametrize("first_row", [0, 1, 300])
 @pytest.mark.parametrize("tile", [16, 64, 128])
 @pytest.mark.parametrize("lengths", [[0], [1], [5, 0, 17, 113, 203, 0, 1], [128] * 9,
-                                     [0, 0, 300], [4097, 1, 1023, 64, 0, 17]])
+                                     [0, 0, 300], [4097, 1, 1023, 64, 0, 17],
+                                     [(37 * i) % 300 for i in range(70)]])
 def test_flattened_grid_gives_every_tile_one_program(lengths, tile, first_row):
     """The kernels' program map (``program_tile``, twinned by ``reference.varlen_programs``):
     total // tile + B programs, every tile of every sequence exactly once, at most one idle
