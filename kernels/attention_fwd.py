@@ -45,8 +45,9 @@ cumulative lengths. The grid is flattened over the sequences' tiles, (total_q //
 H, 1): each program finds its sequence b and tile by a binary search of CuSeqQ
 (``_tiles.program_tile``; at most one idle program a sequence), reads b's bounds (scalar
 loads), loads its tiles through views that step one row at a time (a sequence starts at any
-row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores through
-``Array.slice`` views clipped to its rows; diag_offset = k_len - q_len per sequence
+row; the loads stay TMA on sm_90), masks the sequence's ragged end and stores a whole tile
+through the same kind of view, its ragged last tile through an ``Array.slice`` view clipped
+to its rows; diag_offset = k_len - q_len per sequence
 (flash-attn's varlen rule: bottom-right). ALiBi slopes and the dropout hash
 take b as the batch index and the sequence's own rows and columns.
 
