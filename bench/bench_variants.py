@@ -25,6 +25,13 @@ their outputs:
 
 ``--dropout P`` times every row with dropout of probability P (and the defaults of classes with
 dropout); without it the rows' scores are plain.
+
+``--varlen TOKENS ...`` times the kernels' VARLEN switch instead, a row per token count on
+``bench_varlen.py``'s packing of that many tokens (log-uniform lengths 64-8192, seeded by the
+count; H * D = 2048): with ``--baseline`` the one-command A/B of a varlen kernel change.
+
+    python bench/bench_variants.py --backward --varlen 65536 --head-dims 64 --causal yes \
+        --configs '{}' --baseline /tmp/base/kernels
 """
 
 import argparse
@@ -40,8 +47,10 @@ import torch
 from tqdm import tqdm
 
 from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
-from flash_tile._timing import DTYPES, GRID_LENGTHS, cuda_time_ms, grid_shape, interleaved_ms
+from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_WIDTH, cuda_time_ms, grid_shape,
+                                interleaved_ms)
 from bench_attention import machine_info, md_table, save_json, write_report
+from bench_varlen import random_lengths
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
 KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attention_bwd_dkdv",
@@ -120,6 +129,28 @@ def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dty
                                 0.0, 0, window, dropout)
 
 
+def varlen_runner(tokens: int, head_dim: int, causal: bool, dtype, backward: bool,
+                  dropout: _launch.Dropout = _launch.NO_DROPOUT):
+    """``run(config)`` for one packing row, as the autotuner builds it for the varlen ops:
+    ``bench_varlen``'s packing of ``tokens`` tokens, q, k, v [tokens, H, D] with
+    H * D = 2048."""
+    lengths = random_lengths(tokens, torch.Generator().manual_seed(tokens))
+    heads = GRID_WIDTH // head_dim
+    q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
+               for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    packing, scale = _launch.Varlen(cu, cu), head_dim ** -0.5
+    window = (-1, 0 if causal else -1)
+    forward = _ops.varlen_forward_runner(q, k, v, packing, None, scale, 0.0, window, True,
+                                         dropout)
+    if not backward:
+        return forward
+    out, lse = forward(variants.default_config(torch.cuda.get_device_capability(), head_dim))
+    return _ops.varlen_backward_runner(torch.randn_like(q), q, k, v, out, lse, None, packing,
+                                       None, scale, 0.0, window, dropout)
+
+
 def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool):
     """``run(config)`` of the FP8 forward's kernel alone: e4m3 q, k, v quantized per head and
     V^T (``_launch.keys_major``) made once, then ``_ops_fp8.fp8_forward``: fresh bf16 outputs
@@ -151,9 +182,12 @@ def main():
                         help="another kernels/ directory to time each variant against")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
+    parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",
+                        help="rows of packed sequences (bench_varlen's packing of TOKENS "
+                             "tokens) through the VARLEN switch, instead of --lengths")
     args = parser.parse_args()
-    if args.dtype == "fp8" and (args.backward or args.dropout):
-        parser.error("--dtype fp8 times the FP8 forward: it has no backward and no dropout")
+    if args.dtype == "fp8" and (args.backward or args.dropout or args.varlen):
+        parser.error("--dtype fp8 times the dense FP8 forward: no backward, dropout or varlen")
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
     overlays = [json.loads(c) for c in args.configs]
     capability = torch.cuda.get_device_capability()
@@ -165,22 +199,27 @@ def main():
 
     baseline = load_kernels(args.baseline) if args.baseline else None
     rows = []
-    progress = tqdm(total=len(args.head_dims) * len(args.lengths) * len(causals),
-                    desc="variants", unit="row")
+    sizes = args.varlen or args.lengths  # token counts of packings, or grid lengths
+    progress = tqdm(total=len(args.head_dims) * len(sizes) * len(causals), desc="variants",
+                    unit="row")
     for head_dim in args.head_dims:
         default = pick(capability, head_dim)
         laid = [dataclasses.replace(default, **o) for o in overlays]
         configs = laid if baseline else [default, *laid]
-        for length in args.lengths:
+        for size in sizes:
             for causal in causals:
-                batch, heads = grid_shape(length, head_dim)
-                if args.dtype == "fp8":
-                    run = fp8_runner(batch, heads, length, head_dim, causal)
+                if args.varlen:
+                    run = varlen_runner(size, head_dim, causal, DTYPES[args.dtype],
+                                        args.backward, dropout)
+                elif args.dtype == "fp8":
+                    run = fp8_runner(*grid_shape(size, head_dim), size, head_dim, causal)
                 else:
-                    run = runner(batch, heads, length, head_dim, causal, DTYPES[args.dtype],
-                                 args.backward, dropout)
-                row = {"dtype": args.dtype, "head_dim": head_dim, "length": length,
-                       "causal": causal, "dropout": args.dropout, "variants": [autotune.describe(c) for c in configs]}
+                    run = runner(*grid_shape(size, head_dim), size, head_dim, causal,
+                                 DTYPES[args.dtype], args.backward, dropout)
+                row = {"dtype": args.dtype, "head_dim": head_dim,
+                       "tokens" if args.varlen else "length": size, "causal": causal,
+                       "dropout": args.dropout,
+                       "variants": [autotune.describe(c) for c in configs]}
                 if baseline:
                     row["ms"], row["max_diff"] = against_baseline(configs, run, baseline)
                     row["ratio"] = {n: round(row["ms"][n] / row["ms"][f"{n} (baseline)"], 3)
@@ -223,7 +262,8 @@ def table(rows, overlays, baseline: bool) -> str:
     head = ([f"{c} ms, ours / baseline (ratio)" for c in overlays] if baseline else
             ["default ms", *(f"{c} ms (over the default)" for c in overlays)])
     return md_table(["D", "L", "causal", *head],
-                    [[r["head_dim"], r["length"], "yes" if r["causal"] else "no",
+                    [[r["head_dim"], r.get("length", f"packed, {r.get('tokens')} tokens"),
+                      "yes" if r["causal"] else "no",
                       *(cell(r, i, n) for i, n in enumerate(r["variants"]))] for r in rows])
 
 

@@ -363,6 +363,38 @@ def _varlen_written(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, back
     return written
 
 
+def varlen_forward_runner(q, k, v, varlen: Varlen, alibi_slopes, scale, softcap, window,
+                          return_lse, dropout=NO_DROPOUT, sinks=None):
+    """``forward_runner`` of the forward's VARLEN switch: q, k, v packed [total, H, D] with
+    ``varlen`` their sequences; each call fresh (out [total_q, H, Dv], LSE [H, total_q] or an
+    empty tensor) and one launch."""
+    def run(config):
+        out, lse = _varlen_outputs(q, v, return_lse)
+        launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None,
+                       alibi_slopes, None, scale, softcap, 0, window, config, dropout, varlen,
+                       sinks)
+        return out, lse
+    return run
+
+
+def varlen_backward_runner(dout, q, k, v, out, lse, dlse, varlen: Varlen, alibi_slopes, scale,
+                           softcap, window, dropout=NO_DROPOUT, sinks=None):
+    """``backward_runner`` of the backward's VARLEN switch: tensors packed as
+    ``varlen_forward_runner``'s, lse [H, total_q] and dlse [1, H, total_q] fp32 or None; each
+    call fresh (dq, dk, dv, the sinks' gradient), dk and dv zeroed first under ``seqused_k``
+    (the kernel does not store the unused keys' rows), and one launch."""
+    def run(config):
+        dq, dk, dv = _varlen_gradients(q, k, v)
+        if varlen.seqused_k is not None:
+            dk.zero_()
+            dv.zero_()
+        dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None],
+                                 *_packed(dq, dk, dv), dlse, alibi_slopes, None, scale,
+                                 softcap, 0, window, config, dropout, varlen, sinks)
+        return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
+    return run
+
+
 def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                          alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
@@ -374,13 +406,8 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The varlen forward op's body: choose the variant, allocate, launch the forward's
     VARLEN switch (``deterministic`` is the backward's, as ``_forward_impl``'s)."""
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
-
-    def run(config):
-        out, lse = _varlen_outputs(q, v, return_lse)
-        launch_forward(*_packed(q, k, v, out), lse[None] if return_lse else None,
-                       alibi_slopes, None, scale, softcap, 0, window, config,
-                       Dropout(dropout_p, dropout_seed), varlen, sinks)
-        return out, lse
+    run = varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap, window,
+                                return_lse, Dropout(dropout_p, dropout_seed), sinks)
     return run(_choose(False, q, k, v, window, softcap, alibi_slopes, None, dropout_p, run,
                        batch=varlen.batch,
                        written=_varlen_written(cu_seqlens_q, cu_seqlens_k, False)))
@@ -413,17 +440,8 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
-
-    def run(config):
-        dq, dk, dv = _varlen_gradients(q, k, v)
-        if seqused_k is not None:
-            dk.zero_()
-            dv.zero_()
-        dsinks = launch_backward(*_packed(dout, q, k, v, out), lse[None],
-                                 *_packed(dq, dk, dv), dlse, alibi_slopes, None, scale,
-                                 softcap, 0, window, config, Dropout(dropout_p, dropout_seed),
-                                 varlen, sinks)
-        return dq, dk, dv, _no_sinks(q.device) if dsinks is None else dsinks
+    run = varlen_backward_runner(dout, q, k, v, out, lse, dlse, varlen, alibi_slopes, scale,
+                                 softcap, window, Dropout(dropout_p, dropout_seed), sinks)
     return run(_choose(True, q, k, v, window, softcap, alibi_slopes, None, dropout_p, run,
                        _deterministic(deterministic), varlen.batch,
                        _varlen_written(cu_seqlens_q, cu_seqlens_k, True)))
