@@ -288,28 +288,25 @@ def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLE
     return ct.load(A, index=(batch, head, index), shape=(1, 1, ROWS), padding_mode=padding)
 
 
-def _whole(index, length, ROWS: ConstInt):
-    """Whether tile ``index`` of ROWS rows lies inside a sequence of ``length`` rows."""
-    return (index + 1) * ROWS <= length
-
-
 def store_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
-    """Store the [1, 1, ROWS, COLS] ``tile`` as tile ``index`` of A[batch, head]; under VARLEN
-    into rows start .. start + length of the packed A, clipped at the sequence's last row. A
-    whole tile goes through a view of the packed A that steps one row at a time (the launch's
-    tensor map, as ``load_seq_rows``); only the sequence's ragged last tile is clipped through
-    a slice, whose tensor map each program writes at run time (a 128-byte global write and a
+    """Store the [1, 1, ROWS, COLS] ``tile`` as tile ``index`` of A[batch, head], or a
+    [1, 1, ROWS] tile of an fp32 [B, H, L] row vector (LSE, Delta); under VARLEN into rows
+    start .. start + length of the packed A, clipped at the sequence's last row. A whole tile
+    goes through a view of the packed A that steps one row at a time (the launch's tensor
+    map, as ``load_seq_rows``); only the sequence's ragged last tile is clipped through a
+    slice, whose tensor map each program writes at run time (a 128-byte global write and a
     fence before the store)."""
+    RANK = len(tile.shape)  # 4 for a tile of rows, 3 for a vector's
     if VARLEN:
-        ROWS, COLS = tile.shape[2], tile.shape[3]
-        if _whole(index, length, ROWS):
-            A.tiled_view(tile.shape, traversal_steps=(1, 1, 1, COLS)).store(
-                (0, head, start + index * ROWS, 0), tile)
+        ROWS = tile.shape[2]
+        if (index + 1) * ROWS <= length:
+            A.tiled_view(tile.shape, traversal_steps=(1, 1, 1, *tile.shape[3:])).store(
+                (0, head, start + index * ROWS, 0)[:RANK], tile)
         else:
             A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
-                (0, head, index, 0), tile)
+                (0, head, index, 0)[:RANK], tile)
     else:
-        ct.store(A, index=(batch, head, index, 0), tile=tile)
+        ct.store(A, index=(batch, head, index, 0)[:RANK], tile=tile)
 
 
 def add_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
@@ -321,19 +318,6 @@ def add_seq_rows(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
             tile.shape).atomic_store_add((0, head, index, 0), tile)
     else:
         A.tiled_view(tile.shape).atomic_store_add((batch, head, index, 0), tile)
-
-
-def store_seq_vector(A, batch, head, start, length, index, tile, VARLEN: ConstBool):
-    """``store_seq_rows`` for a [1, 1, ROWS] tile of an fp32 [B, H, L] row vector."""
-    if VARLEN:
-        if _whole(index, length, tile.shape[2]):
-            A.tiled_view(tile.shape, traversal_steps=(1, 1, 1)).store(
-                (0, head, start + index * tile.shape[2]), tile)
-        else:
-            A.slice(axis=2, start=start, stop=start + length).tiled_view(tile.shape).store(
-                (0, head, index), tile)
-    else:
-        ct.store(A, index=(batch, head, index), tile=tile)
 
 
 def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,

@@ -75,7 +75,7 @@ import cuda.tile as ct
 from ._tiles import (ADDITIVE_MASK, LOG2_E, ZERO, ConstBool, ConstInt, add_seq_rows,
                      dropout_keep, heaviest_first, load_seq_rows, load_seq_vector, log2_scores,
                      program_tile, query_bounds, query_rows, sequence_bounds, store_seq_rows,
-                     store_seq_vector, tile_runs)
+                     tile_runs)
 
 # Past the end of the LSE a row must get p = 0: exp2(s - inf) = 0.
 POS_INF = ct.PaddingMode.POS_INF
@@ -106,8 +106,8 @@ def _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M: ConstInt,
     if LSE_GRAD:
         dlse = load_seq_vector(dLse, batch, head, q_start, tile_m, TILE_M, ZERO, VARLEN)
         delta = delta - dlse.reshape((TILE_M,))
-    store_seq_vector(Delta, batch, head, q_start, q_len, tile_m,
-                     delta.reshape((1, 1, TILE_M)), VARLEN)
+    store_seq_rows(Delta, batch, head, q_start, q_len, tile_m, delta.reshape((1, 1, TILE_M)),
+                   VARLEN)
     return delta.reshape((TILE_M, 1))
 
 

@@ -95,7 +95,7 @@ import cuda.tile as ct
 
 from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale,
                      dropout_keep, heaviest_first, load_keys_major, load_seq_rows, log2_scores,
-                     program_tile, query_rows, sequence_bounds, store_seq_rows, store_seq_vector,
+                     program_tile, query_rows, sequence_bounds, store_seq_rows,
                      tile_runs)
 
 
@@ -234,8 +234,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     store_seq_rows(Out, batch, head, q_start, q_len, tile_m, out, VARLEN)
     if STORE_LSE:
         lse = ct.where(empty, math.inf, m_i * LN_2 + ct.log(l_i))  # [TILE_M, 1]
-        store_seq_vector(Lse, batch, head, q_start, q_len, tile_m, lse.reshape((1, 1, TILE_M)),
-                         VARLEN)
+        store_seq_rows(Lse, batch, head, q_start, q_len, tile_m, lse.reshape((1, 1, TILE_M)),
+                       VARLEN)
 
 
 @ct.kernel
