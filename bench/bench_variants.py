@@ -50,7 +50,7 @@ from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_WIDTH, cuda_time_ms, grid_shape,
                                 interleaved_ms)
 from bench_attention import machine_info, md_table, save_json, write_report
-from bench_varlen import random_lengths
+from bench_varlen import cu_seqlens, packing
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
 KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attention_bwd_dkdv",
@@ -134,21 +134,19 @@ def varlen_runner(tokens: int, head_dim: int, causal: bool, dtype, backward: boo
     """``run(config)`` for one packing row, as the autotuner builds it for the varlen ops:
     ``bench_varlen``'s packing of ``tokens`` tokens, q, k, v [tokens, H, D] with
     H * D = 2048."""
-    lengths = random_lengths(tokens, torch.Generator().manual_seed(tokens))
     heads = GRID_WIDTH // head_dim
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")
-    packing, scale = _launch.Varlen(cu, cu), head_dim ** -0.5
+    cu = cu_seqlens(packing(tokens))
+    sequences, scale = _launch.Varlen(cu, cu), head_dim ** -0.5
     window = (-1, 0 if causal else -1)
-    forward = _ops.varlen_forward_runner(q, k, v, packing, None, scale, 0.0, window, True,
+    forward = _ops.varlen_forward_runner(q, k, v, sequences, None, scale, 0.0, window, True,
                                          dropout)
     if not backward:
         return forward
     out, lse = forward(variants.default_config(torch.cuda.get_device_capability(), head_dim))
-    return _ops.varlen_backward_runner(torch.randn_like(q), q, k, v, out, lse, None, packing,
-                                       None, scale, 0.0, window, dropout)
+    return _ops.varlen_backward_runner(torch.randn_like(q), q, k, v, out, lse, None,
+                                       sequences, None, scale, 0.0, window, dropout)
 
 
 def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool):

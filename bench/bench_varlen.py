@@ -57,6 +57,18 @@ def random_lengths(tokens, gen, low=64, high=8192):
     return lengths
 
 
+def packing(tokens):
+    """The lengths of a row of ``tokens`` tokens: ``random_lengths`` seeded by the count, so
+    every row of a token count (and ``bench_variants.py --varlen``) packs alike."""
+    return random_lengths(tokens, torch.Generator().manual_seed(tokens))
+
+
+def cu_seqlens(lengths):
+    """The cumulative offsets of ``lengths``: int32 [B + 1] on the GPU, from 0."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+
+
 def _fa2(q, k, v, cu, max_len, causal):
     """FA2's varlen forward and forward+backward on packed [total, H, D] tensors."""
     def forward():
@@ -100,8 +112,7 @@ def runners(q, k, v, dout, lengths, causal):
     the map of their results back to packed tensors (None for the dense ceiling, which
     computes another problem)."""
     total, heads, dim = q.shape
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                      device="cuda")
+    cu = cu_seqlens(lengths)
     max_len = max(lengths)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     calls = {"flash_tile": (*_autograd(lambda: flash_tile.flash_attn_varlen_func(
@@ -156,8 +167,7 @@ def check(results, ref, low):
 
 
 def bench_row(tokens, head_dim, causal, dtype):
-    gen = torch.Generator().manual_seed(tokens)  # every row of a token count packs alike
-    lengths = random_lengths(tokens, gen)
+    lengths = packing(tokens)
     heads = GRID_WIDTH // head_dim
     q, k, v, dout = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
                      for _ in range(4))
