@@ -298,14 +298,16 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, ring, q, k, v):
         outs, lses = zip(*_ring_forward(ring, q, k, v))
         ctx.ring = ring
-        # The LSEs in the local backward's layout, once for every step that reads them.
-        ctx.save_for_backward(q, k, v, *outs, *(ring.lse_for_backward(x) for x in lses))
+        ctx.save_for_backward(q, k, v, *outs, *lses)
         return ring.join(outs)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, *rest = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, rest[:2], rest[2:])
+        # The LSEs in the local backward's layout, once for every step that reads them (here,
+        # not in the forward: a call without a backward would copy them for nothing).
+        lses = [ctx.ring.lse_for_backward(x) for x in rest[2:]]
+        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, rest[:2], lses)
         return None, dq, dk, dv
 
 
