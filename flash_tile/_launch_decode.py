@@ -34,6 +34,8 @@ class DecodeSpec:
     softcap: bool
     alibi: bool
     paged: bool
+    page_n: int
+    gather: bool
     batch_idx: bool
     store_lse: bool
     sinks: bool = False
@@ -42,24 +44,30 @@ class DecodeSpec:
     def constants(self) -> tuple:
         return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
                 self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
-                self.paged, self.batch_idx, self.num_splits > 1, self.store_lse, self.sinks,
-                self.leftpad)
+                self.paged, self.page_n, self.gather, self.batch_idx, self.num_splits > 1,
+                self.store_lse, self.sinks, self.leftpad)
 
 
 @functools.cache
 def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig
-                 ) -> tuple[int, int, int]:
-    """(TILE_LQ, TILE_G, TILE_N): the group's heads padded to a power of two, as many query
-    rows with them as make ``config.rows`` packed rows (at least 16: the smallest tensor-core
-    tile), and ``config.tile_n`` keys a step, fewer where a page is smaller: a key tile must
-    lie in one page (the largest power of two that divides the page size)."""
+                 ) -> tuple[int, int, int, int, bool]:
+    """(TILE_LQ, TILE_G, TILE_N, PAGE_N, GATHER): the group's heads padded to a power of two,
+    as many query rows with them as make ``config.rows`` packed rows (at least 16: the
+    smallest tensor-core tile), and the keys a step: ``config.tile_n`` on a contiguous cache,
+    ``config.paged_tile_n`` on pages, each step joined from loads of PAGE_N keys (the largest
+    power of two that divides the page size, at most the step). Pages where that is below
+    ``config.min_page_load`` (sizes 1-8, odd multiples of them) are gathered by row
+    (GATHER), ``config.gather_tile_n`` keys a step."""
     tile_g = tile_width(group, 1)
     tile_lq = min(tile_width(q_len, 1), max(config.rows // tile_g, 1))
     tile_lq = max(tile_lq, 16 // min(tile_g, 16))
-    tile_n = config.tile_n
-    if page_size is not None:
-        tile_n = min(tile_n, page_size & -page_size)
-    return tile_lq, tile_g, tile_n
+    if page_size is None:
+        return tile_lq, tile_g, config.tile_n, config.tile_n, False
+    tile_n = config.paged_tile_n
+    page_n = min(page_size & -page_size, tile_n)
+    if page_n < config.min_page_load or tile_n // page_n > 4:
+        return tile_lq, tile_g, config.gather_tile_n, config.gather_tile_n, True
+    return tile_lq, tile_g, tile_n, page_n, False
 
 
 def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
@@ -230,8 +238,8 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     kv_heads = cache_shape[2]
     group = heads // kv_heads
     paged = table_blocks is not None
-    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, cache_shape[1] if paged else None,
-                                           config)
+    tile_lq, tile_g, tile_n, page_n, gather = decode_tiles(
+        q_len, group, cache_shape[1] if paged else None, config)
     q_tiles = -(-q_len // tile_lq)
     capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
     splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
@@ -239,7 +247,7 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad = switches
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
                       tile_width(v_head_dim), mask_left, mask_right, softcap, alibi, paged,
-                      batch_idx, store_lse, sinks, leftpad)
+                      page_n, gather, batch_idx, store_lse, sinks, leftpad)
     return _DecodePlan(splits, (splits * q_tiles, kv_heads, batch),
                        _decode_kernel(config, int64_index), spec.constants(),
                        (tile_width(splits, 1), tile_width(v_head_dim), store_lse),

@@ -417,8 +417,8 @@ def check_index_tensor(t, name: str, shape: tuple[int, ...], device: torch.devic
 
 def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
                       device: torch.device) -> None:
-    """A paged cache's block table: int32 [B, max_blocks] on q's device, pages of a multiple
-    of 16 rows (a key tile must lie in one page), no cache_batch_idx (pages are the rows)."""
+    """A paged cache's block table: int32 [B, max_blocks] on q's device, pages of at least one
+    row, no cache_batch_idx (pages are the rows)."""
     if cache_batch_idx is not None:
         raise ValueError("cache_batch_idx selects rows of a contiguous cache; with a paged "
                          "cache (block_table) the table selects the pages")
@@ -426,9 +426,9 @@ def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
         raise ValueError("block_table must be an int32 tensor [batch, max_blocks], got "
                          f"{getattr(block_table, 'shape', type(block_table).__name__)}")
     check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), device)
-    if page_size <= 0 or page_size % 16:
-        raise ValueError(f"page_size (the paged cache's dim 1) must be a positive multiple "
-                         f"of 16, got {page_size}")
+    if page_size <= 0:
+        raise ValueError(f"page_size (the paged cache's dim 1) must be positive, got "
+                         f"{page_size}")
 
 
 def check_new_kv(k: torch.Tensor | None, v: torch.Tensor | None, batch: int,

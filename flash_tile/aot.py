@@ -314,10 +314,11 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     ``_launch_decode.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
     window = (window[0], 0) if causal else tuple(window)
-    tile_lq, tile_g, tile_n = decode_tiles(q_len, group, page_size, config)
+    tile_lq, tile_g, tile_n, page_n, gather = decode_tiles(q_len, group, page_size, config)
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
-                      alibi, page_size is not None, batch_idx, store_lse, sinks, leftpad)
+                      alibi, page_size is not None, page_n, gather, batch_idx, store_lse,
+                      sinks, leftpad)
     qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
     index = ct.int64 if int64_index else ct.int32
     cache = ct.float8_e4m3fn if fp8_cache else DTYPES[dtype]

@@ -93,8 +93,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             caches only).
         block_table: optional [B, max_blocks] int32: sequence b's key p lives in page
             block_table[b, p // page_size] at row p % page_size. Pages need not be contiguous
-            or ordered; page_size must be a positive multiple of 16 (16 itself is slow: 16-key
-            steps).
+            or ordered; any page size works. Steps of 64 keys load pages as tiles where a
+            page holds 16 keys or a multiple of 16 (1, 2 or 4 loads a step); other sizes are
+            gathered by row, slower (H200: 16-key pages read at about half the GB/s of a
+            contiguous cache, 1-key pages about a third: bench/results/decode-h200.md).
         softmax_scale: default 1 / sqrt(D).
         causal, window_size: aligned bottom-right per sequence, as flash-attn: with k_len =
             cache_seqlens[b] + L_new, query row i sees key j iff

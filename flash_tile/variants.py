@@ -500,6 +500,9 @@ class DecodeConfig:
     two); ``tile_n``: keys per step (capped by the page size); ``ctas_per_sm``: how many
     programs per SM the split heuristic aims at; ``min_tiles_per_split``: the fewest key tiles
     a split is given; ``max_splits``: the split count's cap (the combine reads them all).
+    Paged caches: ``paged_tile_n`` keys a step, joined from tile loads of pages (one to four
+    a step) where a load of at least ``min_page_load`` keys fits the page, else gathered by
+    row, ``gather_tile_n`` keys a step (``_launch_decode.decode_tiles``).
 
     Measured [H200, 2026-12-02, cuda-tile 1.7.0, GQA 32/8, D = 128, bf16, Lq = 1, B 1-128, L
     4k-128k, K/V GB/s by device time; docs/experiments/evidence/2026-12-02-decode-h200.md]:
@@ -511,7 +514,13 @@ class DecodeConfig:
     best count is the most that keeps the grid in one wave of 2 a SM, rounded down (B = 32,
     L = 1k: no split, 3811 GB/s, where rounding the wave up to 2 splits gave 2720), with
     splits of one key tile allowed (B = 1, L = 1k: 8 splits, 501 GB/s, where 2 tiles a split
-    gave 4 splits and 426); that rule lands within 2% of the best count on all 15 rows."""
+    gave 4 splits and 426); that rule lands within 2% of the best count on all 15 rows.
+    Paged steps [H200, 2026-12-04, same shapes, B 1-128, L 1k-128k, shuffled tables;
+    docs/experiments/evidence/2026-12-04-decode-pages-h200.md]: 256-key pages read 1.05-1.17x
+    faster in 64-key steps than in 128-key ones (0.93-0.96x contiguous); 16-key pages joined
+    four to a 64-key step 1.35-1.70x faster than gathered by row, and 3.3-4.0x faster than
+    the 16-key steps of before (which spilled); gathered rows 64 a step beat 128 on 6 of 8
+    rows."""
 
     rows: int = 16
     tile_n: int = 128
@@ -520,6 +529,9 @@ class DecodeConfig:
     ctas_per_sm: int = 2
     min_tiles_per_split: int = 1
     max_splits: int = 64
+    paged_tile_n: int = 64
+    min_page_load: int = 16
+    gather_tile_n: int = 64
     pdl: bool = False  # programmatic dependent launch of the decode and the combine (sm_90+)
 
     def hints(self) -> dict:
@@ -530,10 +542,18 @@ class DecodeConfig:
 DECODE_DEFAULT = DecodeConfig()
 
 
+# GPUs with 100 KiB of shared memory a SM (228 KiB on sm_90 and sm_100, 164 KiB on sm_80).
+SMALL_SHARED_MEMORY = ((8, 6), (8, 7), (8, 9), (12, 0), (12, 1))
+
+
 @functools.cache
 def default_decode_config(capability: tuple[int, int], head_dim: int = 128) -> DecodeConfig:
     """The decode config for a GPU and head dim: 64-key steps at D > 128 (the K and V tiles
-    of a step stay at 64 KiB in bf16), 128-key steps below; programmatic dependent launch
-    where the GPU has it (sm_90 and newer)."""
+    of a step stay at 64 KiB in bf16), 128-key steps below; gathered pages half as many keys
+    a step on the GPUs of 100 KiB of shared memory a SM (sm_86, sm_89, sm_120: tileiras
+    13.4 spills 110-173 LDL/STL there at the full step, none at half); programmatic dependent
+    launch where the GPU has it (sm_90 and newer)."""
     config = DecodeConfig(tile_n=64) if head_dim > 128 else DECODE_DEFAULT
+    if tuple(capability) in SMALL_SHARED_MEMORY and head_dim > 128:
+        config = replace(config, gather_tile_n=32)
     return replace(config, pdl=tuple(capability) >= (9, 0))

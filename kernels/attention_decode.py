@@ -51,7 +51,9 @@ Layout. Q [B, Lq, H_kv, G, D] (flash-attn's [B, Lq, H, D] with its heads split, 
 K [Bc, H_kv, L_cache, D] and V [Bc, H_kv, L_cache, Dv] (flash-attn's cache [Bc, L_cache, H_kv,
 D] transposed, a view), or under PAGED the pages [num_blocks, H_kv, page_size, D] with
 BlockTable [B, max_blocks] int32 giving sequence b's page of keys [p * page_size, (p + 1) *
-page_size); TILE_N divides page_size, so a key tile lies in one page and loads as one tile.
+page_size), any page size: a key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N
+keys (PAGE_N divides the page size, so each lies in one page), or under GATHER (pages without
+such a load) its rows are gathered, each from its page.
 SeqLensK [B] int32 plus the scalar new_len is each sequence's key count, BatchIdx [B] int32
 (under BATCH_IDX) the cache row of sequence b. Out [B, Lq, H_kv, G, Dv] in Q's dtype and Lse
 [B, H_kv, G, Lq] fp32 (flash-attn's [B, H, Lq]); the SPLIT workspace OutSplit [NUM_SPLITS, B,
@@ -86,22 +88,72 @@ def _cache_row(BatchIdx, batch, BATCH_IDX: ConstBool):
     return batch
 
 
-def _kv_tile(A, kv, j, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
-             KEYS_LAST: ConstBool):
-    """Key tile j of K (as K^T, [COLS, TILE_N], through the permuted load order) or of V
-    ([TILE_N, COLS]): one tile load, from the sequence's cache row, or under PAGED from the
-    page the block table names for the tile's keys (TILE_N divides the page size)."""
-    _, _, BlockTable, cache_row, batch, kv_head, page_size, _ = kv
-    row, tile = cache_row, j
-    if PAGED:
-        start = j * TILE_N
-        row = ct.load(BlockTable, (batch, start // page_size), shape=()).item()
-        tile = (start % page_size) // TILE_N
+def _page_rows(kv, j, TILE_N: ConstInt):
+    """Under GATHER: for the keys of key tile j, their page (from the block table) and their
+    row in it, [TILE_N] each. Keys at or past k_len take page 0 (every cache has it): the
+    table's entries past a sequence's pages need not be valid, and those keys are masked."""
+    BlockTable, batch, page_size, k_len = kv[2], kv[4], kv[6], kv[8]
+    keys = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)
+    page = ct.gather(BlockTable, (batch, keys // page_size), mask=keys < k_len)
+    return page, keys % page_size
+
+
+def _tile_load(A, row, kv_head, tile, N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstBool):
+    """Key tile ``tile`` of N keys of K (as K^T, [COLS, N], through the permuted load order)
+    or of V ([N, COLS]) in cache row (or page) ``row``: one tile load."""
     if KEYS_LAST:
-        return ct.load(A, index=(row, kv_head, 0, tile), shape=(1, 1, COLS, TILE_N),
-                       order=(0, 1, 3, 2), padding_mode=ZERO).reshape((COLS, TILE_N))
-    return ct.load(A, index=(row, kv_head, tile, 0), shape=(1, 1, TILE_N, COLS),
-                   padding_mode=ZERO).reshape((TILE_N, COLS))
+        return ct.load(A, index=(row, kv_head, 0, tile), shape=(1, 1, COLS, N),
+                       order=(0, 1, 3, 2), padding_mode=ZERO).reshape((COLS, N))
+    return ct.load(A, index=(row, kv_head, tile, 0), shape=(1, 1, N, COLS),
+                   padding_mode=ZERO).reshape((N, COLS))
+
+
+def _page_load(A, kv, start, PAGE_N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstBool):
+    """The PAGE_N keys from key ``start`` on (PAGE_N divides the page size: one page holds
+    them) as one tile load of the page the block table names. A start past the sequence's
+    last key reads that key's page instead: the table's entries past a sequence's pages need
+    not be valid, and those keys are masked."""
+    BlockTable, batch, kv_head, page_size, k_len = kv[2], kv[4], kv[5], kv[6], kv[8]
+    start = min(start, k_len - 1)
+    page = ct.load(BlockTable, (batch, start // page_size), shape=()).item()
+    return _tile_load(A, page, kv_head, (start % page_size) // PAGE_N, PAGE_N, COLS,
+                      KEYS_LAST)
+
+
+def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
+             PAGE_N: ConstInt, GATHER: ConstBool, KEYS_LAST: ConstBool):
+    """Key tile j of K (as K^T, [COLS, TILE_N]) or of V ([TILE_N, COLS]).
+
+    - Contiguous: one tile load from the sequence's cache row.
+    - PAGED: TILE_N // PAGE_N (1, 2 or 4) tile loads of PAGE_N keys from the pages the block
+      table names, joined (``ct.cat``). Joined loads of 16-key pages read 1.35-1.70x the
+      GB/s of rows gathered from them (H200, 2026-12-04, docs/experiments).
+    - GATHER (pages of other sizes): the TILE_N rows gathered from their pages (``pages``,
+      ``_page_rows``'), 16 bytes a thread (cp.async on sm_80+), the columns past A's width
+      read as 0."""
+    if GATHER:
+        page, row = pages
+        col = ct.arange(COLS, dtype=ct.int32)
+        if KEYS_LAST:
+            page, row, col = page[None, :], row[None, :], col[:, None]
+        else:
+            page, row, col = page[:, None], row[:, None], col[None, :]
+        return ct.gather(A, (page, kv[5], row, col), mask=col < A.shape[3],
+                         check_bounds=False)
+    if not PAGED:
+        return _tile_load(A, kv[3], kv[5], j, TILE_N, COLS, KEYS_LAST)
+    start = j * TILE_N
+    if PAGE_N == TILE_N:
+        return _page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST)
+    axis = 1 if KEYS_LAST else 0
+    if PAGE_N * 2 == TILE_N:
+        return ct.cat((_page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST),
+                       _page_load(A, kv, start + PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
+    first = ct.cat((_page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST),
+                    _page_load(A, kv, start + PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
+    second = ct.cat((_page_load(A, kv, start + 2 * PAGE_N, PAGE_N, COLS, KEYS_LAST),
+                     _page_load(A, kv, start + 3 * PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
+    return ct.cat((first, second), axis)
 
 
 def _kv_descale(Descale, batch, kv_head):
@@ -133,8 +185,11 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     scalar), and the select in every step cost 8-24% of the GB/s on the H200 (2026-12-02,
     occupancy 2, B 1-128, L 4k-128k)."""
     K, V, k_lo = kv[0], kv[1], kv[7]
-    TILE_M, TILE_N, TILE_D, TILE_DV, PAGED = TILES
-    k_t = _kv_tile(K, kv, j, TILE_N, TILE_D, PAGED, True)  # [TILE_D, TILE_N]
+    TILE_M, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER = TILES
+    pages = None
+    if GATHER:  # once for K and V
+        pages = _page_rows(kv, j, TILE_N)
+    k_t = _kv_tile(K, kv, j, pages, TILE_N, TILE_D, PAGED, PAGE_N, GATHER, True)  # [D, N]
     if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
         k_t = k_t.astype(q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
@@ -152,7 +207,7 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
-    v = _kv_tile(V, kv, j, TILE_N, TILE_DV, PAGED, False)  # [TILE_N, TILE_DV]
+    v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
     if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
         v = v.astype(q.dtype)
     if cut:
@@ -167,8 +222,8 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
                  new_len, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
                  TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                 PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                 STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
+                 PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool, BATCH_IDX: ConstBool,
+                 SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
     """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
     sequence bid(2)."""
     TILE_M = TILE_LQ * TILE_G
@@ -194,7 +249,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     # Packed row r is query row tile_q * TILE_LQ + r // TILE_G.
     offs_q = tile_q * TILE_LQ + ct.arange(TILE_M, dtype=ct.int32)[:, None] // TILE_G
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, PAGED)
+    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER)
     FEATURES = (MASK_LEFT, MASK_RIGHT, False, SOFTCAP, ALIBI, NO_MASK, False)
     rows = (batch, kv_head, offs_q, _slopes(Slopes, batch, kv_head, TILE_LQ, TILE_G, ALIBI), 0)
 
@@ -223,7 +278,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
             m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
             l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
-    kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size, k_lo)
+    kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size, k_lo, k_len)
     for j in range(n_start, n_end):
         m_i, l_i, acc = _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES,
                                         FEATURES, LEFTPAD)
@@ -255,8 +310,8 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
                      window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
                      TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
-                     ALIBI: ConstBool, PAGED: ConstBool, BATCH_IDX: ConstBool,
-                     SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool,
+                     ALIBI: ConstBool, PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
+                     BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool,
                      LEFTPAD: ConstBool):
     """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
     OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
@@ -269,8 +324,8 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
                  Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
                  window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
-                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS,
-                 LEFTPAD)
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
+                 STORE_LSE, SINKS, LEFTPAD)
 
 
 @ct.kernel
@@ -282,15 +337,16 @@ def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Ou
                            TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
                            TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                            MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                           PAGED: ConstBool, BATCH_IDX: ConstBool, SPLIT: ConstBool,
-                           STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
+                           PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
+                           BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
+                           SINKS: ConstBool, LEFTPAD: ConstBool):
     """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
                  Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
                  window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
-                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, BATCH_IDX, SPLIT, STORE_LSE, SINKS,
-                 LEFTPAD)
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
+                 STORE_LSE, SINKS, LEFTPAD)
 
 
 @ct.kernel

@@ -3,6 +3,7 @@ attention, the split and tile choices, the input checks, and ahead-of-time compi
 kernels for every architecture."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,12 +100,21 @@ def test_paged_and_contiguous_caches_hold_the_same_sequences():
 
 def test_tiles_pack_the_group_and_fit_the_pages():
     config = variants.DECODE_DEFAULT
-    assert _launch_decode.decode_tiles(1, 8, None, config) == (2, 8, 128)  # 16 rows at least
-    assert _launch_decode.decode_tiles(1, 1, None, config) == (16, 1, 128)
-    assert _launch_decode.decode_tiles(64, 4, None, config) == (4, 4, 128)  # config.rows rows
-    assert _launch_decode.decode_tiles(3, 6, 48, config) == (2, 8, 16)  # 48 = 16 * 3
-    assert _launch_decode.decode_tiles(1, 8, 64, config)[2] == 64
-    assert _launch_decode.decode_tiles(1, 8, 256, config)[2] == 128
+    tiles = _launch_decode.decode_tiles
+    assert tiles(1, 8, None, config) == (2, 8, 128, 128, False)  # 16 packed rows at least
+    assert tiles(1, 1, None, config) == (16, 1, 128, 128, False)
+    assert tiles(64, 4, None, config) == (4, 4, 128, 128, False)  # config.rows rows
+    # pages: 64-key steps of 1, 2 or 4 page loads; pages without a 16-key load gathered
+    assert tiles(3, 6, 256, config) == (2, 8, 64, 64, False)
+    assert tiles(1, 8, 64, config)[2:] == (64, 64, False)
+    assert tiles(1, 8, 32, config)[2:] == (64, 32, False)
+    assert tiles(1, 8, 16, config)[2:] == (64, 16, False)
+    assert tiles(1, 8, 48, config)[2:] == (64, 16, False)  # 48 = 3 * 16
+    for page_size in (1, 8, 100):
+        assert tiles(1, 8, page_size, config)[2:] == (64, 64, True)
+    narrow = replace(config, paged_tile_n=128)  # 16-key loads would take 8 a step
+    assert tiles(1, 8, 16, narrow)[2:] == (64, 64, True)
+    assert tiles(1, 8, 32, narrow)[2:] == (128, 32, False)
 
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
@@ -192,9 +202,10 @@ def test_index_checks():
     with pytest.raises(ValueError, match=r"shape \[2\]"):
         _validate.check_index_tensor(lens, "cache_seqlens", (2,), dev)
     table = torch.zeros(3, 4, dtype=torch.int32)
-    _validate.check_block_table(table, 3, 64, None, dev)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        _validate.check_block_table(table, 3, 24, None, dev)
+    for page_size in (1, 24, 64):  # any page size: pages smaller than a step are gathered
+        _validate.check_block_table(table, 3, page_size, None, dev)
+    with pytest.raises(ValueError, match="must be positive"):
+        _validate.check_block_table(table, 3, 0, None, dev)
     with pytest.raises(ValueError, match="cache_batch_idx"):
         _validate.check_block_table(table, 3, 64, lens, dev)
     with pytest.raises(ValueError, match=r"shape \[2, 4\]"):
@@ -206,8 +217,6 @@ def test_index_checks():
     with pytest.raises(ValueError, match="bool"):
         kvcache._seqlens(True, 3, 64, 0, dev)
     assert kvcache._seqlens(None, 3, 64, 0, dev).tolist() == [64, 64, 64]
-    with pytest.raises(ValueError, match="positive multiple"):
-        _validate.check_block_table(table, 3, 0, None, dev)
     with pytest.raises(ValueError, match="num_splits"):
         _validate.check_num_splits(-1)
 
@@ -263,16 +272,30 @@ def test_rotary_reference_turns_each_pair_by_its_angle(interleaved):
 @pytest.mark.parametrize("arch", variants.ARCHS)
 def test_decode_kernels_compile_with_tensor_cores(arch):
     """Split decode, combine and append compile for every architecture; the decode's two
-    matmuls run on tensor cores, with no spills. At 16 packed rows tileiras 13.4 picks the
-    warp-level HMMA on every architecture (sm_90's wgmma and sm_100's tcgen05 take 64 rows
-    and more); the K/V tiles still load through TMA where there is one."""
-    cubins = aot.compile_decode(arch, page_size=64, splits=4, softcap=True)
-    listing = aot.disassemble(cubins["decode"])
-    sass = aot.summarize(listing)
-    assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, sass
-    assert " HMMA." in listing
-    assert (sass["tma_load"] > 0) == (arch in aot.TMA_ARCHS)
-    assert set(cubins) == {"decode", "combine", "append"}
+    matmuls run on tensor cores. At 16 packed rows tileiras 13.4 picks the warp-level HMMA on
+    every architecture (sm_90's wgmma and sm_100's tcgen05 take 64 rows and more). Paged
+    steps load pages as tiles (through TMA where there is one: one load a step for 256-key
+    pages, four for 16-key ones), and 8-key pages are gathered by row with cp.async
+    (LDGSTS), 16 bytes a thread. No spills, but for 4 LDL/STL on sm_100 joining 16-key pages
+    at D = 128."""
+    tiled = aot.compile_decode(arch, page_size=256, splits=4, softcap=True)
+    assert set(tiled) == {"decode", "combine", "append"}
+    tma_loads = {}
+    for page_size, head_dim in ((256, 128), (16, 128), (16, 256), (8, 128), (8, 256)):
+        cubins = tiled if page_size == 256 else aot.compile_decode(
+            arch, page_size=page_size, splits=4, softcap=True, head_dim=head_dim)
+        listing = aot.disassemble(cubins["decode"])
+        sass = aot.summarize(listing)
+        spills = 4 if (arch, page_size, head_dim) == ("sm_100", 16, 128) else 0
+        assert sass["tensor_core"] > 0 and sass["local_memory"] <= spills, (page_size, sass)
+        assert " HMMA." in listing
+        tma_loads[page_size, head_dim] = sass["tma_load"]
+        if page_size == 8:
+            assert "LDGSTS.E.BYPASS.128" in listing
+    if arch in aot.TMA_ARCHS:  # Q and K, V: 2 + 2 * 4 page loads at 16-key pages
+        assert tma_loads[16, 128] > tma_loads[256, 128] > tma_loads[8, 128] > 0, tma_loads
+    else:
+        assert not any(tma_loads.values()), tma_loads
     if arch == "sm_90":  # contiguous, one split: no combine, K/V through TMA
         single = aot.compile_decode(arch, splits=1, group=4, q_len=4, head_dim=256)
         assert set(single) == {"decode", "append"}

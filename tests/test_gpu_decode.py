@@ -18,10 +18,11 @@ pytestmark = pytest.mark.gpu
 
 
 def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, seqlens, gen,
-           leftpad=None):
+           leftpad=None, table_tail=None):
     """(k_cache, v_cache, block_table): random keys from each sequence's left pad (0 without
     ``leftpad``) to its length, NaN elsewhere; paged caches get shuffled pages plus unused NaN
-    pages."""
+    pages, and with ``table_tail`` that entry (no valid page) in the table past each
+    sequence's last page."""
     starts = leftpad or [0] * batch
     def rand(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
@@ -45,6 +46,10 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
         used[table[b].long()] = flat.view(per_seq, page_size)
     k = k.masked_fill(~used[..., None, None], math.nan)
     v = v.masked_fill(~used[..., None, None], math.nan)
+    if table_tail is not None:
+        blocks = torch.arange(per_seq, device="cuda")[None, :]
+        needed = -(-torch.tensor(seqlens, device="cuda")[:, None] // page_size)
+        table = table.masked_fill(blocks >= needed, table_tail)
     return k, v, table
 
 
@@ -77,13 +82,14 @@ def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
 
 
 def _run(batch=3, q_len=1, heads=8, kv_heads=2, head_dim=128, v_head_dim=None, capacity=300,
-         seqlens=None, page_size=None, dtype=torch.bfloat16, num_splits=0, seed=0, **kw):
+         seqlens=None, page_size=None, dtype=torch.bfloat16, num_splits=0, seed=0,
+         table_tail=None, **kw):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     v_head_dim = v_head_dim or head_dim
     seqlens = seqlens or [int(x) for x in torch.randint(
         1, capacity + 1, (batch,), generator=gen, device="cuda")]
     k_cache, v_cache, table = _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype,
-                                     page_size, seqlens, gen)
+                                     page_size, seqlens, gen, table_tail=table_tail)
     q = torch.randn(batch, q_len, heads, head_dim, generator=gen, device="cuda").to(dtype)
     lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
     out, lse = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
@@ -102,10 +108,23 @@ def test_contiguous(q_len, group, causal):
          seqlens=[0, 1, 203] if q_len == 1 else None, capacity=max(300, q_len))
 
 
-@pytest.mark.parametrize("page_size", [16, 64, 256, 48])
+@pytest.mark.parametrize("page_size", [1, 8, 16, 32, 48, 64, 100, 256])
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_paged(page_size, q_len):
-    _run(q_len=q_len, page_size=page_size, capacity=1000, seqlens=[1, 17, 999], causal=True)
+    """Every page size: 64-key steps of one page load (64, 256), of two or four joined (32;
+    16 and 48 = 3 * 16), or gathered by row (1, 8, 100 = 25 * 4). The table's entries past
+    each sequence's pages hold -1 (vLLM's padding) and are never used."""
+    _run(q_len=q_len, page_size=page_size, capacity=1000, seqlens=[1, 17, 999], causal=True,
+         table_tail=-1)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+@pytest.mark.parametrize("head_dim,v_head_dim", [(80, 80), (256, 256), (64, 32)])
+def test_paged_head_dims(page_size, head_dim, v_head_dim):
+    """Gathered, joined and whole-page loads with padded tiles (D = 80), D = 256 and Dv != D;
+    table entries past each sequence's pages out of range."""
+    _run(q_len=2, page_size=page_size, head_dim=head_dim, v_head_dim=v_head_dim,
+         capacity=700, seqlens=[699, 130, 5], causal=True, table_tail=2**30)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256, 80])
@@ -115,9 +134,10 @@ def test_head_dims(head_dim, dtype):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 16])
-def test_every_split_count_agrees(num_splits):
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_every_split_count_agrees(num_splits, page_size):
     _run(batch=2, capacity=2000, seqlens=[1999, 113], num_splits=num_splits, q_len=2,
-         causal=True)
+         causal=True, page_size=page_size)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
