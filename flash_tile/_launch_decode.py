@@ -49,21 +49,26 @@ class DecodeSpec:
 
 
 @functools.cache
-def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig
-                 ) -> tuple[int, int, int, int, bool]:
+def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeConfig,
+                 int64_index: bool = False) -> tuple[int, int, int, int, bool]:
     """(TILE_LQ, TILE_G, TILE_N, PAGE_N, GATHER): the group's heads padded to a power of two,
     as many query rows with them as make ``config.rows`` packed rows (at least 16: the
     smallest tensor-core tile), and the keys a step: ``config.tile_n`` on a contiguous cache,
     ``config.paged_tile_n`` on pages, each step joined from loads of PAGE_N keys (the largest
     power of two that divides the page size, at most the step). Pages where that is below
     ``config.min_page_load`` (sizes 1-8, odd multiples of them) are gathered by row
-    (GATHER), ``config.gather_tile_n`` keys a step."""
+    (GATHER), ``config.gather_tile_n`` keys a step. The 64-bit kernel (``int64_index``)
+    takes ``config.tile_n`` keys a step from pages that hold such steps: on the H200's 16 GiB
+    caches 256-key pages read 1.32-1.36x faster in 128-key steps than in 64-key ones
+    (bench/results/decode-h200.md of 2026-12-02 against 2026-12-04's first run)."""
     tile_g = tile_width(group, 1)
     tile_lq = min(tile_width(q_len, 1), max(config.rows // tile_g, 1))
     tile_lq = max(tile_lq, 16 // min(tile_g, 16))
     if page_size is None:
         return tile_lq, tile_g, config.tile_n, config.tile_n, False
     tile_n = config.paged_tile_n
+    if int64_index and page_size % config.tile_n == 0:
+        tile_n = config.tile_n
     page_n = min(page_size & -page_size, tile_n)
     if page_n < config.min_page_load or tile_n // page_n > 4:
         return tile_lq, tile_g, config.gather_tile_n, config.gather_tile_n, True
@@ -239,7 +244,7 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     group = heads // kv_heads
     paged = table_blocks is not None
     tile_lq, tile_g, tile_n, page_n, gather = decode_tiles(
-        q_len, group, cache_shape[1] if paged else None, config)
+        q_len, group, cache_shape[1] if paged else None, config, int64_index)
     q_tiles = -(-q_len // tile_lq)
     capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
     splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,

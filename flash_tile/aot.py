@@ -314,7 +314,8 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     ``_launch_decode.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
     window = (window[0], 0) if causal else tuple(window)
-    tile_lq, tile_g, tile_n, page_n, gather = decode_tiles(q_len, group, page_size, config)
+    tile_lq, tile_g, tile_n, page_n, gather = decode_tiles(q_len, group, page_size, config,
+                                                           int64_index)
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
                       alibi, page_size is not None, page_n, gather, batch_idx, store_lse,

@@ -115,6 +115,9 @@ def test_tiles_pack_the_group_and_fit_the_pages():
     narrow = replace(config, paged_tile_n=128)  # 16-key loads would take 8 a step
     assert tiles(1, 8, 16, narrow)[2:] == (64, 64, True)
     assert tiles(1, 8, 32, narrow)[2:] == (128, 32, False)
+    # the 64-bit kernel: 128-key steps where the pages hold them
+    assert tiles(1, 8, 256, config, True)[2:] == (128, 128, False)
+    assert tiles(1, 8, 64, config, True)[2:] == (64, 64, False)
 
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
