@@ -59,8 +59,8 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
     ``config.min_page_load`` (sizes 1-8, odd multiples of them) are gathered by row
     (GATHER), ``config.gather_tile_n`` keys a step. The 64-bit kernel (``int64_index``)
     takes ``config.tile_n`` keys a step from pages that hold such steps: on the H200's 16 GiB
-    caches 256-key pages read 1.32-1.36x faster in 128-key steps than in 64-key ones
-    (bench/results/decode-h200.md of 2026-12-02 against 2026-12-04's first run)."""
+    caches 256-key pages read 1.33x faster in 128-key steps than in 64-key ones
+    (docs/experiments/evidence/2026-12-04-decode-pages-h200.md, section 4)."""
     tile_g = tile_width(group, 1)
     tile_lq = min(tile_width(q_len, 1), max(config.rows // tile_g, 1))
     tile_lq = max(tile_lq, 16 // min(tile_g, 16))

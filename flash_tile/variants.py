@@ -516,11 +516,11 @@ class DecodeConfig:
     splits of one key tile allowed (B = 1, L = 1k: 8 splits, 501 GB/s, where 2 tiles a split
     gave 4 splits and 426); that rule lands within 2% of the best count on all 15 rows.
     Paged steps [H200, 2026-12-04, same shapes, B 1-128, L 1k-128k, shuffled tables;
-    docs/experiments/evidence/2026-12-04-decode-pages-h200.md]: 256-key pages read 1.05-1.17x
-    faster in 64-key steps than in 128-key ones (0.93-0.96x contiguous); 16-key pages joined
-    four to a 64-key step 1.35-1.70x faster than gathered by row, and 3.3-4.0x faster than
-    the 16-key steps of before (which spilled); gathered rows 64 a step beat 128 on 6 of 8
-    rows."""
+    docs/experiments/evidence/2026-12-04-decode-pages-h200.md]: 256-key pages read 1.07-1.15x
+    faster in 64-key steps than in 128-key ones (0.89-0.95x contiguous) on the 32-bit
+    kernel; 16-key pages joined four to a 64-key step 1.34-1.84x faster than gathered by
+    row, and 3.5-4.0x faster than the 16-key steps of before (which spilled); gathered rows
+    64 a step beat 128 on 6 of 8 rows."""
 
     rows: int = 16
     tile_n: int = 128

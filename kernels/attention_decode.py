@@ -126,7 +126,7 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
 
     - Contiguous: one tile load from the sequence's cache row.
     - PAGED: TILE_N // PAGE_N (1, 2 or 4) tile loads of PAGE_N keys from the pages the block
-      table names, joined (``ct.cat``). Joined loads of 16-key pages read 1.35-1.70x the
+      table names, joined (``ct.cat``). Joined loads of 16-key pages read 1.34-1.84x the
       GB/s of rows gathered from them (H200, 2026-12-04, docs/experiments).
     - GATHER (pages of other sizes): the TILE_N rows gathered from their pages (``pages``,
       ``_page_rows``'), 16 bytes a thread (cp.async on sm_80+), the columns past A's width
