@@ -70,7 +70,7 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
     if int64_index and page_size % config.tile_n == 0:
         tile_n = config.tile_n
     page_n = min(page_size & -page_size, tile_n)
-    if page_n < config.min_page_load or tile_n // page_n > 4:
+    if page_n < config.min_page_load or tile_n // page_n > config.max_page_loads:
         return tile_lq, tile_g, config.gather_tile_n, config.gather_tile_n, True
     return tile_lq, tile_g, tile_n, page_n, False
 

@@ -500,9 +500,9 @@ class DecodeConfig:
     two); ``tile_n``: keys per step (capped by the page size); ``ctas_per_sm``: how many
     programs per SM the split heuristic aims at; ``min_tiles_per_split``: the fewest key tiles
     a split is given; ``max_splits``: the split count's cap (the combine reads them all).
-    Paged caches: ``paged_tile_n`` keys a step, joined from tile loads of pages (one to four
-    a step) where a load of at least ``min_page_load`` keys fits the page, else gathered by
-    row, ``gather_tile_n`` keys a step (``_launch_decode.decode_tiles``).
+    Paged caches: ``paged_tile_n`` keys a step, joined from at most ``max_page_loads`` tile
+    loads of pages where a load of at least ``min_page_load`` keys fits the page, else
+    gathered by row, ``gather_tile_n`` keys a step (``_launch_decode.decode_tiles``).
 
     Measured [H200, 2026-12-02, cuda-tile 1.7.0, GQA 32/8, D = 128, bf16, Lq = 1, B 1-128, L
     4k-128k, K/V GB/s by device time; docs/experiments/evidence/2026-12-02-decode-h200.md]:
@@ -520,7 +520,8 @@ class DecodeConfig:
     faster in 64-key steps than in 128-key ones (0.89-0.95x contiguous) on the 32-bit
     kernel; 16-key pages joined four to a 64-key step 1.34-1.84x faster than gathered by
     row, and 3.5-4.0x faster than the 16-key steps of before (which spilled); gathered rows
-    64 a step beat 128 on 6 of 8 rows."""
+    64 a step beat 128 on 6 of 8 rows; joined steps of 128 keys (2, 4 or 8 loads) ran
+    0.26-0.73x the 64-key ones."""
 
     rows: int = 16
     tile_n: int = 128
@@ -531,6 +532,7 @@ class DecodeConfig:
     max_splits: int = 64
     paged_tile_n: int = 64
     min_page_load: int = 16
+    max_page_loads: int = 4
     gather_tile_n: int = 64
     pdl: bool = False  # programmatic dependent launch of the decode and the combine (sm_90+)
 

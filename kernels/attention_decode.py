@@ -120,13 +120,25 @@ def _page_load(A, kv, start, PAGE_N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstB
                       KEYS_LAST)
 
 
+def _joined_load(A, kv, start, N: ConstInt, PAGE_N: ConstInt, COLS: ConstInt,
+                 KEYS_LAST: ConstBool):
+    """Keys start .. start + N - 1 as N // PAGE_N page loads joined in halves (``ct.cat``
+    along the keys' axis). The recursion unrolls at compile time: N and PAGE_N are
+    constants."""
+    if N == PAGE_N:
+        return _page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST)
+    axis = 1 if KEYS_LAST else 0
+    return ct.cat((_joined_load(A, kv, start, N // 2, PAGE_N, COLS, KEYS_LAST),
+                   _joined_load(A, kv, start + N // 2, N // 2, PAGE_N, COLS, KEYS_LAST)), axis)
+
+
 def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
              PAGE_N: ConstInt, GATHER: ConstBool, KEYS_LAST: ConstBool):
     """Key tile j of K (as K^T, [COLS, TILE_N]) or of V ([TILE_N, COLS]).
 
     - Contiguous: one tile load from the sequence's cache row.
-    - PAGED: TILE_N // PAGE_N (1, 2 or 4) tile loads of PAGE_N keys from the pages the block
-      table names, joined (``ct.cat``). Joined loads of 16-key pages read 1.34-1.84x the
+    - PAGED: TILE_N // PAGE_N tile loads of PAGE_N keys from the pages the block table
+      names, joined (``_joined_load``). Joined loads of 16-key pages read 1.34-1.84x the
       GB/s of rows gathered from them (H200, 2026-12-04, docs/experiments).
     - GATHER (pages of other sizes): the TILE_N rows gathered from their pages (``pages``,
       ``_page_rows``'), 16 bytes a thread (cp.async on sm_80+), the columns past A's width
@@ -142,18 +154,7 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
                          check_bounds=False)
     if not PAGED:
         return _tile_load(A, kv[3], kv[5], j, TILE_N, COLS, KEYS_LAST)
-    start = j * TILE_N
-    if PAGE_N == TILE_N:
-        return _page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST)
-    axis = 1 if KEYS_LAST else 0
-    if PAGE_N * 2 == TILE_N:
-        return ct.cat((_page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST),
-                       _page_load(A, kv, start + PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
-    first = ct.cat((_page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST),
-                    _page_load(A, kv, start + PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
-    second = ct.cat((_page_load(A, kv, start + 2 * PAGE_N, PAGE_N, COLS, KEYS_LAST),
-                     _page_load(A, kv, start + 3 * PAGE_N, PAGE_N, COLS, KEYS_LAST)), axis)
-    return ct.cat((first, second), axis)
+    return _joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
 
 
 def _kv_descale(Descale, batch, kv_head):
