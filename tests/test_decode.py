@@ -280,7 +280,8 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
     steps load pages as tiles (through TMA where there is one: one load a step for 256-key
     pages, four for 16-key ones), and 8-key pages are gathered by row with cp.async
     (LDGSTS), 16 bytes a thread. No spills, but for 4 LDL/STL on sm_100 joining 16-key pages
-    at D = 128."""
+    at D = 128 (with softcap; without it sm_90 spills 22: docs/experiments/evidence/
+    2026-12-04-decode-pages-h200.md)."""
     tiled = aot.compile_decode(arch, page_size=256, splits=4, softcap=True)
     assert set(tiled) == {"decode", "combine", "append"}
     tma_loads = {}
