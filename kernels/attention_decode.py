@@ -316,7 +316,8 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
                      LEFTPAD: ConstBool):
     """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
     OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
-    under BATCH_IDX, BlockTable under PAGED; the window bounds under their MASK_ switch.
+    under BATCH_IDX, BlockTable under PAGED (steps of TILE_N keys joined from loads of
+    PAGE_N, or gathered by row under GATHER); the window bounds under their MASK_ switch.
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
     new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
     holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
