@@ -509,3 +509,25 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
                                  0, 1, config)
     assert len(launches) == 1 and launches[0][2] is _launch_decode._decode_kernel(config, True)
     assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only
+
+
+def test_decode_table_marks_the_paged_target(monkeypatch):
+    """bench_decode's table of the committed H200 results: each row's `paged` cell is its
+    slowest page size over the contiguous cache, and the row says `paged < 0.95x` exactly
+    when that is below 0.95."""
+    import json
+    import pathlib
+
+    bench = pathlib.Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    import bench_decode
+
+    saved = json.loads((bench / "results" / "decode-h200.json").read_text())
+    text = bench_decode.table(saved["rows"], saved["machine"]["read_bandwidth_gbps"])
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(lines) == len(saved["rows"]) + 1  # the header, then a line a row
+    for r, line in zip(saved["rows"], lines[1:]):
+        assert line.startswith(f"| {r['batch']} | {r['seqlen']} |"), line
+        worst = min(r["paged_ratio"].values())
+        assert f"| {worst:.2f}x |" in line, (worst, line)
+        assert ("paged < 0.95x" in line) == (worst < 0.95), line
