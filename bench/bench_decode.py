@@ -10,6 +10,9 @@ backend is checked against an fp32 reference (flash-attn's 2x rule) before it is
 key/value head) (``flash_tile.quantize_fp8``, with ``k_descale``/``v_descale``), checked
 against the reference of the dequantized cache; ``fp8_speedup`` is the bf16 cache's time per
 step over the FP8 cache's (its GB/s counts the FP8 bytes it reads, half the bf16 ones).
+``flash_tile_masked`` and ``sdpa_cudnn_masked`` run the step as a Transformers static cache
+does: the causal band given as a materialized boolean [B, 1, Lq, L] mask (``attn_mask``),
+not as a flag; ``masked_ratio`` is flash_tile's masked GB/s over its unmasked.
 
 GB/s counts the K and V bytes the step must read, B * L * H_kv * (D + Dv) * 2, over the GPU
 time per call with the calls queued behind a sleep (``bench_attention.device_ms``), so that
@@ -43,15 +46,17 @@ from bench_launch import decode_layers, host_us
 from flash_tile import _launch, reference
 
 PAGES = (1, 16, 32, 64, 256)
-BACKENDS = ("flash_tile", "flash_tile_fp8", *(f"flash_tile_paged{p}" for p in PAGES),
-            "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "flash_attn_func")
+BACKENDS = ("flash_tile", "flash_tile_masked", "flash_tile_fp8",
+            *(f"flash_tile_paged{p}" for p in PAGES), "sdpa_cudnn", "sdpa_cudnn_masked",
+            "sdpa_flash", "sdpa_efficient", "flash_attn_func")
 NOTE = ("Rows with Lq > 1 give SDPA torch's `causal_lower_right` bias (its `is_causal` is top-"
         "left, which decode cannot use); SDPA's backends read the cache far slower with it, so "
         "those rows' ratios compare against SDPA as a user would call it, not against cuDNN's "
         "best decode. Paged rows read the same keys through shuffled block tables, 64 keys a "
         "step: pages of 64 keys and more one tile load a step, 16- and 32-key pages four and "
         "two loads joined, 1-key pages gathered by row. `paged` is the slowest page size's "
-        "GB/s over the contiguous cache's (target: within 5%).")
+        "GB/s over the contiguous cache's (target: within 5%). `masked` is the step with its band "
+        "given as a boolean mask (a Transformers static cache's) over the step without one.")
 SDPA = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -99,6 +104,19 @@ def runners(q, k, v, lens):
                                                       enable_gqa=True).transpose(1, 2)
         calls[name] = call
     calls["flash_attn_func"] = lambda: flash_tile.flash_attn_func(q, k, v, causal=True)
+    # A static cache's step: the band as a boolean mask, one per sequence, as transformers
+    # builds it.
+    q_len, length = q.shape[1], k.shape[1]
+    band = torch.ones(q_len, length, dtype=torch.bool, device=q.device).tril(length - q_len)
+    band = band.expand(q.shape[0], 1, q_len, length).contiguous()
+    calls["flash_tile_masked"] = lambda: flash_tile.flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=lens, attn_mask=band)
+
+    def cudnn_masked():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=band,
+                                                  enable_gqa=True).transpose(1, 2)
+    calls["sdpa_cudnn_masked"] = cudnn_masked
     return calls
 
 
@@ -154,6 +172,8 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
                           for size in page_sizes
                           if ours and f"flash_tile_paged{size}" in row["gbps"]}
     row["ratio_vs_cudnn"] = round(ours / cudnn, 3) if ours and cudnn else None
+    masked = row["gbps"].get("flash_tile_masked")
+    row["masked_ratio"] = round(masked / ours, 3) if ours and masked else None
     fp8 = row["gbps"].get("flash_tile_fp8")
     row["fp8_speedup"] = round(2 * fp8 / ours, 3) if ours and fp8 else None
     row["fraction_of_bandwidth"] = round(ours / bandwidth, 3) if ours else None
@@ -239,7 +259,7 @@ def sweep_table(rows):
 def table(rows, bandwidth):
     names = [n for n in BACKENDS if any(n in r["gbps"] for r in rows)]
     head = ["B", "L", "H/H_kv", "Lq", "cache MiB", *names, "vs cuDNN", "of bandwidth",
-            "paged", "FP8 cache speedup", "targets"]
+            "paged", "masked", "FP8 cache speedup", "targets"]
     lines = []
     for r in rows:
         ratio, frac = r["ratio_vs_cudnn"], r["fraction_of_bandwidth"]
@@ -255,6 +275,7 @@ def table(rows, bandwidth):
                       r["cache_mib"], *(r["gbps"].get(n, "-") for n in names),
                       f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-",
                       f"{paged:.2f}x" if paged else "-",
+                      f"{r['masked_ratio']:.2f}x" if r.get("masked_ratio") else "-",
                       f"{r['fp8_speedup']:.2f}x" if r.get("fp8_speedup") else "-",
                       "missed: " + ", ".join(misses) if misses else "met"])
     return (f"K/V GB/s per backend; read bandwidth measured in the same run: "

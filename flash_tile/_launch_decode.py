@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_tile._launch import (_fill_unused, _placeholder, _with_hints, launch_on,
-                                needs_int64_index)
+from flash_tile._launch import (_fill_unused, _placeholder, _with_hints, kernel_mask,
+                                launch_on, needs_int64_index)
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
@@ -40,12 +40,13 @@ class DecodeSpec:
     store_lse: bool
     sinks: bool = False
     leftpad: bool = False
+    attn_mask: bool = False
 
     def constants(self) -> tuple:
         return (self.num_splits, self.tile_lq, self.tile_g, self.tile_n, self.tile_d,
                 self.tile_dv, self.mask_left, self.mask_right, self.softcap, self.alibi,
                 self.paged, self.page_n, self.gather, self.batch_idx, self.num_splits > 1,
-                self.store_lse, self.sinks, self.leftpad)
+                self.store_lse, self.sinks, self.leftpad, self.attn_mask)
 
 
 @functools.cache
@@ -100,7 +101,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   window: tuple[int, int], new_len: int, num_splits: int,
                   config: DecodeConfig, sinks: torch.Tensor | None = None,
                   leftpad: torch.Tensor | None = None,
-                  kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+                  kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  attn_mask: torch.Tensor | None = None) -> int:
     """Launch the decode (and, with more than one split, the combine) on q's current stream.
 
     q [B, Lq, H, D]; k_cache [Bc, L_cache, H_kv, D] and v_cache [.., Dv] in flash-attn's
@@ -113,13 +115,17 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     as ``launch_forward``'s; ``leftpad`` [B] int32 or None, the cache row of each sequence's
     first key (its keys are rows leftpad[b] .. seqlens_k[b] + new_len - 1); ``kv_descale``
     the (k, v) descale factors [B, H_kv] fp32 of float8_e4m3fn caches, None for caches in q's
-    dtype. Returns the split count.
+    dtype; ``attn_mask`` [B, 1, Lq, L] bool (L the cache's capacity: the keys each query row
+    may see, shared by the heads; passed as ``_launch.kernel_mask`` makes it) or None.
+    Returns the split count.
     """
     plan = decode_plan(q, k_cache, v_cache, lse is not None, batch_idx, block_table,
-                       alibi_slopes, softcap, window, num_splits, config, sinks, leftpad)
+                       alibi_slopes, softcap, window, num_splits, config, sinks, leftpad,
+                       attn_mask is not None)
     if plan is not None:
         plan.launch(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx, block_table,
-                    alibi_slopes, scale, softcap, window, new_len, sinks, leftpad, kv_descale)
+                    alibi_slopes, scale, softcap, window, new_len, sinks, leftpad, kv_descale,
+                    attn_mask)
         return plan.splits
     # A contiguous cache of 2**31 elements or more: launches of fewer sequences keep 32-bit
     # indices (sequence b is row b, so the rows past the batch are never read).
@@ -133,7 +139,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             None if lse is None else lse[rows], seqlens_k[rows], None, None,
             None if alibi_slopes is None else alibi_slopes[rows], scale, softcap, window,
             new_len, num_splits, config, sinks, None if leftpad is None else leftpad[rows],
-            None if kv_descale is None else tuple(d[rows] for d in kv_descale))
+            None if kv_descale is None else tuple(d[rows] for d in kv_descale),
+            None if attn_mask is None else attn_mask[rows])
     return splits
 
 
@@ -141,11 +148,12 @@ def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 store_lse: bool, batch_idx: torch.Tensor | None,
                 block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                 softcap: float, window: tuple[int, int], num_splits: int, config: DecodeConfig,
-                sinks: torch.Tensor | None = None, leftpad: torch.Tensor | None = None
-                ) -> "_DecodePlan | None":
+                sinks: torch.Tensor | None = None, leftpad: torch.Tensor | None = None,
+                attn_mask: bool = False) -> "_DecodePlan | None":
     """The plan ``launch_decode`` launches for these arrays (arguments as its), valid for
-    every call of their signature; None where the batch must be split into launches that
-    32-bit offsets reach (a contiguous cache of 2**31 elements or more)."""
+    every call of their signature (``attn_mask`` whether a mask is given); None where the
+    batch must be split into launches that 32-bit offsets reach (a contiguous cache of 2**31
+    elements or more)."""
     paged = block_table is not None
     if not paged and batch_idx is None and k_cache.shape[0] > q.shape[0]:
         # sequence b is row b: the rows past the batch are never read (nor indexed)
@@ -158,7 +166,7 @@ def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table.shape[1] if paged else None, num_splits,
                         (window[0] >= 0, window[1] >= 0, softcap > 0.0,
                          alibi_slopes is not None, batch_idx is not None, store_lse,
-                         sinks is not None, leftpad is not None),
+                         sinks is not None, leftpad is not None, attn_mask),
                         int64_index, config, _sm_count(q.device))
 
 
@@ -197,7 +205,8 @@ class _DecodePlan:
                alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                window: tuple[int, int], new_len: int, sinks: torch.Tensor | None = None,
                leftpad: torch.Tensor | None = None,
-               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+               attn_mask: torch.Tensor | None = None) -> None:
         """The decode (and, with more than one split, the combine) of a call with this plan's
         signature, on q's current stream; arguments as ``launch_decode``'s."""
         batch, q_len, kv_heads, group, head_dim = self.q_view
@@ -211,14 +220,17 @@ class _DecodePlan:
         slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
         sinks = None if sinks is None else sinks.view(kv_heads, group)
         lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
-        lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad = _fill_unused(
+        (lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad,
+         attn_mask) = _fill_unused(
             device, (lse_g, 4), (None if out_split is None else
                                  out_split.view(self.splits, *self.out_view), 6),
             (None if lse_split is None else lse_split.view(self.splits, *self.out_view[:4]),
-             5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1))
+             5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1),
+            (kernel_mask(attn_mask), 4))
         args = (q.view(self.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
                 out.view(self.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx,
-                block_table, slopes, sinks, leftpad, *_descale_args(device, kv_descale),
+                block_table, slopes, sinks, leftpad, attn_mask,
+                *_descale_args(device, kv_descale),
                 float(scale), float(softcap),
                 int(window[0]), int(window[1]), int(new_len), *self.constants)
         # Under pdl both launches may start while their predecessor on the stream (the
@@ -238,7 +250,7 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     """The decode launch's plan for q [B, Lq, H, D], a cache [.., page_size or L_cache,
     H_kv, D] (paged when ``table_blocks``, the block table's width, is given), the
     ``num_splits`` asked for and the DecodeSpec ``switches`` (mask_left, mask_right, softcap,
-    alibi, batch_idx, store_lse, sinks, leftpad)."""
+    alibi, batch_idx, store_lse, sinks, leftpad, attn_mask)."""
     batch, q_len, heads, head_dim = q_shape
     kv_heads = cache_shape[2]
     group = heads // kv_heads
@@ -249,10 +261,11 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
     splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
                            config)
-    mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad = switches
+    (mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad,
+     attn_mask) = switches
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),
                       tile_width(v_head_dim), mask_left, mask_right, softcap, alibi, paged,
-                      page_n, gather, batch_idx, store_lse, sinks, leftpad)
+                      page_n, gather, batch_idx, store_lse, sinks, leftpad, attn_mask)
     return _DecodePlan(splits, (splits * q_tiles, kv_heads, batch),
                        _decode_kernel(config, int64_index), spec.constants(),
                        (tile_width(splits, 1), tile_width(v_head_dim), store_lse),

@@ -550,11 +550,12 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rotary_cos: torch.Tensor | None = None,
                   rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
                   rotary_q_step: int = 0, k_descale: torch.Tensor | None = None,
-                  v_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  v_descale: torch.Tensor | None = None,
+                  attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The KV-cache op's body: append k/v (when given, rotated with q under rotary_cos/sin)
     into the caches at cache_seqlens, then attend (``flash_tile.kvcache
     .flash_attn_with_kvcache`` checked every argument); k_descale and v_descale [B, H_kv]
-    fp32 are given with FP8 caches only."""
+    fp32 are given with FP8 caches only, attn_mask [B, 1, Lq, L] as the kernel takes it."""
     out, lse = _decode_outputs(q, v_cache.shape[-1], return_lse)
     new_len = 0 if k is None else k.shape[1]
     kv_descale = None if k_descale is None else (k_descale, v_descale)
@@ -564,7 +565,7 @@ def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     launch_decode(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                   cache_batch_idx, block_table, alibi_slopes, scale, softcap,
                   (window_left, window_right), new_len, num_splits, decode_config(q, v_cache),
-                  sinks, cache_leftpad, kv_descale)
+                  sinks, cache_leftpad, kv_descale, attn_mask)
     return out, lse
 
 
@@ -576,7 +577,8 @@ kvcache_op = torch.library.custom_op("flash_tile::kvcache_attention", _kvcache_i
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   alibi_slopes, scale, softcap, window_left, window_right, num_splits,
                   return_lse, sinks=None, cache_leftpad=None, rotary_cos=None, rotary_sin=None,
-                  rotary_interleaved=True, rotary_q_step=0, k_descale=None, v_descale=None):
+                  rotary_interleaved=True, rotary_q_step=0, k_descale=None, v_descale=None,
+                  attn_mask=None):
     return _decode_outputs(q, v_cache.shape[-1], return_lse)
 
 

@@ -114,14 +114,14 @@ def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
             softcap: float, window_left: int, window_right: int, num_splits: int,
             return_lse: bool, sinks: torch.Tensor | None = None,
-            cache_leftpad: torch.Tensor | None = None):
+            cache_leftpad: torch.Tensor | None = None, attn_mask: bool = False):
     """The decode plan (``_launch_decode.decode_plan``) of a checked KV-cache call without
     ALiBi, for ``run_kvcache`` on later calls of its signature; None where none is kept
     (the batch runs in launches that 32-bit offsets reach)."""
     return _launch_decode.decode_plan(q, k_cache, v_cache, return_lse, cache_batch_idx,
                                       block_table, None, softcap, (window_left, window_right),
                                       num_splits, _ops.decode_config(q, v_cache), sinks,
-                                      cache_leftpad)
+                                      cache_leftpad, attn_mask)
 
 
 def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,7 +131,8 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                 return_lse: bool, sinks: torch.Tensor | None,
                 cache_leftpad: torch.Tensor | None, rotary_cos: torch.Tensor | None,
                 rotary_sin: torch.Tensor | None, rotary_interleaved: bool, rotary_q_step: int,
-                kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None):
+                kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                attn_mask: torch.Tensor | None = None):
     """``_ops._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
     mode: the append, then the planned decode; (out, lse) as the op's."""
     out, lse = _ops._decode_outputs(q, plan.out_view[4], return_lse)
@@ -140,5 +141,5 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                              rotary_q_step, kv_descale)
     plan.launch(q, k_cache, v_cache, out, lse if return_lse else None, cache_seqlens,
                 cache_batch_idx, block_table, None, scale, softcap, (window_left, window_right),
-                0 if k is None else k.shape[1], sinks, cache_leftpad, kv_descale)
+                0 if k is None else k.shape[1], sinks, cache_leftpad, kv_descale, attn_mask)
     return out, lse

@@ -415,6 +415,32 @@ def check_index_tensor(t, name: str, shape: tuple[int, ...], device: torch.devic
     return t
 
 
+def check_decode_mask(attn_mask, batch: int, q_len: int, capacity: int,
+                      device: torch.device) -> torch.Tensor:
+    """A KV-cache call's boolean mask as the decode takes it: [B, 1, Lq, capacity] (a
+    stride-0 view where it broadcasts), from any bool tensor that broadcasts to that shape
+    with its last dim the cache's capacity; one mask for every head."""
+    if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+        raise ValueError(f"attn_mask must be a bool tensor (True = attend), got "
+                         f"{getattr(attn_mask, 'dtype', type(attn_mask).__name__)}")
+    shape = (batch, 1, q_len, capacity)
+    if not 1 <= attn_mask.dim() <= 4 or attn_mask.shape[-1] != capacity:
+        raise ValueError(f"attn_mask must be [B, 1, Lq, L] (or broadcast to it) with L the "
+                         f"cache's capacity {capacity}, got shape {list(attn_mask.shape)}")
+    if attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
+        raise ValueError(f"attn_mask must hold one mask for every head (dim 1 of size 1): the "
+                         f"decode shares it across the heads, got shape "
+                         f"{list(attn_mask.shape)}")
+    try:
+        attn_mask = attn_mask.expand(shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to "
+                         f"{list(shape)}") from None
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask must be on {device} with q, got {attn_mask.device}")
+    return attn_mask
+
+
 def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
                       device: torch.device) -> None:
     """A paged cache's block table: int32 [B, max_blocks] on q's device, pages of at least one

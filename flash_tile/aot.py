@@ -309,7 +309,8 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
                       alibi: bool = False, batch_idx: bool = False, splits: int = 4,
                       store_lse: bool = True, int64_index: bool = False,
                       sinks: bool = False, leftpad: bool = False,
-                      rotary: str | None = None, fp8_cache: bool = False) -> dict[str, tuple]:
+                      rotary: str | None = None, fp8_cache: bool = False,
+                      attn_mask: bool = False) -> dict[str, tuple]:
     """{name: (kernel, signature)} of the decode path on ``config``'s tiles, in
     ``_launch_decode.launch_decode``'s order; arguments as ``compile_decode``."""
     v_head_dim = v_head_dim or head_dim
@@ -319,13 +320,15 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, variants.tile_width(head_dim),
                       variants.tile_width(v_head_dim), window[0] >= 0, window[1] >= 0, softcap,
                       alibi, page_size is not None, page_n, gather, batch_idx, store_lse,
-                      sinks, leftpad)
+                      sinks, leftpad, attn_mask)
     qk, vo = (_array(DTYPES[dtype], n, d) for n, d in ((5, head_dim), (5, v_head_dim)))
     index = ct.int64 if int64_index else ct.int32
     cache = ct.float8_e4m3fn if fp8_cache else DTYPES[dtype]
     k, v = (_array(cache, 4, d, index) for d in (head_dim, v_head_dim))
     new_k, new_v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
     descales = [_array(ct.float32, 2)] * 2
+    # A mask over a capacity of 16-byte rows comes as its uint8 view (_launch.kernel_mask).
+    mask = _array(ct.uint8, 4, 1024) if attn_mask else _array(ct.float32, 4)
     decode, append = ((attention_decode_int64, cache_append_int64) if int64_index else
                       (attention_decode, cache_append))
     f32 = _array(ct.float32, 4)
@@ -335,7 +338,7 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     kernels = {"decode": (decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
          _index_array(1), _index_array(2), _array(ct.float32, 3), _array(ct.float32, 2),
-         _index_array(1), *descales, *scalars, *spec.constants()], cc))}
+         _index_array(1), mask, *descales, *scalars, *spec.constants()], cc))}
     if splits > 1:
         kernels["combine"] = (decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
@@ -362,18 +365,20 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                    alibi: bool = False, batch_idx: bool = False, splits: int = 4,
                    store_lse: bool = True, config: variants.DecodeConfig | None = None,
                    int64_index: bool = False, sinks: bool = False, leftpad: bool = False,
-                   rotary: str | None = None, fp8_cache: bool = False) -> dict[str, bytes]:
+                   rotary: str | None = None, fp8_cache: bool = False,
+                   attn_mask: bool = False) -> dict[str, bytes]:
     """Cubins of the decode path ("decode", and "combine" when ``splits`` > 1, "append") for
     ``arch``: ``group`` query heads per key/value head, ``q_len`` query rows, a paged cache of
     ``page_size`` (None: contiguous), ``int64_index`` the entry points for caches of 2**31
     elements or more, ``sinks`` the SINKS switch, ``leftpad`` LEFTPAD, ``rotary`` the append's
     rotary embedding ("interleaved", "neox" or None), ``fp8_cache`` float8_e4m3fn caches
-    (``dtype`` is q's, and the appended rows'); other arguments as ``compile_forward``."""
+    (``dtype`` is q's, and the appended rows'), ``attn_mask`` ATTN_MASK (a mask over 16-byte
+    rows, as its uint8 view); other arguments as ``compile_forward``."""
     config = config or variants.default_decode_config(variants.capability_of(arch),
                                                       max(head_dim, v_head_dim or head_dim))
     kernels = decode_signatures(config, dtype, head_dim, v_head_dim, group, q_len, page_size,
                                 causal, window, softcap, alibi, batch_idx, splits, store_lse,
-                                int64_index, sinks, leftpad, rotary, fp8_cache)
+                                int64_index, sinks, leftpad, rotary, fp8_cache, attn_mask)
     return {name: _export(kernel, sig, arch) for name, (kernel, sig) in kernels.items()}
 
 

@@ -39,15 +39,16 @@ def _seqlens(cache_seqlens, batch: int, capacity: int, new_len: int, device) -> 
 
 def _run_plan(plan: tuple, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
               block_table, sinks, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved,
-              return_lse, kv_descale):
+              return_lse, kv_descale, attn_mask):
     """A checked call's result by its plan (the decode plan, whether new rows are appended,
-    and the normalised scale, softcap, window and rotary step)."""
+    and the normalised scale, softcap, window and rotary step); ``attn_mask`` as
+    ``_validate.check_decode_mask`` returns it."""
     decode, new_rows, scale, softcap, left, right, q_step = plan
     out, lse = _plans.run_kvcache(
         decode, q, k_cache, v_cache, k if new_rows else None, v if new_rows else None,
         cache_seqlens, cache_batch_idx, block_table, scale, softcap, left, right,
         bool(return_lse), sinks, cache_leftpad, rotary_cos, rotary_sin,
-        bool(rotary_interleaved), q_step, kv_descale)
+        bool(rotary_interleaved), q_step, kv_descale, attn_mask)
     return (out, lse) if return_lse else out
 
 
@@ -58,7 +59,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, sinks=None, k_descale=None,
-                            v_descale=None):
+                            v_descale=None, attn_mask=None):
     """Attention of q against a KV cache; a drop-in for ``flash_attn.flash_attn_with_kvcache``.
 
     Args:
@@ -119,6 +120,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ``flash_tile.quantize_fp8(cache)`` makes such a cache with [B, H_kv] factors
             (``per="tensor"`` one factor, as a paged cache needs). FP8 q is not supported
             (NotImplementedError).
+        attn_mask: optional bool tensor [B, 1, Lq, L] or any shape that broadcasts to it, L
+            the cache's capacity (L_cache, or max_blocks * page_size): query row i of
+            sequence b sees cache position j only where attn_mask[b, 0, i, j] is True, on
+            top of cache_seqlens, cache_leftpad, causal and the window (a flash_tile
+            extension: what a Transformers static cache passes, and what lets such a step
+            run without reading its lengths back). One mask for all heads. Read on the
+            device only; the V rows of masked positions below cache_seqlens must be finite
+            (0 * NaN is NaN), as in a zero-filled cache.
 
     Returns:
         out [B, Lq, H, Dv] in q's dtype; with ``return_softmax_lse`` the pair (out, lse), lse
@@ -141,7 +150,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, torch.Tensor) and alibi_slopes is None and (
             sinks is None or isinstance(sinks, torch.Tensor) and sinks.is_contiguous()):
         optional = (k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
-                    sinks, k_descale, v_descale)
+                    sinks, k_descale, v_descale, attn_mask)
         plan_key = _plans.key("kvcache", (q, k_cache, v_cache, cache_seqlens, *(
             t for t in optional if t is not None)), (
             tuple(t is None for t in optional), softmax_scale, causal, window_size, softcap,
@@ -152,9 +161,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             if k_cache.dtype == _validate.FP8_DTYPE:  # the signature fixes the cache's dtype
                 kv_descale = _validate.kv_descales(k_descale, v_descale, q.shape[0],
                                                    k_cache.shape[2], q.device)
+            if attn_mask is not None:  # of the checked shape: its view for the kernel
+                attn_mask = attn_mask.expand(q.shape[0], 1, q.shape[1], attn_mask.shape[-1])
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
-                             rotary_interleaved, return_softmax_lse, kv_descale)
+                             rotary_interleaved, return_softmax_lse, kv_descale, attn_mask)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError("q must be [batch, seqlen, heads, head_dim] and the caches 4-D, got "
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
@@ -211,6 +222,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_leftpad is not None:
         cache_leftpad = _validate.check_index_tensor(cache_leftpad, "cache_leftpad", (batch,),
                                                      device)
+    if attn_mask is not None:
+        attn_mask = _validate.check_decode_mask(attn_mask, batch, q_len, capacity, device)
     q_step = 0
     if rotary_cos is not None or rotary_sin is not None:
         q_step = int(0 <= left < capacity or 0 <= right < capacity)
@@ -221,17 +234,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if plan_key is not None:
         decode = _plans.kvcache(q, k_cache, v_cache, cache_batch_idx, block_table, softcap,
                                 left, right, num_splits, bool(return_softmax_lse), sinks,
-                                cache_leftpad)
+                                cache_leftpad, attn_mask is not None)
         if decode is not None:  # this call runs the plan it leaves, as later ones will
             plan = (decode, bool(new_len), scale, softcap, left, right, q_step)
             _plans.keep(plan_key, plan)
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
-                             rotary_interleaved, return_softmax_lse, kv_descale)
+                             rotary_interleaved, return_softmax_lse, kv_descale, attn_mask)
     out, lse = kvcache_attention(q, k_cache, v_cache, k if new_len else None,
                                  v if new_len else None, seqlens, cache_batch_idx, block_table,
                                  alibi_slopes, scale, softcap, left, right, num_splits,
                                  bool(return_softmax_lse), sinks, cache_leftpad,
                                  rotary_cos, rotary_sin, bool(rotary_interleaved), q_step,
-                                 *(kv_descale or (None, None)))
+                                 *(kv_descale or (None, None)), attn_mask)
     return (out, lse) if return_softmax_lse else out

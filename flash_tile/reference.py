@@ -443,6 +443,18 @@ def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: tor
     return seqs
 
 
+def cache_masks(attn_mask: torch.Tensor, seqlens_k: torch.Tensor,
+                leftpad: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each sequence's part of a KV-cache call's mask, aligned with ``cache_sequences``'s keys:
+    attn_mask [B, 1, Lq, L] (bool, cache positions along L) cut to positions leftpad[b] (or
+    0) to seqlens_k[b] - 1, [1, 1, Lq, k_len_b] each."""
+    masks = []
+    for b, k_len in enumerate(seqlens_k.tolist()):
+        start = 0 if leftpad is None else min(int(leftpad[b]), k_len)
+        masks.append(attn_mask[b:b + 1, :, :, start:k_len])
+    return masks
+
+
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """flash-attn's rotary embedding of x [B, L, H, D] with row (b, i) at positions[b, i]:
@@ -468,7 +480,8 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
                            scale: float | None = None, window: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                            tile_lq: int = 1, tile_n: int = 128, num_splits: int = 1,
-                           sinks: torch.Tensor | None = None
+                           sinks: torch.Tensor | None = None,
+                           masks: list[torch.Tensor] | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's work split in float64 on the CPU: per sequence and query tile of
     ``tile_lq`` rows, the key tiles some row sees cut into ``num_splits`` runs, each run's
@@ -478,8 +491,10 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
     q [B, Lq, H, D] (flash-attn's layout); ``seqs`` from ``cache_sequences``; causal and
     windows bottom-right per sequence (row i sees key j iff i + k_len - Lq - left <= j <=
     i + k_len - Lq + right). ``sinks`` [H] join split 0's softmax (empty or not), as the
-    kernel's SINKS switch, so the combine counts them once. Returns (out [B, Lq, H, Dv], lse
-    [B, H, Lq]) in float64, lse +inf (or the sink) and out 0 for rows that see no key.
+    kernel's SINKS switch, so the combine counts them once. ``masks`` (``cache_masks``: each
+    sequence's [1, 1, Lq, k_len_b] bool mask, shared by the heads) hide keys as the kernel's
+    ATTN_MASK switch. Returns (out [B, Lq, H, Dv], lse [B, H, Lq]) in float64, lse +inf (or
+    the sink) and out 0 for rows that see no key.
     """
     q = q.detach().to("cpu", torch.float64).transpose(1, 2)  # [B, H, Lq, D]
     batch, heads, q_len, head_dim = q.shape
@@ -509,9 +524,10 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
                                       .expand(heads, rows.stop - rows.start)))
                     continue  # the kernel's empty split: lse -inf, weight 0
                 keys = slice(n0 * tile_n, n1 * tile_n)
+                mask = None if masks is None else masks[b][:, :, rows, keys]
                 o_s, lse_s = attention_tiles(
                     q[b:b + 1, :, rows], k[:, :, keys], v[:, :, keys], scale,
-                    k_len - q_len + m_start - n0 * tile_n, window, softcap, slopes,
+                    k_len - q_len + m_start - n0 * tile_n, window, softcap, slopes, mask,
                     tile_m=tile_lq, tile_n=tile_n, sinks=sink)
                 parts.append((o_s[0], lse_s[0].masked_fill(lse_s[0] == math.inf, -math.inf)))
             if not parts:

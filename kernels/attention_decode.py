@@ -43,6 +43,15 @@ combine, which is linear in them). No switch: the cache's dtype is a compile-tim
 at +-448), and new rows given in e4m3 as they are (rotated under ROTARY: the rotation is
 linear, so it commutes with the descale).
 
+Under ATTN_MASK a boolean mask shared by the heads, Mask [B, 1, Lq, L] (L the cache's
+capacity, True = attend, as torch's SDPA; bool, or its uint8 view where TMA can read the
+rows), hides more keys: row i sees key j only where Mask[b, 0, i, j] also holds. It is what a
+Transformers static cache passes each step (the slots not yet written, a left-padded
+batch's pad): the decode takes it on the device, with no sync and no count of the keys. Each
+step loads its [TILE_LQ, TILE_N] piece once for the group and repeats it over the group's
+packed rows. The masked keys' V rows are read as they are, so they must be finite (a cache
+that is zero-filled, as Transformers' are).
+
 A row that sees no key gets an output of 0 and an LSE of +inf, as the forward. Under SINKS
 the head's sink starts split 0's running max and sum (as the forward's SINKS switch), so that
 the combine counts it once; a row that sees no key then gets 0 and an LSE of the sink.
@@ -76,7 +85,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, log2_scores
+from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, load_mask_tile,
+                     log2_scores)
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -168,6 +178,21 @@ def _per_row(head_values, TILE_LQ: ConstInt, TILE_G: ConstInt):
     return ct.broadcast_to(head_values, (TILE_LQ, TILE_G)).reshape((TILE_LQ * TILE_G, 1))
 
 
+def _mask_rows(Mask, batch, tile_q, j, TILE_LQ: ConstInt, TILE_G: ConstInt,
+               TILE_N: ConstInt):
+    """Under ATTN_MASK: which keys of key tile j each packed row may see, [TILE_LQ * TILE_G,
+    TILE_N] (or [1, TILE_N] when TILE_LQ is 1, which broadcasts): the [TILE_LQ, TILE_N] piece
+    of Mask [B, 1, Lq, L] for query tile ``tile_q``, repeated over the group's heads. Rows past
+    Lq and keys past L read False."""
+    mask = load_mask_tile(Mask, batch, 0, tile_q, j, TILE_LQ, TILE_N, False)
+    if Mask.dtype != ct.bool_:  # the uint8 view
+        mask = mask != 0
+    if TILE_LQ == 1:
+        return mask
+    return ct.broadcast_to(mask.reshape((TILE_LQ, 1, TILE_N)),
+                           (TILE_LQ, TILE_G, TILE_N)).reshape((TILE_LQ * TILE_G, TILE_N))
+
+
 def _slopes(Slopes, batch, kv_head, TILE_LQ: ConstInt, TILE_G: ConstInt, ALIBI: ConstBool):
     """The ALiBi slope of each packed row, [TILE_LQ * TILE_G, 1] (0.0 without ALIBI)."""
     if not ALIBI:
@@ -177,7 +202,7 @@ def _slopes(Slopes, batch, kv_head, TILE_LQ: ConstInt, TILE_G: ConstInt, ALIBI: 
 
 
 def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES,
-                    LEFTPAD: ConstBool):
+                    LEFTPAD: ConstBool, Mask, ATTN_MASK: ConstBool):
     """One online-softmax step over key tile j; returns (m_i, l_i, acc). Every tile is
     masked (the band, and k_len): the cost of decode is the K/V read. V's rows past k_len
     (and under LEFTPAD before the first key) are zeroed too: a stale cache may hold NaN there,
@@ -186,7 +211,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     scalar), and the select in every step cost 8-24% of the GB/s on the H200 (2026-12-02,
     occupancy 2, B 1-128, L 4k-128k)."""
     K, V, k_lo = kv[0], kv[1], kv[7]
-    TILE_M, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER = TILES
+    TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER = TILES
+    TILE_M = TILE_LQ * TILE_G
     pages = None
     if GATHER:  # once for K and V
         pages = _page_rows(kv, j, TILE_N)
@@ -197,6 +223,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
                                FEATURES, False, True)
+    if ATTN_MASK:
+        s = ct.where(_mask_rows(Mask, kv[4], tile_q, j, TILE_LQ, TILE_G, TILE_N), s, -math.inf)
     cut = (j + 1) * TILE_N > band[0]
     if LEFTPAD:
         padded = j * TILE_N < k_lo
@@ -219,12 +247,13 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
 
 
 def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left, window_right,
-                 new_len, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
+                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
+                 window_right, new_len, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
                  TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
                  MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                  PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool, BATCH_IDX: ConstBool,
-                 SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool):
+                 SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool, LEFTPAD: ConstBool,
+                 ATTN_MASK: ConstBool):
     """Split bid(0) % NUM_SPLITS of query tile bid(0) // NUM_SPLITS, key/value head bid(1),
     sequence bid(2)."""
     TILE_M = TILE_LQ * TILE_G
@@ -250,7 +279,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     # Packed row r is query row tile_q * TILE_LQ + r // TILE_G.
     offs_q = tile_q * TILE_LQ + ct.arange(TILE_M, dtype=ct.int32)[:, None] // TILE_G
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
-    TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER)
+    TILES = (TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER)
     FEATURES = (MASK_LEFT, MASK_RIGHT, False, SOFTCAP, ALIBI, NO_MASK, False)
     rows = (batch, kv_head, offs_q, _slopes(Slopes, batch, kv_head, TILE_LQ, TILE_G, ALIBI), 0)
 
@@ -282,7 +311,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size, k_lo, k_len)
     for j in range(n_start, n_end):
         m_i, l_i, acc = _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES,
-                                        FEATURES, LEFTPAD)
+                                        FEATURES, LEFTPAD, Mask, ATTN_MASK)
 
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)
@@ -306,14 +335,14 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
 @ct.kernel
 def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
-                     Slopes, Sinks, LeftPad, KDescale, VDescale, qk_scale: float, softcap: float,
-                     window_left: int,
-                     window_right: int, new_len: int, NUM_SPLITS: ConstInt, TILE_LQ: ConstInt,
-                     TILE_G: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                     Slopes, Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale: float,
+                     softcap: float, window_left: int, window_right: int, new_len: int,
+                     NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
+                     TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                      MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
                      ALIBI: ConstBool, PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
-                     BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool, SINKS: ConstBool,
-                     LEFTPAD: ConstBool):
+                     BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
+                     SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
     """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
     OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
     under BATCH_IDX, BlockTable under PAGED (steps of TILE_N keys joined from loads of
@@ -321,19 +350,20 @@ def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, 
     Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
     new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
     holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
-    sequence's first key. KDescale and VDescale [B, H_kv] fp32 are read when the caches are
-    float8_e4m3fn (Q float16 or bfloat16)."""
+    sequence's first key; under ATTN_MASK, Mask [B, 1, Lq, L] bool or uint8 the keys each
+    query row may see (shared by the heads). KDescale and VDescale [B, H_kv] fp32 are read
+    when the caches are float8_e4m3fn (Q float16 or bfloat16)."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
+                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
                  window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
                  MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
-                 STORE_LSE, SINKS, LEFTPAD)
+                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
 
 
 @ct.kernel
 def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
                            OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
-                           LeftPad, KDescale, VDescale, qk_scale: float, softcap: float,
+                           LeftPad, Mask, KDescale, VDescale, qk_scale: float, softcap: float,
                            window_left: int, window_right: int, new_len: int,
                            NUM_SPLITS: ConstInt,
                            TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
@@ -341,14 +371,14 @@ def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Ou
                            MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                            PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
                            BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
-                           SINKS: ConstBool, LEFTPAD: ConstBool):
+                           SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
     """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
     elements or more (the launcher picks it); the same body."""
     _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, KDescale, VDescale, qk_scale, softcap, window_left,
+                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
                  window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
                  MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
-                 STORE_LSE, SINKS, LEFTPAD)
+                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
 
 
 @ct.kernel

@@ -77,6 +77,58 @@ def test_split_and_combine_count_the_sink_once(num_splits):
     assert torch.allclose(lse[0], sinks[:, None].expand(heads, q_len))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("tile_lq,tile_n", [(1, 16), (4, 32)])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0)])
+def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, window):
+    """ATTN_MASK: a [B, 1, Lq, L] mask over cache positions, cut to each sequence's keys (a
+    left pad included), hides keys in every split as plain attention with that mask does;
+    a row whose keys are all hidden gets 0 and +inf."""
+    batch, q_len, heads, kv_heads, d = 3, 5, 6, 2, 16
+    k_cache, v_cache = _contiguous(batch, 113, kv_heads, d, d, seed=7)
+    seqlens = torch.tensor([1, 60, 113], dtype=torch.int32)
+    leftpad = torch.tensor([0, 9, 0], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(8)
+    mask = torch.rand(batch, 1, q_len, 113, generator=gen) > 0.4
+    mask[2, 0, 3] = False  # a row that sees nothing
+    seqs = reference.cache_sequences(k_cache, v_cache, seqlens, leftpad=leftpad)
+    masks = reference.cache_masks(mask, seqlens, leftpad)
+    q = torch.randn(batch, q_len, heads, d, generator=gen, dtype=torch.float64)
+    out, lse = reference.decode_tiles_reference(q, seqs, None, window, tile_lq=tile_lq,
+                                                tile_n=tile_n, num_splits=num_splits,
+                                                masks=masks)
+    for b, (k, v) in enumerate(seqs):
+        ref, ref_lse = reference.attention_dense(q[b:b + 1].transpose(1, 2), k, v,
+                                                 diag_offset=k.shape[2] - q_len, window=window,
+                                                 attn_mask=masks[b], return_lse=True)
+        assert torch.allclose(out[b:b + 1], ref.transpose(1, 2), atol=1e-12), b
+        assert torch.equal(lse[b:b + 1].isinf(), ref_lse.isinf()), b
+        finite = ~ref_lse.isinf()
+        assert torch.allclose(lse[b:b + 1][finite], ref_lse[finite], atol=1e-12), b
+    assert torch.equal(out[2, 3], torch.zeros_like(out[2, 3]))
+    assert bool((lse[2, :, 3] == math.inf).all())
+
+
+def test_decode_mask_checks():
+    """A KV-cache mask is bool, one for every head, as wide as the cache's capacity and
+    broadcast to [B, 1, Lq, L]; anything else raises before a launch."""
+    dev = torch.device("cpu")
+    mask = torch.rand(1, 1, 3, 64) > 0.5
+    view = _validate.check_decode_mask(mask, 2, 3, 64, dev)
+    assert view.shape == (2, 1, 3, 64) and view.stride(0) == 0
+    assert _validate.check_decode_mask(mask[0, 0, 0], 2, 3, 64, dev).shape == (2, 1, 3, 64)
+    with pytest.raises(ValueError, match="bool tensor"):
+        _validate.check_decode_mask(mask.float(), 2, 3, 64, dev)
+    with pytest.raises(ValueError, match="capacity 128"):
+        _validate.check_decode_mask(mask, 2, 3, 128, dev)
+    with pytest.raises(ValueError, match="every head"):
+        _validate.check_decode_mask(mask.expand(2, 4, 3, 64), 2, 3, 64, dev)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        _validate.check_decode_mask(mask.expand(1, 1, 3, 64)[:, :, :2], 2, 3, 64, dev)
+    with pytest.raises(ValueError, match="must be on meta"):
+        _validate.check_decode_mask(mask, 2, 3, 64, torch.device("meta"))
+
+
 def test_paged_and_contiguous_caches_hold_the_same_sequences():
     batch, capacity, page = 3, 96, 16
     k_cache, v_cache = _contiguous(batch, capacity, 2, 8, 8)
@@ -333,6 +385,20 @@ def test_leftpad_and_rotary_compile(arch, rotary):
     assert append["local_memory"] == 0, append
 
 
+@pytest.mark.parametrize("arch", variants.ARCHS)
+def test_masked_decode_compiles(arch):
+    """ATTN_MASK (a mask over 16-byte rows, as its uint8 view) on a contiguous cache and on
+    16-key pages, 4 query rows of a group of 4: tensor cores, and no spill the same kernel
+    without the mask does not have (sm_90 joins 16-key pages without softcap with 22
+    LDL/STL either way: test_decode_kernels_compile_with_tensor_cores)."""
+    for page_size in (None, 16):
+        plain, masked = (aot.summarize(aot.disassemble(aot.compile_decode(
+            arch, page_size=page_size, q_len=4, group=4, splits=2, attn_mask=mask)["decode"]))
+            for mask in (False, True))
+        assert masked["tensor_core"] > 0, (page_size, masked)
+        assert masked["local_memory"] <= plain["local_memory"], (page_size, plain, masked)
+
+
 def test_fake_kvcache_op_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -400,10 +466,10 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert append[0] is k_new and append[2] is k_cache and append[4] is lens
     assert append[5] is idx and append[6] is None
     (dq, dk, dv, dout, dlse, dlens, didx, dtable, dslopes, scale, softcap, window, new_len,
-     splits, config, dsinks, dpads, ddescale) = decode
+     splits, config, dsinks, dpads, ddescale, dmask) = decode
     assert dq is q and dk is k_cache and dv is v_cache and dout is out and dlse is lse
     assert dlens is lens and didx is idx and dtable is None and dslopes is None
-    assert dsinks is None and ddescale is None
+    assert dsinks is None and ddescale is None and dmask is None
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
     assert config == variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
@@ -412,6 +478,11 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
     assert [name for name, _ in calls] == ["decode"]
     assert calls[0][1][5].tolist() == [7, 7] and calls[0][1][4] is None  # no LSE asked
+    calls.clear()  # a mask over the capacity reaches the decode as [B, 1, Lq, L]
+    mask = torch.rand(100) > 0.5
+    flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, attn_mask=mask)
+    dmask = calls[0][1][-1]
+    assert dmask.shape == (2, 1, 3, 100) and torch.equal(dmask[1, 0, 2], mask)
 
     # An FP8 cache: the descale factors reach both launches as [B, H_kv] views (one factor
     # per tensor expanded, none given as 1), new bf16 rows go to the append to be quantized.
@@ -421,8 +492,8 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     flash_tile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=lens,
                                        k_descale=torch.tensor(0.5))
     (_, append), (_, decode) = calls
-    assert append[2] is k8 and append[-1] is decode[-1]
-    kd, vd = decode[-1]
+    assert append[2] is k8 and append[-1] is decode[-2]
+    kd, vd = decode[-2]
     assert kd.shape == vd.shape == (2, 2) and kd.eq(0.5).all() and vd.eq(1.0).all()
     monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
     with pytest.raises(RuntimeError, match="9.0 or newer"):
@@ -463,7 +534,7 @@ def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_st
     q_arg, q_rot, rotary, kv_descale = append[7:]
     assert q_arg is q and q_rot.shape == q.shape and q_rot is not q
     assert rotary == _launch_decode.Rotary(cos, sin, False, q_step)
-    assert decode[0] is q_rot and decode[-2] is pads and kv_descale is decode[-1] is None
+    assert decode[0] is q_rot and decode[-3] is pads and kv_descale is decode[-2] is None
 
 
 @pytest.mark.parametrize("arch,page_size", [("sm_90", None), ("sm_90", 64), ("sm_80", None)])

@@ -54,17 +54,22 @@ def _cache(batch, capacity, kv_heads, head_dim, v_head_dim, dtype, page_size, se
 
 
 def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
-           alibi_slopes=None, batch_idx=None, block_table=None, sinks=None, leftpad=None):
+           alibi_slopes=None, batch_idx=None, block_table=None, sinks=None, leftpad=None,
+           attn_mask=None):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
     seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table,
                                      leftpad)
+    masks = [None] * len(seqs)
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(q.shape[0], 1, q.shape[1], attn_mask.shape[-1])
+        masks = reference.cache_masks(attn_mask, lengths, leftpad)
     for b, (k, v) in enumerate(seqs):
         qb = q[b:b + 1].transpose(1, 2)
         diag = k.shape[2] - q.shape[1]
         slopes = None if alibi_slopes is None else alibi_slopes.expand(q.shape[0], q.shape[2])[
             b:b + 1]
         args = dict(diag_offset=diag, window=window, softcap=softcap, alibi_slopes=slopes,
-                    sinks=sinks)
+                    sinks=sinks, attn_mask=masks[b])
         if k.shape[2] == 0:  # no key at all: zeros and +inf (or the sink), as flash-attn
             assert torch.equal(out[b], torch.zeros_like(out[b]))
             if lse is not None and sinks is None:
@@ -155,6 +160,53 @@ def test_features():
     _run(q_len=5, window_size=(40, 0), softcap=30.0, alibi_slopes=slopes, capacity=500)
     _run(q_len=5, window_size=(7, 3), capacity=500, page_size=64)
     _run(q_len=1, head_dim=128, v_head_dim=64, capacity=500)
+
+
+@pytest.mark.parametrize("page_size", [None, 8, 16, 64])
+@pytest.mark.parametrize("q_len,group,num_splits", [(1, 8, 0), (1, 1, 1), (4, 4, 3)])
+@pytest.mark.parametrize("capacity", [256, 203])
+def test_attn_mask(page_size, q_len, group, num_splits, capacity):
+    """A mask over cache positions (what a Transformers static cache passes), causal, with a
+    left pad and a query row that sees nothing: over 16-byte rows (read as uint8) and ragged
+    ones (bool), contiguous and paged (gathered, joined and whole-page steps), split or not,
+    one query row packed with its group or four rows."""
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    seqlens, leftpad = [capacity, 1, 150], [0, 0, 20]
+    k_cache, v_cache, table = _cache(3, capacity, 2, 128, 128, torch.bfloat16, page_size,
+                                     seqlens, gen, leftpad)
+    width = capacity if table is None else table.shape[1] * page_size
+    mask = torch.rand(3, 1, q_len, width, generator=gen, device="cuda") > 0.3
+    mask[0, 0, -1] = False  # the last query row of sequence 0 sees no key
+    q = torch.randn(3, q_len, 2 * group, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    lens, pads = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (seqlens, leftpad))
+    out, lse = flash_tile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, block_table=table,
+        causal=True, num_splits=num_splits, return_softmax_lse=True, attn_mask=mask)
+    assert bool((lse[0, :, -1] == math.inf).all())
+    again = flash_tile.flash_attn_with_kvcache(  # the signature's kept plan, the same bits
+        q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, block_table=table,
+        causal=True, num_splits=num_splits, return_softmax_lse=True, attn_mask=mask)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    _check(q, k_cache, v_cache, out, lse, seqlens, (-1, 0), block_table=table, leftpad=pads,
+           attn_mask=mask)
+
+
+@pytest.mark.parametrize("shape", ["keys", "rows"])
+def test_attn_mask_broadcasts(shape):
+    """One mask for every sequence ([L]) or one row per sequence for every query row
+    ([B, 1, 1, L], Transformers' form) with an append: the same as the mask expanded."""
+    gen = torch.Generator(device="cuda").manual_seed(29)
+    seqlens, cap = [90, 300, 7], 320
+    k_cache, v_cache, _ = _cache(3, cap, 2, 64, 64, torch.float16, None, seqlens, gen)
+    mask = torch.rand((cap,) if shape == "keys" else (3, 1, 1, cap), generator=gen,
+                      device="cuda") > 0.5
+    q = torch.randn(3, 2, 8, 64, generator=gen, device="cuda").to(torch.float16)
+    k_new, v_new = (torch.randn(3, 2, 2, 64, generator=gen, device="cuda").to(torch.float16)
+                    for _ in range(2))
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    out = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                             cache_seqlens=lens, attn_mask=mask)
+    _check(q, k_cache, v_cache, out, None, [n + 2 for n in seqlens], attn_mask=mask)
 
 
 def test_append_then_attend():

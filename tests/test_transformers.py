@@ -125,11 +125,11 @@ def test_padded_batches_run_as_packed_sequences_on_cpu(kind, side, monkeypatch, 
 
 
 def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softcap=0.0,
-                   sinks=None):
+                   sinks=None, attn_mask=None):
     """flash_attn_with_kvcache for one query row against whole caches, by the reference."""
     assert q.shape[1] == 1 and cache_seqlens == k_cache.shape[1] and softcap == 0.0
     out = reference.attention_dense(*(t.transpose(1, 2) for t in (q, k_cache, v_cache)),
-                                    softmax_scale, sinks=sinks)
+                                    softmax_scale, attn_mask=attn_mask, sinks=sinks)
     return out.transpose(1, 2)
 
 
@@ -313,6 +313,38 @@ def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
     assert decode_calls == [n for n in range(21, 25) for _ in range(2)]
 
 
+@pytest.mark.parametrize("cache", ["static", "left_padded"])
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_masked_decode_steps_reach_the_kvcache_kernel_on_cpu(kind, cache, varlen_calls,
+                                                             monkeypatch):
+    """Decode steps with a mask (a static cache's unwritten slots, a left-padded batch's pad,
+    Mistral's window once the cache outgrows it) run the KV-cache kernel with that mask, not
+    the masked forward; greedy output equals "sdpa"."""
+    masks = []
+
+    def recording_kvcache(*args, **kwargs):
+        masks.append(kwargs["attn_mask"])
+        return _torch_kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", recording_kvcache)
+    ids, pad = _batch()
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    if cache == "static":
+        ids, pad = ids[:1], pad[:1]
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        ref = _model(kind, "sdpa", dtype=torch.bfloat16).generate(ids, attention_mask=pad,
+                                                                  **kwargs)
+        ours = _model(kind, "flash_tile", dtype=torch.bfloat16).generate(
+            ids, attention_mask=pad, **kwargs)
+    assert torch.equal(ours, ref)
+    assert len(masks) == 2 * 5  # five steps after the prompt's, two layers each
+    seen = [m for m in masks if m is not None]
+    assert seen and all(m.dtype == torch.bool and m.shape[1:3] == (1, 1) for m in seen)
+    if kind == "llama":  # Mistral's caches keep one window, which the 20-token prompt fills
+        assert any(not bool(m.all()) for m in seen)
+
+
 def test_unsupported_requests_raise():
     q = torch.zeros(1, 4, 3, 16)
     with pytest.raises(NotImplementedError, match="output_attentions"):
@@ -352,6 +384,24 @@ def test_logits_and_greedy_generation_on_gpu(kind, name):
         gen_ours = ours_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
         gen_ref = ref_model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     assert torch.equal(gen_ours, gen_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_static_cache_generation_under_torch_compile_on_gpu(kind):
+    """generate with a static cache and the forward compiled (transformers' own
+    torch.compile of the decode step): the decode steps pass their [B, 1, 1, L] masks to the
+    KV-cache kernel inside the compiled graph; greedy output equals "sdpa" (Llama with GQA,
+    Mistral past its sliding window of 8)."""
+    ids, _ = _batch("cuda")
+    config = dict(max_new_tokens=12, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        ref = _model(kind, "sdpa", "cuda", torch.bfloat16).generate(ids[:1], **config)
+        torch._dynamo.reset()
+        model = _model(kind, "flash_tile", "cuda", torch.bfloat16)
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        ours = model.generate(ids[:1], **config)
+    assert torch.equal(ours, ref)
 
 
 @pytest.mark.gpu

@@ -22,8 +22,11 @@ transformers; without reading its position ids it would run causal attention acr
 sequences.) Left- or right-padded batches whose mask is causal attention over each row's
 tokens (the common case) run as packed sequences too, the padding's outputs 0; other masks
 take the masked path. Attention dropout (``dropout``, which models pass only while
-training) runs in the kernels. A decode step (one query row, no mask: the whole cache is
-visible) runs ``flash_attn_with_kvcache``'s decode kernel on the cache transformers passes in.
+training) runs in the kernels. A decode step (one query row) runs ``flash_attn_with_kvcache``'s
+decode kernel on the cache transformers passes in, with its boolean [B, 1, 1, Lk] mask (a
+static cache's unwritten slots, a left-padded batch's pad, a sliding window) read by the
+kernel on the device: no sync, so it runs the same way under torch.compile and in a captured
+CUDA graph.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
 flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``) for loading, chunked
@@ -82,15 +85,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return _unpadded_forward(query, key, value, dropout, scaling, softcap, sinks,
                                  kwargs.get("sliding_window"), *padding), None
     q_len = query.shape[2]
-    if q_len == 1 and attention_mask is None and dropout == 0.0 and \
+    if q_len == 1 and dropout == 0.0 and _decode_mask(attention_mask, key.shape[2]) and \
             query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
-        # A decode step against the whole cache (no padding to mask): the decode kernel, which
-        # packs the GQA group into one tile and splits long caches over the SMs. Mixed dtypes
-        # (fp32 weights under autocast) take the SDPA path below, which casts as torch does.
+        # A decode step: the decode kernel, which packs the GQA group into one tile and
+        # splits long caches over the SMs, the mask (if any) hiding keys on the device. Mixed
+        # dtypes (fp32 weights under autocast) take the SDPA path below, which casts as torch
+        # does.
         out = flash_tile.flash_attn_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0,
-            sinks=sinks)
+            sinks=sinks, attn_mask=attention_mask)
         return out, None
     is_causal = bool(is_causal) and q_len > 1 and attention_mask is None
     if is_causal and key.shape[2] > q_len:
@@ -111,6 +115,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     else:  # torch's SDPA has no sinks: its body in flash_tile takes them
         out = flash_tile.api._sdpa(query, key, value, **sdpa_args, sinks=sinks)
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
+
+
+def _decode_mask(attention_mask: torch.Tensor | None, k_len: int) -> bool:
+    """Whether a decode step's mask is one the decode kernel reads: none, or the boolean
+    [B or 1, 1, 1, Lk] mask transformers builds for every head."""
+    return attention_mask is None or (
+        attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and
+        tuple(attention_mask.shape[1:]) == (1, 1, k_len))
 
 
 def _packing(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
