@@ -389,19 +389,20 @@ def test_logits_and_greedy_generation_on_gpu(kind, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_static_cache_generation_under_torch_compile_on_gpu(kind):
-    """generate with a static cache and the forward compiled (transformers' own
-    torch.compile of the decode step): the decode steps pass their [B, 1, 1, L] masks to the
-    KV-cache kernel inside the compiled graph; greedy output equals "sdpa" (Llama with GQA,
-    Mistral past its sliding window of 8)."""
+    """generate with a static cache, each model's forward compiled (fullgraph): the decode
+    steps pass their [B, 1, 1, L] masks to the KV-cache kernel inside the compiled graph;
+    greedy output equals "sdpa" compiled the same way (Llama with GQA, Mistral past its
+    sliding window of 8)."""
     ids, _ = _batch("cuda")
-    config = dict(max_new_tokens=12, do_sample=False, cache_implementation="static")
+    config = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    out = {}
     with torch.no_grad():
-        ref = _model(kind, "sdpa", "cuda", torch.bfloat16).generate(ids[:1], **config)
-        torch._dynamo.reset()
-        model = _model(kind, "flash_tile", "cuda", torch.bfloat16)
-        model.forward = torch.compile(model.forward, fullgraph=True)
-        ours = model.generate(ids[:1], **config)
-    assert torch.equal(ours, ref)
+        for name in ("sdpa", "flash_tile"):
+            torch._dynamo.reset()
+            model = _model(kind, name, "cuda", torch.bfloat16)
+            model.forward = torch.compile(model.forward, fullgraph=True)
+            out[name] = model.generate(ids[:1], **config)
+    assert torch.equal(out["flash_tile"], out["sdpa"])
 
 
 @pytest.mark.gpu
