@@ -10,8 +10,8 @@
                                        tileiras), which variant it gets, and a smoke test
     flash-tile tune [--backward] [--varlen]
                                        pre-tune a grid of shapes into the autotune cache
-    flash-tile bench [forward|backward|context-parallel|decode|features|fp8|launch|sinks|
-                      variants|varlen] [ARGS]
+    flash-tile bench [forward|backward|context-parallel|decode|decode-variants|features|fp8|
+                      launch|sinks|variants|varlen] [ARGS]
                                        the benchmarks of the source tree's bench/ (table, JSON,
                                        plot); ARGS go to the script (--help lists them)
 
@@ -143,6 +143,7 @@ def inspect(args):
 BENCHMARKS = {"forward": "bench_attention.py", "features": "bench_features.py",
               "backward": "bench_backward.py", "launch": "bench_launch.py",
               "variants": "bench_variants.py", "decode": "bench_decode.py",
+              "decode-variants": "bench_decode_variants.py",
               "varlen": "bench_varlen.py", "sinks": "bench_sinks.py",
               "context-parallel": "bench_context_parallel.py", "fp8": "bench_fp8.py"}
 

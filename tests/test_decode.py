@@ -602,3 +602,31 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
         worst = min(r["paged_ratio"].values())
         assert f"| {worst:.2f}x |" in line, (worst, line)
         assert ("paged < 0.95x" in line) == (worst < 0.95), line
+
+
+def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):
+    """bench_decode_variants: --configs are DecodeConfig fields (anything else raises before
+    any GPU work); the plan calls it makes bind to the launcher's signatures; the table gives
+    each variant's ratio, or says it was skipped."""
+    import inspect
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    import bench_decode_variants as bdv
+
+    configs = bdv.parse_configs(['{"num_worker_warps": 8}', '{"occupancy": 1}'])
+    assert configs == [{"num_worker_warps": 8}, {"occupancy": 1}]
+    for bad in ('{"warps": 8}', "[8]", "{}"):
+        with pytest.raises(ValueError, match="DecodeConfig fields"):
+            bdv.parse_configs([bad])
+    inspect.signature(_launch_decode.decode_plan).bind(
+        *[None] * 10, variants.DecodeConfig())
+    inspect.signature(_launch_decode._DecodePlan.launch).bind(None, *[None] * 13)
+    rows = [dict(batch=8, seqlen=8192, heads=32, kv_heads=8, q_len=1, page_size=page,
+                 us={"default": 20.5, '{"num_worker_warps": 8}': 18.0},
+                 ratio={"default": 1.0, '{"num_worker_warps": 8}': 0.878},
+                 skipped={'{"occupancy": 1}': "failed: no"}) for page in (None, 16)]
+    lines = [line for line in bdv.variants_table(rows, configs).splitlines()
+             if line.startswith("| 8 ")]
+    assert lines == ["| 8 | 8192 | 32/8 | 1 | - | 20.5 | 0.878 | skipped |",
+                     "| 8 | 8192 | 32/8 | 1 | 16 | 20.5 | 0.878 | skipped |"]
