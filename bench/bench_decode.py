@@ -126,21 +126,34 @@ def runners(q, k, v, lens):
     return calls
 
 
-def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandwidth):
+def row_inputs(batch, length, heads, kv_heads, head_dim, q_len):
+    """(generator, q, k, v, cache lengths) of one row, seeded by B and L: q [B, Lq, H, D] and
+    the caches [B, L, H_kv, D] in bf16, every sequence L keys long."""
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + length)
     q, k, v = (torch.randn(batch, n, h, head_dim, generator=gen, device="cuda",
                            dtype=torch.bfloat16)
                for n, h in ((q_len, heads), (length, kv_heads), (length, kv_heads)))
-    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
-           "head_dim": head_dim, "q_len": q_len, "gbps": {}, "skipped": {}, "max_err": {}}
-    # Reference: the first and the last sequence (they share the shape and the code path;
-    # the last sits at the cache's highest offsets, past 2**31 elements in the largest rows).
+    return gen, q, k, v, torch.full((batch,), length, dtype=torch.int32, device="cuda")
+
+
+def row_reference(q, k, v):
+    """(ends, ref, low): the first and the last sequence (they share the shape and the code
+    path; the last sits at the cache's highest offsets, past 2**31 elements in the largest
+    rows), attended causally (bottom-right) in fp32 and in bf16."""
+    batch, q_len, length = q.shape[0], q.shape[1], k.shape[1]
     ends = [0, batch - 1] if batch > 1 else [0]
     seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
-    ref = reference.attention_dense(*(t.float() for t in seqs), diag_offset=length - q_len,
-                                    window=(-1, 0))
-    low = reference.attention_dense(*seqs, diag_offset=length - q_len, window=(-1, 0))
+    args = dict(diag_offset=length - q_len, window=(-1, 0))
+    return (ends, reference.attention_dense(*(t.float() for t in seqs), **args),
+            reference.attention_dense(*seqs, **args))
+
+
+def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandwidth):
+    gen, q, k, v, lens = row_inputs(batch, length, heads, kv_heads, head_dim, q_len)
+    row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
+           "head_dim": head_dim, "q_len": q_len, "gbps": {}, "skipped": {}, "max_err": {}}
+    ends, ref, low = row_reference(q, k, v)
+    seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
     nbytes = batch * length * kv_heads * head_dim * 2 * 2
 
     def checked(name, call, ref=ref, low=low):

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench_attention import device_ms, failure, machine_info, md_table, save_json, write_report
-from bench_decode import ROUNDS, paged
+from bench_decode import ROUNDS, paged, row_inputs, row_reference
 from flash_tile import _launch_decode, _ops, reference
 from flash_tile.variants import DecodeConfig
 
@@ -53,16 +53,8 @@ def config_name(config: dict) -> str:
 
 def variant_row(batch, length, heads, kv_heads, head_dim, q_len, page_size, configs):
     """One row: each variant checked, then all timed in interleaved rounds."""
-    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + length)
-    q, k, v = (torch.randn(batch, n, h, head_dim, generator=gen, device="cuda",
-                           dtype=torch.bfloat16)
-               for n, h in ((q_len, heads), (length, kv_heads), (length, kv_heads)))
-    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    ends = [0, batch - 1] if batch > 1 else [0]
-    seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
-    args = dict(diag_offset=length - q_len, window=(-1, 0))
-    ref = reference.attention_dense(*(t.float() for t in seqs), **args)
-    low = reference.attention_dense(*seqs, **args)
+    gen, q, k, v, lens = row_inputs(batch, length, heads, kv_heads, head_dim, q_len)
+    ends, ref, low = row_reference(q, k, v)
     table = None
     if page_size is not None:
         k, v, table = paged(k, v, page_size, gen)
