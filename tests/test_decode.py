@@ -79,11 +79,13 @@ def test_split_and_combine_count_the_sink_once(num_splits):
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("tile_lq,tile_n", [(1, 16), (4, 32)])
-@pytest.mark.parametrize("window", [(-1, -1), (-1, 0)])
-def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, window):
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (20, 3)])
+@pytest.mark.parametrize("extras", [False, True])
+def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, window, extras):
     """ATTN_MASK: a [B, 1, Lq, L] mask over cache positions, cut to each sequence's keys (a
-    left pad included), hides keys in every split as plain attention with that mask does;
-    a row whose keys are all hidden gets 0 and +inf."""
+    left pad included), hides keys in every split as plain attention with that mask does,
+    alone or with softcap, ALiBi and sinks (``extras``); a row whose keys are all hidden gets
+    0 and +inf (the sink's LSE with sinks)."""
     batch, q_len, heads, kv_heads, d = 3, 5, 6, 2, 16
     k_cache, v_cache = _contiguous(batch, 113, kv_heads, d, d, seed=7)
     seqlens = torch.tensor([1, 60, 113], dtype=torch.int32)
@@ -94,19 +96,25 @@ def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, win
     seqs = reference.cache_sequences(k_cache, v_cache, seqlens, leftpad=leftpad)
     masks = reference.cache_masks(mask, seqlens, leftpad)
     q = torch.randn(batch, q_len, heads, d, generator=gen, dtype=torch.float64)
-    out, lse = reference.decode_tiles_reference(q, seqs, None, window, tile_lq=tile_lq,
-                                                tile_n=tile_n, num_splits=num_splits,
-                                                masks=masks)
+    softcap, slopes, sinks = 0.0, None, None
+    if extras:
+        softcap = 5.0
+        slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64)
+        sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+    out, lse = reference.decode_tiles_reference(q, seqs, None, window, softcap, slopes,
+                                                tile_lq, tile_n, num_splits, sinks, masks)
     for b, (k, v) in enumerate(seqs):
-        ref, ref_lse = reference.attention_dense(q[b:b + 1].transpose(1, 2), k, v,
-                                                 diag_offset=k.shape[2] - q_len, window=window,
-                                                 attn_mask=masks[b], return_lse=True)
+        ref, ref_lse = reference.attention_dense(
+            q[b:b + 1].transpose(1, 2), k, v, diag_offset=k.shape[2] - q_len, window=window,
+            softcap=softcap, alibi_slopes=None if slopes is None else slopes[b:b + 1],
+            attn_mask=masks[b], return_lse=True, sinks=sinks)
         assert torch.allclose(out[b:b + 1], ref.transpose(1, 2), atol=1e-12), b
         assert torch.equal(lse[b:b + 1].isinf(), ref_lse.isinf()), b
         finite = ~ref_lse.isinf()
         assert torch.allclose(lse[b:b + 1][finite], ref_lse[finite], atol=1e-12), b
     assert torch.equal(out[2, 3], torch.zeros_like(out[2, 3]))
-    assert bool((lse[2, :, 3] == math.inf).all())
+    hidden = lse[2, :, 3]
+    assert torch.allclose(hidden, sinks) if extras else bool((hidden == math.inf).all())
 
 
 def test_decode_mask_checks():

@@ -191,6 +191,24 @@ def test_attn_mask(page_size, q_len, group, num_splits, capacity):
            attn_mask=mask)
 
 
+def test_attn_mask_with_features():
+    """The mask beside a window, softcap, ALiBi and sinks, in four splits on 16-key pages
+    (the full path: ALiBi calls keep no plan)."""
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    seqlens = [500, 37, 1]
+    k_cache, v_cache, table = _cache(3, 512, 2, 64, 64, torch.bfloat16, 16, seqlens, gen)
+    mask = torch.rand(3, 1, 2, table.shape[1] * 16, generator=gen, device="cuda") > 0.2
+    q = torch.randn(3, 2, 8, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    slopes, sinks = torch.rand(8, device="cuda"), torch.randn(8, device="cuda")
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    out, lse = flash_tile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=table, window_size=(100, 0),
+        softcap=20.0, alibi_slopes=slopes, sinks=sinks, num_splits=4, return_softmax_lse=True,
+        attn_mask=mask)
+    _check(q, k_cache, v_cache, out, lse, seqlens, (100, 0), 20.0, slopes, block_table=table,
+           sinks=sinks, attn_mask=mask)
+
+
 @pytest.mark.parametrize("shape", ["keys", "rows"])
 def test_attn_mask_broadcasts(shape):
     """One mask for every sequence ([L]) or one row per sequence for every query row
