@@ -334,6 +334,17 @@ def load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: 
     return tile.reshape((TILE_Q, TILE_K))
 
 
+def keep_tile(Mask, batch, head, tile_q, tile_k, TILE_Q: ConstInt, TILE_K: ConstInt,
+              TRANSPOSED: ConstBool):
+    """Which pairs of the tile a boolean Mask lets through, as a bool tile
+    (``load_mask_tile``'s): its uint8 view compared with 0, because comparing a bool tile
+    spills."""
+    keep = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
+    if Mask.dtype != ct.bool_:
+        keep = keep != 0
+    return keep
+
+
 def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
                 TILE_K: ConstInt, MASKED: ConstBool, FEATURES, TRANSPOSED: ConstBool,
                 DEFER_SCALE: ConstBool):
@@ -369,19 +380,17 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
         else:
             s = s + bias
         factor = 1.0
-    if ATTN_MASK != NO_MASK:
-        mask = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED)
-        if ATTN_MASK == BOOL_MASK:
-            if Mask.dtype != ct.bool_:  # the uint8 view; comparing a bool tile spills
-                mask = mask != 0
-            s = ct.where(mask, s, -math.inf)
+    if ATTN_MASK == BOOL_MASK:
+        s = ct.where(keep_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K, TRANSPOSED),
+                     s, -math.inf)
+    elif ATTN_MASK == ADDITIVE_MASK:
+        add = load_mask_tile(Mask, batch, head, tile_q, tile_k, TILE_Q, TILE_K,
+                             TRANSPOSED).astype(ct.float32) * LOG2_E
+        if DEFER_SCALE:
+            s = s * factor + add
         else:
-            add = mask.astype(ct.float32) * LOG2_E
-            if DEFER_SCALE:
-                s = s * factor + add
-            else:
-                s = s + add
-            factor = 1.0
+            s = s + add
+        factor = 1.0
     if MASKED:
         s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
     return s, factor, dscore

@@ -85,8 +85,7 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, load_mask_tile,
-                     log2_scores)
+from ._tiles import LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, keep_tile, log2_scores
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -184,9 +183,7 @@ def _mask_rows(Mask, batch, tile_q, j, TILE_LQ: ConstInt, TILE_G: ConstInt,
     TILE_N] (or [1, TILE_N] when TILE_LQ is 1, which broadcasts): the [TILE_LQ, TILE_N] piece
     of Mask [B, 1, Lq, L] for query tile ``tile_q``, repeated over the group's heads. Rows past
     Lq and keys past L read False."""
-    mask = load_mask_tile(Mask, batch, 0, tile_q, j, TILE_LQ, TILE_N, False)
-    if Mask.dtype != ct.bool_:  # the uint8 view
-        mask = mask != 0
+    mask = keep_tile(Mask, batch, 0, tile_q, j, TILE_LQ, TILE_N, False)
     if TILE_LQ == 1:
         return mask
     return ct.broadcast_to(mask.reshape((TILE_LQ, 1, TILE_N)),
