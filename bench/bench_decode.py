@@ -137,14 +137,14 @@ def row_inputs(batch, length, heads, kv_heads, head_dim, q_len):
 
 
 def row_reference(q, k, v):
-    """(ends, ref, low): the first and the last sequence (they share the shape and the code
+    """(ends, seqs, ref, low): the first and the last sequence (they share the shape and the code
     path; the last sits at the cache's highest offsets, past 2**31 elements in the largest
-    rows), attended causally (bottom-right) in fp32 and in bf16."""
+    rows) as [B', H, L, D] views, attended causally (bottom-right) in fp32 and in bf16."""
     batch, q_len, length = q.shape[0], q.shape[1], k.shape[1]
     ends = [0, batch - 1] if batch > 1 else [0]
     seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
     args = dict(diag_offset=length - q_len, window=(-1, 0))
-    return (ends, reference.attention_dense(*(t.float() for t in seqs), **args),
+    return (ends, seqs, reference.attention_dense(*(t.float() for t in seqs), **args),
             reference.attention_dense(*seqs, **args))
 
 
@@ -152,8 +152,7 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
     gen, q, k, v, lens = row_inputs(batch, length, heads, kv_heads, head_dim, q_len)
     row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "q_len": q_len, "gbps": {}, "skipped": {}, "max_err": {}}
-    ends, ref, low = row_reference(q, k, v)
-    seqs = [t[ends].transpose(1, 2) for t in (q, k, v)]
+    ends, seqs, ref, low = row_reference(q, k, v)
     nbytes = batch * length * kv_heads * head_dim * 2 * 2
 
     def checked(name, call, ref=ref, low=low):

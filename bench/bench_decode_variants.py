@@ -54,7 +54,7 @@ def config_name(config: dict) -> str:
 def variant_row(batch, length, heads, kv_heads, head_dim, q_len, page_size, configs):
     """One row: each variant checked, then all timed in interleaved rounds."""
     gen, q, k, v, lens = row_inputs(batch, length, heads, kv_heads, head_dim, q_len)
-    ends, ref, low = row_reference(q, k, v)
+    ends, _, ref, low = row_reference(q, k, v)
     table = None
     if page_size is not None:
         k, v, table = paged(k, v, page_size, gen)

@@ -431,8 +431,7 @@ def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: tor
     ([num_blocks, page_size, H_kv, D] through block_table [B, max_blocks]): positions
     leftpad[b] (or 0) to seqlens_k[b] - 1."""
     seqs = []
-    for b, k_len in enumerate(seqlens_k.tolist()):
-        start = 0 if leftpad is None else min(int(leftpad[b]), k_len)
+    for b, (start, k_len) in enumerate(_key_spans(seqlens_k, leftpad)):
         if block_table is None:
             row = b if batch_idx is None else int(batch_idx[b])
             k, v = k_cache[row, :k_len], v_cache[row, :k_len]
@@ -448,11 +447,15 @@ def cache_masks(attn_mask: torch.Tensor, seqlens_k: torch.Tensor,
     """Each sequence's part of a KV-cache call's mask, aligned with ``cache_sequences``'s keys:
     attn_mask [B, 1, Lq, L] (bool, cache positions along L) cut to positions leftpad[b] (or
     0) to seqlens_k[b] - 1, [1, 1, Lq, k_len_b] each."""
-    masks = []
-    for b, k_len in enumerate(seqlens_k.tolist()):
-        start = 0 if leftpad is None else min(int(leftpad[b]), k_len)
-        masks.append(attn_mask[b:b + 1, :, :, start:k_len])
-    return masks
+    return [attn_mask[b:b + 1, :, :, start:k_len]
+            for b, (start, k_len) in enumerate(_key_spans(seqlens_k, leftpad))]
+
+
+def _key_spans(seqlens_k: torch.Tensor, leftpad: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Each sequence's keys as cache positions [start, end): from its left pad (0 without
+    one, at most its length) to its length."""
+    return [(0 if leftpad is None else min(int(leftpad[b]), k_len), k_len)
+            for b, k_len in enumerate(seqlens_k.tolist())]
 
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

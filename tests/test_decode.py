@@ -421,21 +421,24 @@ def test_fake_kvcache_op_shapes():
         assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
-def test_kvcache_traces_into_one_graph(paged, monkeypatch):
+def test_kvcache_traces_into_one_graph(paged, masked, monkeypatch):
     """torch.compile(fullgraph=True) through flash_attn_with_kvcache: the checks and the
     ``flash_tile::kvcache_attention`` op (which declares the caches it appends to as mutated)
-    in one graph. Meta tensors stand in for CUDA ones (the device check is stubbed)."""
+    in one graph, a mask (a static cache's [B, 1, 1, L]) among the op's inputs. Meta tensors
+    stand in for CUDA ones (the device check is stubbed)."""
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    seen = []
+    ops = []
 
     def backend(gm, example_inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes)
+        ops.extend(node for node in gm.graph.nodes if "kvcache_attention" in str(node.target))
         return gm
 
-    def step(q, k_cache, v_cache, k, v, lens, table):
+    def step(q, k_cache, v_cache, k, v, lens, table, mask):
         return flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens,
-                                                  block_table=table, causal=True)
+                                                  block_table=table, causal=True,
+                                                  attn_mask=mask)
 
     meta = dict(device="meta", dtype=torch.float16)
     q = torch.empty(2, 1, 8, 64, **meta)
@@ -443,10 +446,13 @@ def test_kvcache_traces_into_one_graph(paged, monkeypatch):
     new = [torch.empty(2, 1, 2, 64, **meta) for _ in range(2)]
     lens = torch.empty(2, device="meta", dtype=torch.int32)
     table = torch.empty(2, 8, device="meta", dtype=torch.int32) if paged else None
+    mask = torch.empty(2, 1, 1, 512 if paged else 64, device="meta", dtype=torch.bool)
     torch._dynamo.reset()
-    out = torch.compile(step, fullgraph=True, backend=backend)(q, *caches, *new, lens, table)
+    out = torch.compile(step, fullgraph=True, backend=backend)(q, *caches, *new, lens, table,
+                                                               mask if masked else None)
     assert out.shape == (2, 1, 8, 64)
-    assert any("kvcache_attention" in target for target in seen), seen
+    assert len(ops) == 1, ops
+    assert (ops[0].args[-1] is not None) == masked, ops[0].args
 
 
 def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):

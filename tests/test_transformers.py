@@ -313,10 +313,10 @@ def test_set_attn_implementation_and_generate_on_cpu(name, monkeypatch):
     assert decode_calls == [n for n in range(21, 25) for _ in range(2)]
 
 
+@pytest.mark.usefixtures("varlen_calls")  # the left-padded prompt runs as packed sequences
 @pytest.mark.parametrize("cache", ["static", "left_padded"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_masked_decode_steps_reach_the_kvcache_kernel_on_cpu(kind, cache, varlen_calls,
-                                                             monkeypatch):
+def test_masked_decode_steps_reach_the_kvcache_kernel_on_cpu(kind, cache, monkeypatch):
     """Decode steps with a mask (a static cache's unwritten slots, a left-padded batch's pad,
     Mistral's window once the cache outgrows it) run the KV-cache kernel with that mask, not
     the masked forward; greedy output equals "sdpa"."""
@@ -389,10 +389,11 @@ def test_logits_and_greedy_generation_on_gpu(kind, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_static_cache_generation_under_torch_compile_on_gpu(kind):
-    """generate with a static cache, each model's forward compiled (fullgraph): the decode
-    steps pass their [B, 1, 1, L] masks to the KV-cache kernel inside the compiled graph;
-    greedy output equals "sdpa" compiled the same way (Llama with GQA, Mistral past its
-    sliding window of 8)."""
+    """generate with a static cache, each model's forward compiled (fullgraph=True, so a
+    graph break fails): greedy output equals "sdpa" compiled the same way (Llama with GQA,
+    Mistral past its sliding window of 8). That such steps reach the KV-cache op with their
+    masks is test_masked_decode_steps_reach_the_kvcache_kernel_on_cpu's and
+    tests/test_decode.py::test_kvcache_traces_into_one_graph's."""
     ids, _ = _batch("cuda")
     config = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
     out = {}

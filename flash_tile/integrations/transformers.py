@@ -25,8 +25,7 @@ take the masked path. Attention dropout (``dropout``, which models pass only whi
 training) runs in the kernels. A decode step (one query row) runs ``flash_attn_with_kvcache``'s
 decode kernel on the cache transformers passes in, with its boolean [B, 1, 1, Lk] mask (a
 static cache's unwritten slots, a left-padded batch's pad, a sliding window) read by the
-kernel on the device: no sync, so it runs the same way under torch.compile and in a captured
-CUDA graph.
+kernel on the device: no sync, so it runs the same way under torch.compile.
 
 Two names, and why. transformers 5 treats every implementation whose name contains "flash" as
 flash-attn (``is_flash_attention_requested`` tests ``"flash" in name``) for loading, chunked
