@@ -432,13 +432,19 @@ def check_decode_mask(attn_mask, batch: int, q_len: int, capacity: int,
                          f"decode shares it across the heads, got shape "
                          f"{list(attn_mask.shape)}")
     try:
-        attn_mask = attn_mask.expand(shape)
+        view = decode_mask_view(attn_mask, batch, q_len)
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to "
                          f"{list(shape)}") from None
-    if attn_mask.device != device:
-        raise ValueError(f"attn_mask must be on {device} with q, got {attn_mask.device}")
-    return attn_mask
+    if view.device != device:
+        raise ValueError(f"attn_mask must be on {device} with q, got {view.device}")
+    return view
+
+
+def decode_mask_view(attn_mask: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
+    """A KV-cache mask as the decode reads it: [B, 1, Lq, L], a stride-0 view where it
+    broadcasts (its shape checked by ``check_decode_mask``)."""
+    return attn_mask.expand(batch, 1, q_len, attn_mask.shape[-1])
 
 
 def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,

@@ -162,7 +162,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 kv_descale = _validate.kv_descales(k_descale, v_descale, q.shape[0],
                                                    k_cache.shape[2], q.device)
             if attn_mask is not None:  # of the checked shape: its view for the kernel
-                attn_mask = attn_mask.expand(q.shape[0], 1, q.shape[1], attn_mask.shape[-1])
+                attn_mask = _validate.decode_mask_view(attn_mask, q.shape[0], q.shape[1])
             return _run_plan(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                              block_table, sinks, cache_leftpad, rotary_cos, rotary_sin,
                              rotary_interleaved, return_softmax_lse, kv_descale, attn_mask)
