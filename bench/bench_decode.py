@@ -18,8 +18,8 @@ GB/s counts the K and V bytes the step must read, B * L * H_kv * (D + Dv) * 2, o
 time per call with the calls queued behind a sleep (``bench_attention.device_ms``), so that
 launch gaps do not count, the best of ROUNDS rounds that time the backends in turn;
 ``fraction_of_bandwidth`` divides by the read bandwidth measured in the same run (a sum over
-a 4 GiB tensor). ``host_us`` is the wall time per call of
-back-to-back calls on a problem the GPU finishes first (B = 1, L = 1k): the host's cost.
+a 4 GiB tensor). ``host_us`` is the wall time per call of back-to-back calls on a problem the
+GPU finishes first (B = 1, L = 1k): the host's cost.
 
     python bench/bench_decode.py                       # bench/results/decode-<gpu>.*
     python bench/bench_decode.py --batches 1 --lengths 131072 --pages 64 --out /tmp/d
@@ -126,6 +126,16 @@ def runners(q, k, v, lens):
     return calls
 
 
+def best_of_rounds(calls: dict) -> dict:
+    """{name: GPU ms per call}: the best of ROUNDS rounds that time every call in turn
+    (``device_ms``), so that no call alone meets the GPU as the previous one left it."""
+    best = {}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            best[name] = min(device_ms(call), best.get(name, float("inf")))
+    return best
+
+
 def row_inputs(batch, length, heads, kv_heads, head_dim, q_len):
     """(generator, q, k, v, cache lengths) of one row, seeded by B and L: q [B, Lq, H, D] and
     the caches [B, L, H_kv, D] in bf16, every sequence L keys long."""
@@ -169,12 +179,10 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
             return False
 
     def timed(calls):
-        """GB/s of each (call, bytes) in ``calls``: the best of ROUNDS rounds that time every
-        call in turn, so that no backend alone meets the GPU as the last row left it."""
-        for _ in range(ROUNDS):
-            for name, (call, size) in calls.items():
-                gbps = round(size / device_ms(call) / 1e6, 1)
-                row["gbps"][name] = max(gbps, row["gbps"].get(name, 0.0))
+        """GB/s of each (call, bytes) in ``calls``, timed by ``best_of_rounds``."""
+        ms = best_of_rounds({name: call for name, (call, _) in calls.items()})
+        for name, (_, size) in calls.items():
+            row["gbps"][name] = round(size / ms[name] / 1e6, 1)
 
     contiguous = {name: (call, nbytes) for name, call in runners(q, k, v, lens).items()
                   if checked(name, call)}

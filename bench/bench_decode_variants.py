@@ -21,14 +21,13 @@ default's GPU microseconds per step, and each variant's time over it (below 1 is
 import argparse
 import dataclasses
 import json
-import math
 import os
 
 import torch
 from tqdm import tqdm
 
-from bench_attention import device_ms, failure, machine_info, md_table, save_json, write_report
-from bench_decode import ROUNDS, paged, row_inputs, row_reference
+from bench_attention import failure, machine_info, md_table, save_json, write_report
+from bench_decode import ROUNDS, best_of_rounds, paged, row_inputs, row_reference
 from flash_tile import _launch_decode, _ops, reference
 from flash_tile.variants import DecodeConfig
 
@@ -85,10 +84,7 @@ def variant_row(batch, length, heads, kv_heads, head_dim, q_len, page_size, conf
                 row["skipped"][name] = f"wrong result: {report}"
         except Exception as e:  # noqa: BLE001 - a variant that does not compile or launch
             row["skipped"][name] = failure(e)
-    for _ in range(ROUNDS):
-        for name, call in calls.items():
-            row["us"][name] = round(min(1e3 * device_ms(call), row["us"].get(name, math.inf)),
-                                    2)
+    row["us"] = {name: round(1e3 * ms, 2) for name, ms in best_of_rounds(calls).items()}
     base = row["us"].get("default")
     row["ratio"] = {name: round(us / base, 3) for name, us in row["us"].items()} if base else {}
     return row

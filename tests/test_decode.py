@@ -620,8 +620,10 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
 
 def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):
     """bench_decode_variants: --configs are DecodeConfig fields (anything else raises before
-    any GPU work); the plan calls it makes bind to the launcher's signatures; the table gives
-    each variant's ratio, or says it was skipped."""
+    any GPU work); calls are timed in turn, round after round, each keeping its best
+    (``bench_decode.best_of_rounds``, the device timer stubbed); the plan calls it makes bind
+    to the launcher's signatures; the table gives each variant's ratio, or says it was
+    skipped."""
     import inspect
     import pathlib
 
@@ -633,6 +635,12 @@ def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):
     for bad in ('{"warps": 8}', "[8]", "{}"):
         with pytest.raises(ValueError, match="DecodeConfig fields"):
             bdv.parse_configs([bad])
+    import bench_decode
+
+    times, order = iter([3.0, 2.0, 1.0, 4.0, 2.5, 5.0]), []
+    monkeypatch.setattr(bench_decode, "device_ms", lambda call: order.append(call) or next(times))
+    assert bench_decode.best_of_rounds({"a": "A", "b": "B"}) == {"a": 1.0, "b": 2.0}
+    assert order == ["A", "B"] * bench_decode.ROUNDS  # in turn, round after round
     inspect.signature(_launch_decode.decode_plan).bind(
         *[None] * 10, variants.DecodeConfig())
     inspect.signature(_launch_decode._DecodePlan.launch).bind(None, *[None] * 13)
