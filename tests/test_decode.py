@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, _launch_decode, _validate, aot, kvcache, reference, variants
+from flash_tile import (_launch, _launch_decode, _validate, aot, kvcache, reference,
+                        reference_decode, variants)
 
 
 def _contiguous(batch, capacity, kv_heads, head_dim, v_head_dim, seed=0):
@@ -40,12 +41,12 @@ def test_split_and_combine_equal_plain_attention(num_splits, tile_lq, tile_n, wi
     batch, q_len, heads, kv_heads, d, dv = 3, 7, 6, 2, 16, 8
     k_cache, v_cache = _contiguous(batch, 203, kv_heads, d, dv)
     seqlens = torch.tensor([0, 1, 203], dtype=torch.int32)  # 0: every row sees nothing
-    seqs = reference.cache_sequences(k_cache, v_cache, seqlens)
+    seqs = reference_decode.cache_sequences(k_cache, v_cache, seqlens)
     q = torch.randn(batch, q_len, heads, d, generator=torch.Generator().manual_seed(1),
                     dtype=torch.float64)
     slopes = torch.rand(batch, heads, dtype=torch.float64)
-    out, lse = reference.decode_tiles_reference(q, seqs, None, window, 5.0, slopes, tile_lq,
-                                                tile_n, num_splits)
+    out, lse = reference_decode.decode_tiles_reference(q, seqs, None, window, 5.0, slopes,
+                                                       tile_lq, tile_n, num_splits)
     ref_out, ref_lse = _dense(q[1:], seqs[1:], window, 5.0, slopes[1:])
     assert torch.allclose(out[1:], ref_out, atol=1e-12)
     assert torch.equal(lse[1:].isinf(), ref_lse.isinf())
@@ -61,12 +62,13 @@ def test_split_and_combine_count_the_sink_once(num_splits):
     batch, q_len, heads, kv_heads, d = 3, 5, 6, 2, 16
     k_cache, v_cache = _contiguous(batch, 150, kv_heads, d, d, seed=4)
     seqlens = torch.tensor([0, 1, 150], dtype=torch.int32)
-    seqs = reference.cache_sequences(k_cache, v_cache, seqlens)
+    seqs = reference_decode.cache_sequences(k_cache, v_cache, seqlens)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(batch, q_len, heads, d, generator=gen, dtype=torch.float64)
     sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
-    out, lse = reference.decode_tiles_reference(q, seqs, None, (-1, 0), tile_lq=2, tile_n=16,
-                                                num_splits=num_splits, sinks=sinks)
+    out, lse = reference_decode.decode_tiles_reference(q, seqs, None, (-1, 0), tile_lq=2,
+                                                       tile_n=16, num_splits=num_splits,
+                                                       sinks=sinks)
     for b, (k, v) in enumerate(seqs[1:], start=1):
         ref, ref_lse = reference.attention_dense(q[b:b + 1].transpose(1, 2), k, v,
                                                  diag_offset=k.shape[2] - q_len,
@@ -93,16 +95,17 @@ def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, win
     gen = torch.Generator().manual_seed(8)
     mask = torch.rand(batch, 1, q_len, 113, generator=gen) > 0.4
     mask[2, 0, 3] = False  # a row that sees nothing
-    seqs = reference.cache_sequences(k_cache, v_cache, seqlens, leftpad=leftpad)
-    masks = reference.cache_masks(mask, seqlens, leftpad)
+    seqs = reference_decode.cache_sequences(k_cache, v_cache, seqlens, leftpad=leftpad)
+    masks = reference_decode.cache_masks(mask, seqlens, leftpad)
     q = torch.randn(batch, q_len, heads, d, generator=gen, dtype=torch.float64)
     softcap, slopes, sinks = 0.0, None, None
     if extras:
         softcap = 5.0
         slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64)
         sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
-    out, lse = reference.decode_tiles_reference(q, seqs, None, window, softcap, slopes,
-                                                tile_lq, tile_n, num_splits, sinks, masks)
+    out, lse = reference_decode.decode_tiles_reference(q, seqs, None, window, softcap, slopes,
+                                                       tile_lq, tile_n, num_splits, sinks,
+                                                       masks)
     for b, (k, v) in enumerate(seqs):
         ref, ref_lse = reference.attention_dense(
             q[b:b + 1].transpose(1, 2), k, v, diag_offset=k.shape[2] - q_len, window=window,
@@ -150,11 +153,12 @@ def test_paged_and_contiguous_caches_hold_the_same_sequences():
             k_pages[table[b, p]] = k_cache[b, p * page:(p + 1) * page]
             v_pages[table[b, p]] = v_cache[b, p * page:(p + 1) * page]
     lens = torch.tensor([5, 96, 33], dtype=torch.int32)
-    for (k1, v1), (k2, v2) in zip(reference.cache_sequences(k_cache, v_cache, lens),
-                                  reference.cache_sequences(k_pages, v_pages, lens, None, table)):
+    paged = reference_decode.cache_sequences(k_pages, v_pages, lens, None, table)
+    for (k1, v1), (k2, v2) in zip(reference_decode.cache_sequences(k_cache, v_cache, lens),
+                                  paged):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     idx = torch.tensor([2, 0], dtype=torch.int32)
-    picked = reference.cache_sequences(k_cache, v_cache, lens[:2], idx)
+    picked = reference_decode.cache_sequences(k_cache, v_cache, lens[:2], idx)
     assert torch.equal(picked[0][0][0], k_cache[2, :5].transpose(0, 1))
 
 
@@ -315,13 +319,14 @@ def test_rotary_checks():
 
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rotary_reference_turns_each_pair_by_its_angle(interleaved):
-    """``reference.rotary_embedding`` against the complex form: pair (a, b) at position t and
-    frequency f is a + ib times exp(i angle[t, f]); columns past rotary_dim pass through."""
+    """``reference_decode.rotary_embedding`` against the complex form: pair (a, b) at position
+    t and frequency f is a + ib times exp(i angle[t, f]); columns past rotary_dim pass
+    through."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 4, 20, generator=gen, dtype=torch.float64)
     angle = torch.rand(50, 6, generator=gen, dtype=torch.float64) * 2 * math.pi
     pos = torch.tensor([[0, 7, 49], [3, 3, 10]])
-    out = reference.rotary_embedding(x, angle.cos(), angle.sin(), pos, interleaved)
+    out = reference_decode.rotary_embedding(x, angle.cos(), angle.sin(), pos, interleaved)
     rot = x[..., :12]
     pairs = (torch.stack((rot[..., 0::2], rot[..., 1::2]), -1) if interleaved else
              torch.stack((rot[..., :6], rot[..., 6:]), -1))

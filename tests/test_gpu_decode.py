@@ -1,9 +1,9 @@
 """flash_attn_with_kvcache on the GPU against an fp32 reference, flash-attn's 2x rule.
 
-Each sequence's keys are read back from the cache (``reference.cache_sequences``) and attended
-by ``reference.attention_dense`` in fp32 (the reference) and in the input dtype (PyTorch's own
-low-precision error). Cache slots past each sequence's length, and pages no sequence uses, hold
-NaN: a kernel that reads one fails.
+Each sequence's keys are read back from the cache (``reference_decode.cache_sequences``) and
+attended by ``reference.attention_dense`` in fp32 (the reference) and in the input dtype
+(PyTorch's own low-precision error). Cache slots past each sequence's length, and pages no
+sequence uses, hold NaN: a kernel that reads one fails.
 """
 
 import math
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import reference
+from flash_tile import reference, reference_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -57,12 +57,12 @@ def _check(q, k_cache, v_cache, out, lse, seqlens, window=(-1, -1), softcap=0.0,
            alibi_slopes=None, batch_idx=None, block_table=None, sinks=None, leftpad=None,
            attn_mask=None):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
-    seqs = reference.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table,
-                                     leftpad)
+    seqs = reference_decode.cache_sequences(k_cache, v_cache, lengths, batch_idx, block_table,
+                                            leftpad)
     masks = [None] * len(seqs)
     if attn_mask is not None:
         attn_mask = attn_mask.expand(q.shape[0], 1, q.shape[1], attn_mask.shape[-1])
-        masks = reference.cache_masks(attn_mask, lengths, leftpad)
+        masks = reference_decode.cache_masks(attn_mask, lengths, leftpad)
     for b, (k, v) in enumerate(seqs):
         qb = q[b:b + 1].transpose(1, 2)
         diag = k.shape[2] - q.shape[1]
@@ -242,7 +242,7 @@ def test_append_then_attend():
                                                  cache_seqlens=lens, block_table=table,
                                                  causal=True)
         grown = [n + new for n in seqlens]
-        seqs = reference.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
+        seqs = reference_decode.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
         for b, (k, v) in enumerate(seqs):  # the new rows landed where they belong
             assert torch.equal(k[0, :, seqlens[b]:].transpose(0, 1), k_new[b])
             assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])
@@ -365,8 +365,9 @@ def test_leftpad(page_size, num_splits, window):
 def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causal,
                                    rotary_dim):
     """The fused rotary embedding: the new keys land in the cache rotated at their positions,
-    q is rotated at cache_seqlens (+ its row when causal), as ``reference.rotary_embedding``
-    does; with left pads, a group of 6 heads, and no new rows (q alone rotated)."""
+    q is rotated at cache_seqlens (+ its row when causal), as
+    ``reference_decode.rotary_embedding`` does; with left pads, a group of 6 heads, and no
+    new rows (q alone rotated)."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     batch, cap, kvh, heads, d = 3, 512, 2, 12, 128
     seqlens, leftpad = [0, 250, 509 - new_len], [0, 20, 100]
@@ -384,13 +385,12 @@ def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causa
         cache_leftpad=pads, block_table=table, causal=causal, rotary_interleaved=interleaved)
     assert torch.equal(q, q_before)  # q is read, not rotated in place
     base = lens.long()[:, None]
-    k_ro = reference.rotary_embedding(k_new, cos, sin, base + torch.arange(new_len,
-                                                                           device="cuda"),
-                                      interleaved)
-    q_ro = reference.rotary_embedding(q, cos, sin, base + (torch.arange(q_len, device="cuda")
-                                                           if causal else 0), interleaved)
+    k_ro = reference_decode.rotary_embedding(
+        k_new, cos, sin, base + torch.arange(new_len, device="cuda"), interleaved)
+    q_ro = reference_decode.rotary_embedding(
+        q, cos, sin, base + (torch.arange(q_len, device="cuda") if causal else 0), interleaved)
     grown = [n + new_len for n in seqlens]
-    seqs = reference.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
+    seqs = reference_decode.cache_sequences(k_cache, v_cache, torch.tensor(grown), None, table)
     for b, (k, v) in enumerate(seqs):  # the rotated keys landed where they belong
         torch.testing.assert_close(k[0, :, seqlens[b]:].transpose(0, 1), k_ro[b])
         assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])

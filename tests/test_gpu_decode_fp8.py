@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import reference
+from flash_tile import reference, reference_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -68,7 +68,7 @@ def _dequantized(k8, v8, kd, vd):
 def _check(q, k_deq, v_deq, out, lse, seqlens, table, window=(-1, -1), batch_idx=None,
            leftpad=None, alibi_slopes=None, **features):
     lengths = torch.tensor(seqlens, dtype=torch.int32)
-    seqs = reference.cache_sequences(k_deq, v_deq, lengths, batch_idx, table, leftpad)
+    seqs = reference_decode.cache_sequences(k_deq, v_deq, lengths, batch_idx, table, leftpad)
     for b, (k, v) in enumerate(seqs):
         qb = q[b:b + 1].transpose(1, 2)
         slopes = None if alibi_slopes is None else alibi_slopes[b:b + 1]
@@ -177,13 +177,13 @@ def test_append_quantizes_new_rows(page_size, rotary):
     q_at = q
     if rotary:
         positions = lens.long()[:, None] + torch.arange(new_len, device="cuda")
-        k_want = reference.rotary_embedding(k_new.float(), rot["rotary_cos"], rot["rotary_sin"],
-                                            positions, False)
-        q_at = reference.rotary_embedding(q, rot["rotary_cos"], rot["rotary_sin"],
-                                          lens.long()[:, None], False)
+        k_want = reference_decode.rotary_embedding(k_new.float(), rot["rotary_cos"],
+                                                   rot["rotary_sin"], positions, False)
+        q_at = reference_decode.rotary_embedding(q, rot["rotary_cos"], rot["rotary_sin"],
+                                                 lens.long()[:, None], False)
     grown = [n + new_len for n in seqlens]
     k_deq, v_deq = _dequantized(k8, v8, kd, vd)
-    seqs = reference.cache_sequences(k_deq, v_deq, torch.tensor(grown), None, table)
+    seqs = reference_decode.cache_sequences(k_deq, v_deq, torch.tensor(grown), None, table)
     for b, (k, v) in enumerate(seqs):
         for got, new, d_ in ((k, k_want, kd), (v, v_new, vd)):
             factor = d_.reshape(()) if d_.numel() == 1 else d_[b][:, None]  # [H_kv, 1]
@@ -199,8 +199,8 @@ def test_append_quantizes_new_rows(page_size, rotary):
                                        cache_seqlens=torch.tensor(grown, dtype=torch.int32,
                                                                   device="cuda"),
                                        block_table=table, k_descale=kd, v_descale=vd)
-    seqs = reference.cache_sequences(k8, v8, torch.tensor([n + new_len for n in grown]), None,
-                                     table)
+    seqs = reference_decode.cache_sequences(k8, v8, torch.tensor([n + new_len for n in grown]),
+                                            None, table)
     for b, (k, v) in enumerate(seqs):
         for got, new in ((k, k_new8), (v, v_new8)):
             got = got[0, :, grown[b]:].transpose(0, 1)
