@@ -521,10 +521,10 @@ class DecodeConfig:
     kernel; 16-key pages joined four to a 64-key step 1.34-1.84x faster than gathered by
     row, and 3.5-4.0x faster than the 16-key steps of before (which spilled); gathered rows
     64 a step beat 128 on 6 of 8 rows; joined steps of 128 keys (2, 4 or 8 loads) ran
-    0.26-0.73x the 64-key ones. 8 worker warps (no spills where 4 spill) took 1.04-1.09x the
-    time on contiguous caches and 1.38-2.66x on 16- to 256-key pages [H200, 2026-12-04,
-    commit 90453ff, B 1-128, L 8k/32k; docs/experiments/evidence/
-    2026-12-04-decode-candidates-h200.md]: no worker-warp hint."""
+    0.26-0.73x the 64-key ones. 8 worker warps (which drop the 16-key pages' 22 LDL/STL
+    on sm_90) took 1.04-1.09x the time on contiguous caches and 1.38-2.66x on 16- to
+    256-key pages [H200, 2026-12-04, commit 90453ff, B 1-128, L 8k/32k;
+    docs/experiments/evidence/2026-12-04-decode-candidates-h200.md]: no worker-warp hint."""
 
     rows: int = 16
     tile_n: int = 128
