@@ -16,8 +16,10 @@ import cuda.tile as ct
 import torch
 
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
-from flash_tile.kernels.attention_bwd import (attention_bwd_dkdv, attention_bwd_dq,
-                                              attention_bwd_dq_convert, attention_bwd_preprocess)
+from flash_tile.kernels.attention_bwd import (
+    attention_bwd_dkdv, attention_bwd_dkdv_int64, attention_bwd_dq, attention_bwd_dq_convert,
+    attention_bwd_dq_convert_int64, attention_bwd_dq_int64, attention_bwd_preprocess,
+    attention_bwd_preprocess_int64)
 from flash_tile.kernels.attention_fwd import (attention_fwd, attention_fwd_int64,
                                               keys_major_copy, keys_major_copy_int64)
 from flash_tile.variants import TileConfig, tile_width
@@ -187,15 +189,21 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
 
 
 @functools.cache
-def hinted_backward_kernels(config: TileConfig) -> tuple:
-    """The backward's kernels in launch order: (dQ, dK/dV) with ``config``'s hints, or in
-    the one-pass form (preprocess, dK/dV with the hints, dQ convert): the two small kernels
-    move a few bytes per element and take tileiras's defaults."""
+def hinted_backward_kernels(config: TileConfig, int64_index: bool = False) -> tuple:
+    """The backward's kernels in launch order (32- or 64-bit indexing): (dQ, dK/dV) with
+    ``config``'s hints, or in the one-pass form (preprocess, dK/dV with the hints, dQ
+    convert): the two small kernels move a few bytes per element and take tileiras's
+    defaults."""
     hints = tuple(config.hints().items())
     if config.one_pass:
-        return (attention_bwd_preprocess, _with_hints(attention_bwd_dkdv, hints),
-                attention_bwd_dq_convert)
-    return tuple(_with_hints(kernel, hints) for kernel in (attention_bwd_dq, attention_bwd_dkdv))
+        preprocess, dkdv, convert = ((attention_bwd_preprocess_int64, attention_bwd_dkdv_int64,
+                                      attention_bwd_dq_convert_int64) if int64_index else
+                                     (attention_bwd_preprocess, attention_bwd_dkdv,
+                                      attention_bwd_dq_convert))
+        return preprocess, _with_hints(dkdv, hints), convert
+    kernels = ((attention_bwd_dq_int64, attention_bwd_dkdv_int64) if int64_index else
+               (attention_bwd_dq, attention_bwd_dkdv))
+    return tuple(_with_hints(kernel, hints) for kernel in kernels)
 
 
 def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
@@ -417,8 +425,9 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     Inputs as ``launch_forward``, plus the forward's ``out`` and ``lse`` (natural log) and the
     output gradient ``dout`` [B, H, Lq, Dv] and, when the caller differentiates through the
     LSE, its gradient ``dlse`` [B, H, Lq] fp32 (else None), and the forward's ``dropout``;
-    writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype. 32-bit
-    indexing only. Two forms (``config.one_pass``):
+    writes dq (q's shape), dk and dv (k's and v's shapes) in the inputs' dtype. Where an
+    offset into any of those arrays (or the mask, or the one pass's dQ sums) reaches 2**31,
+    the kernels' 64-bit entry points run (``needs_int64_index``). Two forms (``config.one_pass``):
       - two passes, deterministic (no atomics): the dQ kernel on ``config.dq_kernel()``'s
         tiles, which also stores Delta = rowsum(dO * O) - dLSE, then dK/dV on ``config``'s;
       - one pass: a preprocess kernel (Delta, and zeros in an fp32 dQ accumulator,
@@ -431,9 +440,6 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dq_acc = dq_accumulator(q) if config.one_pass else None
     arrays = (dout, q, k, v, out, dq, dk, dv, *(() if attn_mask is None else (attn_mask,)),
               *(() if dq_acc is None else (dq_acc,)))
-    if needs_int64_index(*arrays):
-        raise NotImplementedError("the backward kernels index in 32 bits: an array of 2**31 "
-                                  "elements or more reached them; split the batch")
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
@@ -463,7 +469,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, cu_q, cu_k,
                  used_k, *scalars,
                  *spec.dkdv_constants(heads // kv_heads, config.group_inner, config.one_pass))
-    kernels = hinted_backward_kernels(config)
+    kernels = hinted_backward_kernels(config, needs_int64_index(*arrays))
     if config.one_pass:
         preprocess, dkdv, convert = kernels
         launch_on(q.device, q_grid, preprocess,

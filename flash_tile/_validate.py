@@ -377,28 +377,16 @@ def check_compiler() -> None:
 
 def check_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **no_grad_inputs) -> bool:
     """Whether the backward will be needed; raises for what it cannot do. ``no_grad_inputs``
-    (alibi_slopes, attn_mask) get no gradient, so they must not ask for one.
-
-    The backward kernels index in 32 bits: every array they read or write must stay below
-    2**31 elements: q, k, v and the mask through their strides, and what the backward allocates
-    as dense arrays (dq, dk, dv of q's, k's and v's shapes, out and dout of [B, H, Lq, Dv]).
-    ``_launch.launch_backward`` checks the real arrays again."""
+    (alibi_slopes, attn_mask) get no gradient, so they must not ask for one. Arrays of 2**31
+    elements or more are no limit: the backward has 64-bit entry points
+    (``_launch.launch_backward``)."""
     if not torch.is_grad_enabled():
         return False
     for name, t in no_grad_inputs.items():
         if t is not None and t.requires_grad:
             raise NotImplementedError(f"{name}: gradients with respect to {name} are not "
                                       "supported; detach it")
-    if not any(t.requires_grad for t in (q, k, v)):
-        return False
-    batch, heads, q_len, _ = q.shape
-    masks = [t for t in no_grad_inputs.values() if t is not None]
-    dense = (q.numel(), k.numel(), v.numel(), batch * heads * q_len * v.shape[3])
-    if needs_int64_index(q, k, v, *masks) or max(dense) >= 2**31:
-        raise NotImplementedError("the backward of tensors (inputs, output or mask) with "
-                                  "2**31 elements or more is not supported yet; split the "
-                                  "batch")
-    return True
+    return any(t.requires_grad for t in (q, k, v))
 
 
 def check_index_tensor(t, name: str, shape: tuple[int, ...], device: torch.device

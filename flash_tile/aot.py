@@ -144,16 +144,18 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                         config: variants.TileConfig, group: int = 1,
                         lse_grad: bool = False, dropout: bool = False,
                         aligned: bool = False, varlen: bool = False, sinks: bool = False,
-                        seqused_k: bool = False) -> tuple[KernelSignature, ...]:
+                        seqused_k: bool = False,
+                        int64_index: bool = False) -> tuple[KernelSignature, ...]:
     """Signatures of the backward's kernels for one variant, in ``launch_backward``'s order:
     (dQ, dK/dV), or (preprocess, dK/dV, convert) for a ``config.one_pass`` variant (dK/dV on
     ``config``'s tiles, the others on ``config.dq_kernel()``'s);
     ``group`` query heads per key/value head; ``lse_grad`` when a gradient reaches the LSE;
     ``varlen`` the VARLEN switch and ``seqused_k`` its SEQUSED_K; ``sinks`` the dQ kernel's
-    SINKS switch."""
+    SINKS switch; ``int64_index`` the 64-bit entry points' signatures."""
+    index = ct.int64 if int64_index else ct.int32
     (spec, qk, vo, rows, slopes, mask, scalars), (dq_spec, dq_qk, dq_vo, *_) = (
         _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask,
-                         even_n, True, c, ct.int32, dropout, aligned)
+                         even_n, True, c, index, dropout, aligned)
         for c in (config, config.dq_kernel()))
     if varlen:
         spec, dq_spec = (dataclasses.replace(s, even_n=False, varlen=True, seqused_k=seqused_k)
@@ -163,7 +165,7 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
     cu = (_index_array(1), _index_array(1))
     # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator): the
     # strides of the padded rows, the extents of the head dim.
-    acc = dataclasses.replace(_array(ct.float32, 4, row=-(-head_dim // 4) * 4),
+    acc = dataclasses.replace(_array(ct.float32, 4, -(-head_dim // 4) * 4, index),
                               shape_divisible_by=_array(ct.float32, 4,
                                                         row=head_dim).shape_divisible_by)
     dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *cu,
@@ -268,11 +270,12 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
                      config: variants.TileConfig | None = None, group: int = 1,
                      lse_grad: bool = False, dropout: bool = False,
                      aligned: bool = False, varlen: bool = False,
-                     sinks: bool = False, seqused_k: bool = False) -> dict[str, bytes]:
+                     sinks: bool = False, seqused_k: bool = False,
+                     int64_index: bool = False) -> dict[str, bytes]:
     """Cubins of the backward kernels ("dq", "dkdv"; one-pass variants "preprocess", "dkdv",
     "convert": ``BACKWARD_KERNELS``) for ``arch``, arguments as
-    ``compile_forward`` plus ``group`` (query heads per key/value head) and ``lse_grad`` (a
-    gradient reaches the LSE); the config defaults to the architecture's backward default for
+    ``compile_forward`` (``int64_index``: the 64-bit entry points) plus ``group`` (query
+    heads per key/value head) and ``lse_grad`` (a gradient reaches the LSE); the config defaults to the architecture's backward default for
     the class (``variants.default_backward_config``: plain without dropout and score features).
     """
     plain = variants.is_plain(softcap, alibi, attn_mask, dropout)
@@ -280,10 +283,10 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     window = (window[0], 0) if causal else tuple(window)
     sigs = backward_signatures(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                                attn_mask, even_n, config, group, lse_grad, dropout, aligned,
-                               varlen, sinks, seqused_k)
+                               varlen, sinks, seqused_k, int64_index)
     return {name: _export(kernel, sig, arch) for name, kernel, sig in
-            zip(BACKWARD_KERNELS[config.one_pass], hinted_backward_kernels(config), sigs,
-                strict=True)}
+            zip(BACKWARD_KERNELS[config.one_pass], hinted_backward_kernels(config, int64_index),
+                sigs, strict=True)}
 
 
 def _sinks() -> ArrayConstraint:

@@ -352,6 +352,49 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
                      VARLEN)
 
 
+def _preprocess_impl(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks,
+                      TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                      LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
+    """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
+    shares under SINKS (dSinks as the dQ kernel's) and zeros in dQacc [B, H, Lq, D] fp32,
+    for the query tile of head bid(1) that ``program_tile`` gives. Grid (cdiv(Lq, TILE_M), H,
+    B), or (total_q // TILE_M + B, H, 1) under VARLEN."""
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(Out, CuSeqQ, batch, VARLEN)
+    if VARLEN:
+        if tile_m * TILE_M >= q_len:  # the flattened grid's idle program
+            return
+    head = ct.bid(1)
+    do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
+    delta = _delta(Out, do, dLse, Delta, batch, head, (q_start, q_len, 0), tile_m, TILE_M,
+                   TILE_DV, LSE_GRAD, VARLEN)
+    if SINKS:
+        lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
+        offs_q = tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
+        _dsink_share(Sinks, dSinks, lse.reshape((TILE_M, 1)) * LOG2_E, delta, offs_q, q_len,
+                     batch, head, tile_m, VARLEN)
+    store_seq_rows(dQacc, batch, head, q_start, q_len, tile_m,
+                   ct.zeros((1, 1, TILE_M, TILE_D), dtype=ct.float32), VARLEN)
+
+
+def _dq_convert_impl(dQacc, dQ, CuSeqQ, qk_scale, TILE_M: ConstInt, TILE_D: ConstInt,
+                     SOFTCAP: ConstBool, VARLEN: ConstBool):
+    """The one-pass backward's last launch: dQ = dQacc * scale (the scale once per element,
+    as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for the
+    query tile of head bid(1) that ``program_tile`` gives; grid as the preprocess kernel's."""
+    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
+    q_start, q_len = query_bounds(dQ, CuSeqQ, batch, VARLEN)
+    if VARLEN:
+        if tile_m * TILE_M >= q_len:
+            return
+    head = ct.bid(1)
+    dq = load_seq_rows(dQacc, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
+    if not SOFTCAP:
+        dq = dq * qk_scale
+    store_seq_rows(dQ, batch, head, q_start, q_len, tile_m,
+                   dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)), VARLEN)
+
+
 @ct.kernel
 def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                        SeqUsedK, qk_scale: float, softcap: float, diag_offset: int,
@@ -405,43 +448,83 @@ def attention_bwd_dq(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuS
 def attention_bwd_preprocess(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks,
                              TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
                              LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
-    """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
-    shares under SINKS (dSinks as the dQ kernel's) and zeros in dQacc [B, H, Lq, D] fp32,
-    for the query tile of head bid(1) that ``program_tile`` gives. Grid (cdiv(Lq, TILE_M), H,
-    B), or (total_q // TILE_M + B, H, 1) under VARLEN."""
-    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
-    q_start, q_len = query_bounds(Out, CuSeqQ, batch, VARLEN)
-    if VARLEN:
-        if tile_m * TILE_M >= q_len:  # the flattened grid's idle program
-            return
-    head = ct.bid(1)
-    do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
-    delta = _delta(Out, do, dLse, Delta, batch, head, (q_start, q_len, 0), tile_m, TILE_M,
-                   TILE_DV, LSE_GRAD, VARLEN)
-    if SINKS:
-        lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
-        offs_q = tile_m * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
-        _dsink_share(Sinks, dSinks, lse.reshape((TILE_M, 1)) * LOG2_E, delta, offs_q, q_len,
-                     batch, head, tile_m, VARLEN)
-    store_seq_rows(dQacc, batch, head, q_start, q_len, tile_m,
-                   ct.zeros((1, 1, TILE_M, TILE_D), dtype=ct.float32), VARLEN)
+    """``_preprocess_impl``: Delta, the sinks' shares and dQacc's zeros."""
+    _preprocess_impl(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks, TILE_M, TILE_D,
+                     TILE_DV, LSE_GRAD, VARLEN, SINKS)
 
 
 @ct.kernel
 def attention_bwd_dq_convert(dQacc, dQ, CuSeqQ, qk_scale: float, TILE_M: ConstInt,
                              TILE_D: ConstInt, SOFTCAP: ConstBool, VARLEN: ConstBool):
-    """The one-pass backward's last launch: dQ = dQacc * scale (the scale once per element,
-    as the dQ kernel's; under SOFTCAP the sums hold ds/dx already) in dQ's dtype, for query
-    tile of head bid(1) that ``program_tile`` gives; grid as the
-    preprocess kernel's."""
-    batch, tile_m = program_tile(CuSeqQ, TILE_M, VARLEN)
-    q_start, q_len = query_bounds(dQ, CuSeqQ, batch, VARLEN)
-    if VARLEN:
-        if tile_m * TILE_M >= q_len:
-            return
-    head = ct.bid(1)
-    dq = load_seq_rows(dQacc, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
-    if not SOFTCAP:
-        dq = dq * qk_scale
-    store_seq_rows(dQ, batch, head, q_start, q_len, tile_m,
-                   dq.astype(dQ.dtype).reshape((1, 1, TILE_M, TILE_D)), VARLEN)
+    """``_dq_convert_impl``: dQ from the one pass's fp32 sums."""
+    _dq_convert_impl(dQacc, dQ, CuSeqQ, qk_scale, TILE_M, TILE_D, SOFTCAP, VARLEN)
+
+
+# The 64-bit entry points: the same bodies with 64-bit shapes and strides, for arrays of 2**31
+# elements or more (the launcher picks them, as the forward's attention_fwd_int64). cuTile
+# keeps 64-bit-indexed arrays off TMA, so the one pass's dQ adds are per-element reductions
+# there (REDG), not the tile's TMA reduce-add.
+
+@ct.kernel
+def attention_bwd_dkdv_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
+                             V: ct.IndexedWithInt64, dOut: ct.IndexedWithInt64,
+                             Lse: ct.IndexedWithInt64, Delta: ct.IndexedWithInt64,
+                             dK: ct.IndexedWithInt64, dV: ct.IndexedWithInt64,
+                             dQacc: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
+                             CuSeqQ, CuSeqK, SeqUsedK, qk_scale: float, softcap: float,
+                             diag_offset: int, window_left: int, window_right: int,
+                             dropout_seed: int, dropout_threshold: int, dropout_scale: float,
+                             TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
+                             TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+                             EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                             ATTN_MASK: ConstInt, DROPOUT: ConstBool, GROUP: ConstInt,
+                             GROUP_INNER: ConstBool, VARLEN: ConstBool, SEQUSED_K: ConstBool,
+                             DQ_ACCUM: ConstBool):
+    """``attention_bwd_dkdv`` in 64-bit indexing."""
+    _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
+               SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+               dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+               MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, GROUP,
+               GROUP_INNER, VARLEN, SEQUSED_K, DQ_ACCUM)
+
+
+@ct.kernel
+def attention_bwd_dq_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
+                           V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
+                           dOut: ct.IndexedWithInt64, Lse: ct.IndexedWithInt64,
+                           dLse: ct.IndexedWithInt64, Delta: ct.IndexedWithInt64,
+                           dQ: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64, CuSeqQ,
+                           CuSeqK, Sinks, dSinks, SeqUsedK, qk_scale: float, softcap: float,
+                           diag_offset: int, window_left: int, window_right: int,
+                           dropout_seed: int, dropout_threshold: int, dropout_scale: float,
+                           TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
+                           TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+                           EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                           ATTN_MASK: ConstInt, DROPOUT: ConstBool, LSE_GRAD: ConstBool,
+                           VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool):
+    """``attention_bwd_dq`` in 64-bit indexing."""
+    _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuSeqK, Sinks,
+             dSinks, SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
+             dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+             MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT, LSE_GRAD, VARLEN,
+             SINKS, SEQUSED_K)
+
+
+@ct.kernel
+def attention_bwd_preprocess_int64(Out: ct.IndexedWithInt64, dOut: ct.IndexedWithInt64,
+                                   Lse: ct.IndexedWithInt64, dLse: ct.IndexedWithInt64,
+                                   Delta: ct.IndexedWithInt64, dQacc: ct.IndexedWithInt64, CuSeqQ,
+                                   Sinks, dSinks, TILE_M: ConstInt, TILE_D: ConstInt,
+                                   TILE_DV: ConstInt, LSE_GRAD: ConstBool, VARLEN: ConstBool,
+                                   SINKS: ConstBool):
+    """``attention_bwd_preprocess`` in 64-bit indexing."""
+    _preprocess_impl(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks, TILE_M, TILE_D,
+                     TILE_DV, LSE_GRAD, VARLEN, SINKS)
+
+
+@ct.kernel
+def attention_bwd_dq_convert_int64(dQacc: ct.IndexedWithInt64, dQ: ct.IndexedWithInt64, CuSeqQ,
+                                   qk_scale: float, TILE_M: ConstInt, TILE_D: ConstInt,
+                                   SOFTCAP: ConstBool, VARLEN: ConstBool):
+    """``attention_bwd_dq_convert`` in 64-bit indexing."""
+    _dq_convert_impl(dQacc, dQ, CuSeqQ, qk_scale, TILE_M, TILE_D, SOFTCAP, VARLEN)

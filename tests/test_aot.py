@@ -119,6 +119,25 @@ def test_int64_index_entry_point(arch):
     assert (summary["local_memory"] > 0) == (arch in INT64_SPILLS), summary
 
 
+@pytest.mark.parametrize("arch,one_pass", [("sm_80", False), ("sm_90", False),
+                                           ("sm_90", True)], ids=["sm_80", "sm_90", "sm_90-one"])
+def test_backward_int64_entry_points(arch, one_pass):
+    """The backward past 2**31 elements: each form's 64-bit entry points compile from the same
+    bodies, with tensor cores, no spills (D = 128, ragged, causal) and no TMA; so the one
+    pass adds its dQ tiles by per-element reductions (REDG), not TMA reduce-adds."""
+    config = variants.SM90_ONE_PASS if one_pass else None
+    cubins = aot.compile_backward(arch, "bfloat16", 128, config=config, int64_index=True)
+    assert set(cubins) == set(aot.BACKWARD_KERNELS[one_pass])
+    for name, cubin in cubins.items():
+        sass = aot.disassemble(cubin)
+        summary = aot.summarize(sass)
+        assert summary["local_memory"] == 0 and summary["tma_load"] == 0, (name, summary)
+        assert (summary["tensor_core"] > 0) == (name in ("dq", "dkdv")), (name, summary)
+        if name == "dkdv":
+            assert (re.search(r"\bREDG\.E\.ADD\.F32", sass) is not None) == one_pass
+            assert summary["tma_reduce"] == 0, summary
+
+
 def test_bool_masks_load_through_tma_only_as_uint8():
     """sm_90 at a 16-aligned key length (the JIT's alignment, with which it may use TMA): a
     bool mask, which reaches the kernels as its uint8 view there, is loaded through TMA (more

@@ -160,6 +160,32 @@ def test_deterministic_algorithms_switch_runs_the_two_passes(backward_form, monk
     assert bool(allocated) == (backward_form == "one_pass")
 
 
+def test_more_than_2_31_elements(backward_form):
+    """q, out, dout and dq of [1, 1100, 16384, 128] (2.3e9 elements; K and V 1024 heads, GQA
+    16) take the backward's 64-bit entry points: the last group's gradients, whose rows past
+    1024 lie beyond element 2**31, against the fp32 reference."""
+    q = torch.randn(1, 1100, 16384, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1100, 1024, 128, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    dout = torch.randn_like(q)
+    got = _grads(lambda *qkv: flash_tile.flash_attn_func(*qkv, causal=True), q, k, v, dout)
+    heads, group = slice(16368, 16384), slice(1023, 1024)
+    got = (got[0][:, :, heads], got[1][:, :, heads], got[2][:, :, group], got[3][:, :, group])
+    sub = (q[:, :, heads], k[:, :, group], v[:, :, group], dout[:, :, heads])
+    del q, k, v, dout
+
+    def dense(q, k, v):
+        out = attention_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0,
+                              (-1, 0))
+        return out.transpose(1, 2)
+
+    ref = _grads(dense, *(t.float() for t in sub))
+    low = _grads(dense, *sub)
+    for name, g, r, p, factor in zip(("out", "dq", "dk", "dv"), got, ref, low, (2, 3, 3, 3)):
+        report = check_error(g, r, p, factor)
+        assert report["ok"], f"{name}: {report}"
+
+
 @pytest.mark.parametrize("k_len", [150, 160, 512])  # ragged; multiples of 16 (TMA-aligned)
 @pytest.mark.parametrize("kind", ["bool", "bool-full", "additive"])
 def test_sdpa_function_gradients_with_mask(kind, k_len):

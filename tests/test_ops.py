@@ -180,6 +180,28 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
     assert kv_args[1] is k and kv_args[6:8] == (dk, dv)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+def test_backward_past_2_31_elements_takes_the_64_bit_entry_points(launched, one_pass):
+    """An output gradient of 2**31 elements (meta tensors): every kernel of either form is
+    the 64-bit entry point; one element fewer keeps the 32-bit ones."""
+    from flash_tile import _launch, variants
+
+    config = variants.SM90_ONE_PASS if one_pass else variants.SM90_BACKWARD
+    for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
+        q = torch.empty(1, 32, q_len, 128, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, 8, 1024, 128, device="meta", dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, q_len, device="meta")
+        launched.clear()
+        _launch.launch_backward(q, q, k, k, q, lse, torch.empty_like(q), torch.empty_like(k),
+                                torch.empty_like(k), None, None, None, 0.1, 0.0, 0, (-1, 0),
+                                config)
+        kernels = tuple(kernel for _, kernel, _ in launched)
+        assert kernels == _launch.hinted_backward_kernels(config, int64)
+        assert len(kernels) == (3 if one_pass else 2)
+    assert set(_launch.hinted_backward_kernels(config, True)).isdisjoint(
+        _launch.hinted_backward_kernels(config, False))
+
+
 def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
     """A one-pass variant: the preprocess (Delta, zeros in the fp32 dQ sums), dK/dV with
     DQ_ACCUM adding into those sums, then the convert writing dq; all three share the sums,
