@@ -320,6 +320,7 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     if config.one_pass:  # dQ summed by TMA reduce-adds, none by per-element atomics
         summary = _summary(cubins["dkdv"])
         assert summary["tma_reduce"] > 0, summary
+        assert not re.search(r"\b(REDG|ATOMG)\.", aot.disassemble(cubins["dkdv"]))
     spills = sum(_summary(cubin)["local_memory"] for cubin in cubins.values())
     listed = (arch, head_dim, autotune.describe(config)) in BACKWARD_SPILLS
     assert (spills > 0) == listed, (spills, listed)

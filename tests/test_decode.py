@@ -223,7 +223,7 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
         listing = aot.disassemble(cubins["decode"])
         sass = aot.summarize(listing)
         spills = 4 if (arch, page_size, head_dim) == ("sm_100", 16, 128) else 0
-        assert sass["tensor_core"] > 0 and sass["local_memory"] <= spills, (page_size, sass)
+        assert sass["tensor_core"] > 0 and sass["local_memory"] == spills, (page_size, sass)
         assert " HMMA." in listing
         tma_loads[page_size, head_dim] = sass["tma_load"]
         if page_size == 8:
@@ -319,7 +319,7 @@ def test_kvcache_traces_into_one_graph(paged, masked, monkeypatch):
     lens = torch.empty(2, device="meta", dtype=torch.int32)
     table = torch.empty(2, 8, device="meta", dtype=torch.int32) if paged else None
     mask = torch.empty(2, 1, 1, 512 if paged else 64, device="meta", dtype=torch.bool)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     out = torch.compile(step, fullgraph=True, backend=backend)(q, *caches, *new, lens, table,
                                                                mask if masked else None)
     assert out.shape == (2, 1, 8, 64)

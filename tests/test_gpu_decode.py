@@ -313,7 +313,7 @@ def test_torch_compile_matches_eager():
 
     eager_caches = (k_cache.clone(), v_cache.clone())
     expected = step(*eager_caches)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(step, fullgraph=True)(k_cache, v_cache)
     assert torch.equal(compiled, expected)
     assert torch.equal(k_cache.nan_to_num(), eager_caches[0].nan_to_num())

@@ -104,7 +104,7 @@ def test_public_functions_trace_without_graph_breaks(entry, requires_grad, monke
     from flash_tile import api
 
     monkeypatch.setattr(api._validate, "check_device", lambda *tensors: tensors[0].device)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     q = torch.empty(2, 100, 4, 64, dtype=torch.float16, device="meta",
                     requires_grad=requires_grad)
     k = torch.empty(2, 120, 2, 64, dtype=torch.float16, device="meta",
@@ -413,7 +413,7 @@ def test_public_functions_take_the_op_under_torch_compile():
         seen.extend(str(node.target) for node in gm.graph.nodes)
         return gm
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.compile(fn, fullgraph=True, backend=backend)(*_qkv(device="meta"))
     assert "flash_tile.attention_forward.default" in seen, seen
 

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-flash_tile_hf = pytest.importorskip("flash_tile.integrations.transformers")
-
 import flash_tile  # noqa: E402
+import flash_tile.integrations.transformers as flash_tile_hf  # noqa: E402
 from flash_tile import reference  # noqa: E402
 
 NAMES = flash_tile_hf.NAMES
@@ -399,7 +398,7 @@ def test_static_cache_generation_under_torch_compile_on_gpu(kind):
     out = {}
     with torch.no_grad():
         for name in ("sdpa", "flash_tile"):
-            torch._dynamo.reset()
+            torch.compiler.reset()
             model = _model(kind, name, "cuda", torch.bfloat16)
             model.forward = torch.compile(model.forward, fullgraph=True)
             out[name] = model.generate(ids[:1], **config)
