@@ -206,6 +206,12 @@ def hinted_backward_kernels(config: TileConfig, int64_index: bool = False) -> tu
     return tuple(_with_hints(kernel, hints) for kernel in kernels)
 
 
+def delta_workspace(batch: int, heads: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """Delta = rowsum(dO * O) - dLSE, fp32 [B, H, Lq]: stored by the dQ (or preprocess)
+    kernel for every row the dK/dV kernel reads, so it starts uninitialised."""
+    return torch.empty((batch, heads, q_len), dtype=torch.float32, device=device)
+
+
 def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
     """The one-pass backward's fp32 dQ sums, q's shape [B, H, Lq, D], rows padded to a
     multiple of 16 bytes: TMA reduce-adds need 16-byte aligned strides (per-element atomics
@@ -442,7 +448,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
               *(() if dq_acc is None else (dq_acc,)))
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
-    delta = torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
+    delta = delta_workspace(batch, heads, q_len, q.device)
     dq_config = config.dq_kernel()
     spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
                                   alibi_slopes is not None, mask_kind(attn_mask), True,

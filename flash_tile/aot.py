@@ -275,9 +275,9 @@ def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,
     """Cubins of the backward kernels ("dq", "dkdv"; one-pass variants "preprocess", "dkdv",
     "convert": ``BACKWARD_KERNELS``) for ``arch``, arguments as
     ``compile_forward`` (``int64_index``: the 64-bit entry points) plus ``group`` (query
-    heads per key/value head) and ``lse_grad`` (a gradient reaches the LSE); the config defaults to the architecture's backward default for
-    the class (``variants.default_backward_config``: plain without dropout and score features).
-    """
+    heads per key/value head) and ``lse_grad`` (a gradient reaches the LSE); the config
+    defaults to the architecture's backward default for the class
+    (``variants.default_backward_config``: plain without dropout and score features)."""
     plain = variants.is_plain(softcap, alibi, attn_mask, dropout)
     config = config or _default_config(arch, head_dim, v_head_dim, True, plain)
     window = (window[0], 0) if causal else tuple(window)

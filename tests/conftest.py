@@ -55,8 +55,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""
-    if not request.node.get_closest_marker("gpu"):
-        return
+    if request.node.get_closest_marker("gpu"):
+        poison_outputs(monkeypatch.setattr)
+
+
+def poison_outputs(patch=setattr):
+    """Make the allocators of the ops' outputs and workspaces fill them with NaN (e4m3's NaN
+    bytes for V^T), through ``patch``: a monkeypatch's ``setattr``, or the builtin in a
+    process that a GPU test spawns."""
     from flash_tile import _launch, _launch_decode, _ops, _plans
 
     def poisoned(allocate):
@@ -68,25 +74,28 @@ def poisoned_outputs(request, monkeypatch):
             return outputs
         return allocate_nan
 
-    monkeypatch.setattr(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
-    monkeypatch.setattr(_plans, "outputs", poisoned(_plans.outputs))
-    monkeypatch.setattr(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
-    monkeypatch.setattr(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
-    monkeypatch.setattr(_launch_decode, "decode_workspace",
-                        poisoned(_launch_decode.decode_workspace))
+    def poisoned_tensor(allocate):
+        return lambda *args: allocate(*args).fill_(float("nan"))
+
+    patch(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
+    patch(_plans, "outputs", poisoned(_plans.outputs))
+    patch(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
+    patch(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
+    patch(_launch_decode, "decode_workspace", poisoned(_launch_decode.decode_workspace))
     # The sinks' shares: NaN where every program must store (the varlen zeros are meant).
     workspace = _launch.sinks_workspace
-    monkeypatch.setattr(_launch, "sinks_workspace", lambda shape, varlen, device: (
+    patch(_launch, "sinks_workspace", lambda shape, varlen, device: (
         workspace if varlen else poisoned(workspace))(shape, varlen, device))
+    # Delta: the dQ (or preprocess) kernel must store every row the dK/dV kernel reads.
+    patch(_launch, "delta_workspace", poisoned_tensor(_launch.delta_workspace))
     # The one-pass backward's dQ sums: the preprocess kernel must zero every row it reads.
     accumulator = _launch.dq_accumulator
-    monkeypatch.setattr(_launch, "dq_accumulator", lambda q: accumulator(q).fill_(float("nan")))
+    patch(_launch, "dq_accumulator", poisoned_tensor(accumulator))
     # The FP8 forward's V^T: e4m3's NaN bytes (0x7F) where the copy must write.
     workspace_of = _launch.keys_major_workspace
-    monkeypatch.setattr(_launch, "keys_major_workspace",
-                        lambda v: _poison_bytes(workspace_of(v)))
-    monkeypatch.setattr(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
-    monkeypatch.setattr(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
+    patch(_launch, "keys_major_workspace", lambda v: _poison_bytes(workspace_of(v)))
+    patch(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
+    patch(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
 
 
 def _poison_bytes(t):
@@ -107,5 +116,5 @@ def backward_form(request, monkeypatch):
         pytest.skip("the one-pass backward is registered for sm_90 only")
     monkeypatch.setitem(variants._ONE_PASS_DEFAULTS, (9, 0),
                         one_pass if request.param == "one_pass" else ())
-    monkeypatch.setattr(autotune, "decided", {})  # choices made under the real table
+    setattr(autotune, "decided", {})  # choices made under the real table
     return request.param

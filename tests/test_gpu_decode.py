@@ -183,7 +183,7 @@ def test_attn_mask(page_size, q_len, group, num_splits, capacity):
         q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, block_table=table,
         causal=True, num_splits=num_splits, return_softmax_lse=True, attn_mask=mask)
     assert bool((lse[0, :, -1] == math.inf).all())
-    again = flash_tile.flash_attn_with_kvcache(  # the signature's kept plan, the same bits
+    again = flash_tile.flash_attn_with_kvcache(  # a second call of the signature: same bits
         q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pads, block_table=table,
         causal=True, num_splits=num_splits, return_softmax_lse=True, attn_mask=mask)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
@@ -401,7 +401,8 @@ def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causa
 def test_caches_past_2_31_elements():
     """Five cache rows of 2**29 elements (10 GiB of K and V): the last row starts at offset
     2**31. Without cache_batch_idx the decode runs in two 32-bit launches (3 + 2 sequences);
-    with it, in one launch of the 64-bit kernel. NaN outside the sequences, as elsewhere."""
+    with it, in one launch of the 64-bit kernel (which launches, ``test_decode.py`` checks on
+    meta tensors; here the results of both). NaN outside the sequences, as elsewhere."""
     gen = torch.Generator(device="cuda").manual_seed(29)
     seqlens = [100, 5000, 1000, 77, 300]
     caches = []

@@ -195,13 +195,22 @@ def test_non_unit_last_stride_is_copied_and_correct():
     _check(out, *_references(q, k, v), "strided last dim")
 
 
-def test_runs_on_current_stream_under_no_grad_and_autocast():
+def test_runs_on_current_stream_under_no_grad_and_autocast(monkeypatch):
+    """Every launch of the call goes to the side stream that is current (the launches are
+    recorded on their way to cuTile), and the autocast result is right."""
+    from flash_tile import _launch
+
+    streams = []
+    launch = _launch.ct.launch
+    monkeypatch.setattr(_launch.ct, "launch", lambda stream, *args, **attributes: (
+        streams.append(stream), launch(stream, *args, **attributes)))
     q, k, v = (_randn(2, 4, 257, 64, dtype=torch.float32) for _ in range(3))
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
         out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True)
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     stream.synchronize()
+    assert streams and all(s == stream for s in streams), streams
     assert out.dtype == torch.bfloat16 == expected.dtype
     ref, _ = _references(q, k, v, None, 0, (-1, 0))
     _check(out, ref, expected, "autocast on a side stream")
@@ -248,10 +257,11 @@ def test_sdpa_attention_masks(kind, k_len):
 
 
 def test_more_than_2_31_elements():
-    """[1, 1024, 8192, 256] tensors (2**31 elements each) take the 64-bit-index kernel."""
-    q, k, v = (_randn(1, 1024, 8192, 256, dtype=torch.bfloat16) for _ in range(3))
+    """[1, 1100, 8192, 256] tensors (2.3e9 elements each) take the 64-bit-index kernel: rows
+    from 1024 on lie past element 2**31, where a 32-bit offset would wrap."""
+    q, k, v = (_randn(1, 1100, 8192, 256, dtype=torch.bfloat16) for _ in range(3))
     out = flash_tile.flash_attn_func(q, k, v, causal=True)
-    heads = slice(8190, 8192)  # the last heads lie past element 2**31
+    heads = slice(8190, 8192)
     sub = [t[:, :, heads].transpose(1, 2) for t in (q, k, v)]
     _check(out[:, :, heads].transpose(1, 2), *_references(*sub, None, 0, (-1, 0)), "2**31")
 

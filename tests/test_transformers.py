@@ -50,10 +50,11 @@ def _torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 @pytest.mark.parametrize("name", NAMES)
 def test_registered(name):
-    assert name in transformers.AttentionInterface._global_mapping
     from transformers.masking_utils import AttentionMaskInterface
 
-    assert name in AttentionMaskInterface._global_mapping
+    assert name in transformers.AttentionInterface()
+    assert name in AttentionMaskInterface()
+    assert f"not-{name}" not in transformers.AttentionInterface()
 
 
 def test_the_preload_skip_passes_every_other_call_through():
