@@ -1,12 +1,14 @@
 """The custom ops' fake kernels and autograd wiring, without a GPU: fake CUDA tensors for the
 shapes, meta tensors for autograd (the engine would look for CUDA streams with fake CUDA ones)."""
 
+import inspect
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import flash_tile._ops  # noqa: F401  (registers flash_tile::attention_forward/backward)
+from flash_tile import _ops  # registers flash_tile::attention_forward/backward
 
 FWD = torch.ops.flash_tile.attention_forward
 BWD = torch.ops.flash_tile.attention_backward
@@ -63,9 +65,10 @@ def _backward_args(loss):
     with _BackwardCalls() as recorded:
         loss().backward()
     assert len(recorded.calls) == 1
-    schema = BWD.default._schema.arguments
-    given = dict(zip((a.name for a in schema), recorded.calls[0]))
-    got = {a.name: given.get(a.name, a.default_value) for a in schema}
+    # The op's parameters are its body's (torch.library.custom_op infers the schema from it).
+    got = inspect.signature(_ops._backward_impl).bind(*recorded.calls[0])
+    got.apply_defaults()
+    got = got.arguments
     return got["dout"], got["dlse"], (got["dropout_p"], got["dropout_seed"])
 
 
@@ -284,7 +287,7 @@ def _stub_the_launches(monkeypatch, on_forward, on_backward):
     """The ops' bodies with sm_90's D=64 default as the chosen variant, and their
     ``launch_forward`` / ``launch_backward`` calls given to ``on_forward`` / ``on_backward``
     (the call's arguments) instead of run."""
-    from flash_tile import _ops, variants
+    from flash_tile import variants
 
     monkeypatch.setattr(_ops, "_choose", lambda *args: variants.default_config((9, 0), 64))
     monkeypatch.setattr(_ops, "launch_forward", lambda *a, sinks=None: on_forward(a))
@@ -302,8 +305,6 @@ def op_launches(monkeypatch):
 
 def _refuse_the_ops(monkeypatch):
     """Make any call of the two custom ops (as the eager path must not) fail the test."""
-    from flash_tile import _ops
-
     for name in ("forward_op", "backward_op"):
         monkeypatch.setattr(_ops, name, lambda *a, name=name: pytest.fail(f"{name} called"))
 
@@ -315,7 +316,7 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches,
     that gets the forward's output and LSE, the output's gradient, the LSE's gradient when the
     loss uses the LSE, and the forward's scalars and dropout. On meta tensors, the launches
     recorded instead of run."""
-    from flash_tile import _launch, _ops, variants
+    from flash_tile import _launch, variants
 
     config = variants.default_config((9, 0), 64)  # what op_launches chooses
     _refuse_the_ops(monkeypatch)
@@ -344,8 +345,6 @@ def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
     SDPA function's usual input; [B, L, H, D] is flash-attn's, seen by the op transposed. The
     launches are recorded by their gradients' storages alone: autograd also copies a gradient
     that something else still references."""
-    from flash_tile import _ops
-
     storages = []
     _stub_the_launches(monkeypatch, lambda args: None, lambda args: storages.extend(
         t.untyped_storage()._cdata for t in args[6:9]))  # dq, dk, dv
@@ -364,8 +363,6 @@ def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
 def test_inference_builds_no_autograd_node(monkeypatch, op_launches, case):
     """Where nothing will be differentiated, ``attention_forward`` runs the op's body alone
     (no autograd.Function, no op): one forward launch, an output with no grad_fn."""
-    from flash_tile import _ops
-
     monkeypatch.setattr(_ops._EagerAttention, "apply", lambda *a: pytest.fail("Function used"))
     _refuse_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=case == "torch.no_grad", device="meta")
@@ -380,8 +377,6 @@ def test_tracers_see_the_op(tracer):
     custom op, forward and backward, as under torch.compile: the body would launch kernels on
     tensors that have no memory."""
     from torch.fx.experimental.proxy_tensor import make_fx
-
-    from flash_tile import _ops
 
     def fn(q, k, v):
         out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
@@ -401,8 +396,6 @@ def test_tracers_see_the_op(tracer):
 def test_public_functions_take_the_op_under_torch_compile():
     """While torch.compile traces, ``attention_forward`` is the custom op (its fake and its
     registered autograd are what a graph can hold)."""
-    from flash_tile import _ops
-
     seen = []
 
     def fn(q, k, v):
@@ -422,7 +415,7 @@ def test_the_untuned_backward_default_follows_the_class(monkeypatch):
     """With tuning off, a plain D=128 class (GQA 4 here) gets sm_90's plain-class backward
     default and a class with dropout the default that holds its registers under it
     (variants._PLAIN_BACKWARD); the forward has one default for both."""
-    from flash_tile import _ops, autotune, variants
+    from flash_tile import autotune, variants
 
     monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "NVIDIA H200"))
     monkeypatch.setattr(autotune, "decided", {})
