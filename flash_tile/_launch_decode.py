@@ -282,6 +282,11 @@ def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim
             torch.empty((splits, batch, q_len, heads), dtype=torch.float32, device=device))
 
 
+def rotated_q_workspace(q: torch.Tensor) -> torch.Tensor:
+    """The rotated q [B, Lq, H, D] the rotary append writes whole and the decode reads."""
+    return torch.empty_like(q)
+
+
 @dataclass(frozen=True)
 class Rotary:
     """The rotary embedding the append applies: cos/sin [L_ro, rotary_dim / 2] in q's dtype,

@@ -33,7 +33,8 @@ import torch
 from flash_tile import autotune, variants
 from flash_tile._launch import (NO_DROPOUT, Dropout, Varlen, launch_backward, launch_forward,
                                 mask_name)
-from flash_tile._launch_decode import Rotary, launch_cache_append, launch_decode
+from flash_tile._launch_decode import (Rotary, launch_cache_append, launch_decode,
+                                        rotated_q_workspace)
 from flash_tile._validate import device_properties
 
 
@@ -528,7 +529,7 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     rotary = q_rot = None
     if rotary_cos is not None:
         rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
-        q_rot = torch.empty_like(q)
+        q_rot = rotated_q_workspace(q)
     launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, q,
                         q_rot, rotary, kv_descale)
     return q if q_rot is None else q_rot

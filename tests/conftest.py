@@ -82,6 +82,8 @@ def poison_outputs(patch=setattr):
     patch(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     patch(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
     patch(_launch_decode, "decode_workspace", poisoned(_launch_decode.decode_workspace))
+    # The rotated q: the append must write every element the decode reads.
+    patch(_ops, "rotated_q_workspace", poisoned_tensor(_ops.rotated_q_workspace))
     # The sinks' shares: NaN where every program must store (the varlen zeros are meant).
     workspace = _launch.sinks_workspace
     patch(_launch, "sinks_workspace", lambda shape, varlen, device: (
