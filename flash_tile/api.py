@@ -26,6 +26,23 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in tensors)
 
 
+def _checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                    descales: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(q, k, v, fp8) of flash_attn_func or flash_attn_varlen_func: each of the ``layout``'s
+    rank (ValueError otherwise); float8_e4m3fn with ``descales`` (q_descale, k_descale and
+    v_descale by name) for the FP8 forward (``_validate.check_fp8``), else cast as autocast
+    says and checked as the kernels' dtypes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != layout.count(",") + 1:
+            raise ValueError(f"{name} must be {layout.count(',') + 1}-D {layout}, got shape "
+                             f"{tuple(t.shape)}")
+    fp8 = _validate.check_fp8(q, k, v, **descales)
+    if not fp8:
+        q, k, v = _autocast(q, k, v)
+        _validate.check_dtypes(q, k, v)
+    return q, k, v, fp8
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     # The kernel's tiles read rows of D contiguous elements; flash-attn copies in this case too.
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -84,15 +101,8 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
-    fp8 = _validate.check_fp8(q, k, v, **names)
-    if not fp8:
-        q, k, v = _autocast(q, k, v)
-        _validate.check_dtypes(q, k, v)
+    q, k, v, fp8 = _checked_inputs(q, k, v, "[batch, seqlen, heads, head_dim]", names)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
     scale = _check_bhld(q, k, v, softmax_scale)
     left, right = _validate.check_window(window_size)

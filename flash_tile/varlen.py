@@ -13,7 +13,7 @@ from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
-from flash_tile.api import _autocast, _dropout_seed, _needs_grad
+from flash_tile.api import _checked_inputs, _dropout_seed, _needs_grad
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -37,15 +37,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
     dropout_p = _validate.check_dropout(dropout_p)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [total, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
-    fp8 = _validate.check_fp8(q, k, v, **names)
-    if not fp8:
-        q, k, v = _autocast(q, k, v)
-        _validate.check_dtypes(q, k, v)
+    q, k, v, fp8 = _checked_inputs(q, k, v, "[total, heads, head_dim]", names)
     _validate.check_lengths(k.shape[0], v.shape[0])
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
     _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
