@@ -137,6 +137,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seqused_k[b] lies in [0, the sequence's keys] (more reads the next sequence's keys).
     Offsets past the ends read padding or other sequences' rows; offsets that decrease give
     wrong results (the kernels' search for each program's sequence assumes them monotone).
+    The rows of q, k, v (and of the output gradient) just past a sequence's end (the keys
+    past seqused_k[b], the next sequence's first rows, rows no sequence covers) must hold
+    finite values: a tile that runs past the end reads them, and although their weights are
+    exactly zero, a NaN or inf there makes 0 * NaN = NaN in the sequence's output and
+    gradients (the decode kernel zeroes such rows; the varlen kernels do not yet).
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
