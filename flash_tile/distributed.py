@@ -65,7 +65,7 @@ import torch.distributed as dist
 from flash_tile import _validate
 from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
                              varlen_attention)
-from flash_tile.api import _autocast, _dropout_seed
+from flash_tile.api import _autocast, _check_bhld, _dropout_seed, _unit_last_stride
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -513,9 +513,12 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
     cu = _offsets(cu_seqlens, 1, q.shape[0])  # each local length even: two halves
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
+    _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
+    _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
     if q.is_cuda:
-        q, k, v = _autocast(q, k, v)
+        q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
         _validate.check_dtypes(q, k, v)
+        _validate.check_device(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
     scale = _validate.check_scale(softmax_scale if softmax_scale is not None
                                   else 1.0 / math.sqrt(q.shape[2]))
@@ -537,17 +540,16 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         q: this rank's zigzag shard [B, L_local, H, D] of the queries (``zigzag_shard``:
             chunks rank and 2W - 1 - rank of the sequence cut in 2W), fp16 or bf16;
             k, v: the same shards [B, L_local, H_kv, D / Dv] of the keys and values. Every
-            rank holds the same L_local = L / W
-            (not checked across ranks: that would take a collective; a mismatch hangs the
-            transfers or fails in them).
+            rank holds the same L_local = L / W (not checked across ranks: that would take a
+            collective; a mismatch hangs the transfers or fails in them).
         causal, window_size: as ``flash_attn_func`` on the whole sequence (L queries against
             L keys: bottom-right and top-left agree); rows and keys keep their global
             positions.
         softmax_scale, softcap, dropout_p: as ``flash_attn_func`` (dropout's pattern depends
             on the shard's local positions, so it differs from an unsharded call's).
         communication: ``"ring"`` (K/V shards passed around the ring, overlapped with the
-            kernels) or ``"all_gather"`` (the whole K/V gathered
-            on every rank, one kernel call a query chunk); the module docstring has both.
+            kernels) or ``"all_gather"`` (the whole K/V gathered on every rank, one kernel
+            call a query chunk); the module docstring has both.
         attention: the local attention, a ``LocalAttention`` (``kernel_attention``:
             flash_tile's kernels); the seam through which tests run the float64 twins.
 
@@ -567,15 +569,15 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
     if communication not in COMMUNICATIONS:
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
                          f"{communication!r}")
+    scale = _check_bhld(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale)
     if q.is_cuda:
-        q, k, v = _autocast(q, k, v)
+        q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
         _validate.check_dtypes(q, k, v)
+        _validate.check_device(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
     left, right = _validate.check_window(window_size)
     if causal:
         right = 0
-    scale = _validate.check_scale(softmax_scale if softmax_scale is not None
-                                  else 1.0 / math.sqrt(q.shape[3]))
     softcap = _validate.check_softcap(softcap)
     if communication == "ring":
         ring = _DenseRing(group, attention, scale, softcap, dropout_p, q.shape[1] // 2,

@@ -194,6 +194,26 @@ def test_bad_communication_is_refused_before_any_transfer():
         distributed.ring_flash_attn_func(q, q[:, :6], q[:, :6])
 
 
+def test_bad_shapes_are_refused_before_any_transfer():
+    """The ring entry points check what flash_attn_func and flash_attn_varlen_func check
+    (here on CPU tensors, before any process group is touched): GQA heads, V's length,
+    the batch, head dims."""
+    q, kv = torch.randn(1, 8, 6, 16), torch.randn(1, 8, 4, 16)
+    with pytest.raises(ValueError, match="multiple"):  # 6 query heads over 4 K/V heads
+        distributed.ring_flash_attn_func(q, kv, kv)
+    with pytest.raises(ValueError, match="same sequence length"):  # V shorter than K
+        distributed.ring_flash_attn_func(q, q, q[:, :4])
+    with pytest.raises(ValueError, match="batch"):
+        distributed.ring_flash_attn_func(q, q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="head dim"):
+        distributed.ring_flash_attn_func(q, q[..., :8], q)
+    packed, cu = torch.randn(8, 6, 16), torch.tensor([0, 8])
+    with pytest.raises(ValueError, match="multiple"):
+        distributed.ring_flash_attn_varlen_func(packed, packed[:, :4], packed[:, :4], cu, 8)
+    with pytest.raises(ValueError, match="head dim"):
+        distributed.ring_flash_attn_varlen_func(packed, packed[..., :8], packed, cu, 8)
+
+
 SEED = 5  # a dropout seed unlike every other argument
 
 
