@@ -261,6 +261,9 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
     splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
                            config)
+    # The partials [S, B, Lq, H, Dv] are indexed in 32 bits: no more splits than keep them
+    # below 2**31 elements (one split has none).
+    splits = min(splits, max(1, (2**31 - 1) // (batch * q_len * heads * v_head_dim)))
     (mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad,
      attn_mask) = switches
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),

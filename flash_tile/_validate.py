@@ -509,13 +509,16 @@ def check_rotary(rotary_cos, rotary_sin, q: torch.Tensor, capacity: int,
                          f"row for every position")
 
 
-def check_decode_index(*tensors: torch.Tensor) -> None:
+def check_decode_index(q: torch.Tensor, v_head_dim: int, *tensors: torch.Tensor) -> None:
     """The decode kernels index the caches in 64 bits where they need it (their _int64
-    entry points), every other array in 32: q, the new k/v (and so the output) must stay
-    below 2**31 elements."""
-    if needs_int64_index(*tensors):
-        raise NotImplementedError("flash_attn_with_kvcache with q or new k/v of 2**31 "
-                                  "elements or more is not supported: split the batch")
+    entry points), every other array in 32: q, its output [B, Lq, H, Dv] and ``tensors``
+    (the new k/v, the mask) must stay below 2**31 elements (the split partials are kept
+    below it by capping the split count)."""
+    batch, q_len, heads, _ = q.shape
+    if needs_int64_index(q, *tensors) or batch * q_len * heads * v_head_dim >= 2**31:
+        raise NotImplementedError("flash_attn_with_kvcache with q, its output, new k/v or "
+                                  "the mask of 2**31 elements or more is not supported: "
+                                  "split the batch")
 
 
 def check_num_splits(num_splits) -> int:

@@ -106,7 +106,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         alibi_slopes: [H] or [B, H] float32, bias -slope * |i + k_len - Lq - j|.
         num_splits: 0 picks the number of key splits from B, H_kv, Lq and the cache's
             capacity so that the GPU's SMs fill (``_launch_decode.decode_splits``); 1 disables
-            splitting; a count is capped at the key tiles and at 64; any count gives the
+            splitting; a count is capped at the key tiles, at 64 and where the split
+            partials (fp32 [S, B, Lq, H, Dv]) would reach 2**31 elements; any count gives the
             same result within rounding.
         return_softmax_lse: also return the LSE.
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the LSE includes them; a
@@ -218,12 +219,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                          cache_seqlens is not None)
     seqlens = _seqlens(cache_seqlens, batch, capacity, new_len, device)
     num_splits = _validate.check_num_splits(num_splits)
-    _validate.check_decode_index(q, *new)
     if cache_leftpad is not None:
         cache_leftpad = _validate.check_index_tensor(cache_leftpad, "cache_leftpad", (batch,),
                                                      device)
     if attn_mask is not None:
         attn_mask = _validate.check_decode_mask(attn_mask, batch, q_len, capacity, device)
+    _validate.check_decode_index(q, v_cache.shape[-1], *new,
+                                 *(() if attn_mask is None else (attn_mask,)))
     q_step = 0
     if rotary_cos is not None or rotary_sin is not None:
         q_step = int(0 <= left < capacity or 0 <= right < capacity)

@@ -184,6 +184,27 @@ def test_splits_fill_the_gpu_and_respect_the_caps():
     assert _launch_decode.decode_splits(1000, 1, 8, 1, 10**6, 132, config) == config.max_splits
 
 
+def test_split_partials_and_outputs_stay_below_2_31_elements():
+    """The split partials [S, B, Lq, H, Dv] fp32 index in 32 bits: a plan takes no more
+    splits than keep them below 2**31 elements (8 x 2048 x 32 x 128 = 2**26 a split: 31 of
+    the 64 asked); an output of 2**31 elements (Dv > D) raises before any launch."""
+    config = variants.DECODE_DEFAULT
+    switches = (False, True, False, False, False, True, False, False, False)
+
+    def splits(q_len, num_splits):
+        return _launch_decode._decode_plan((8, q_len, 32, 128), (8, 2**16, 8, 128), 128, None,
+                                           num_splits, switches, False, config, 132).splits
+
+    assert splits(2048, 64) == 31 and splits(2**16, 4) == 1 and splits(16, 64) == 64
+    q = torch.empty(1, 2**10, 2**14, 64, device="meta", dtype=torch.bfloat16)  # 2**30
+    _validate.check_decode_index(q, 64)
+    with pytest.raises(NotImplementedError, match="its output"):
+        _validate.check_decode_index(q, 128)
+    mask = torch.empty(1, 1, 2**11, 2**20, device="meta", dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="the mask"):
+        _validate.check_decode_index(q[:, :1], 64, mask)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rotary_reference_turns_each_pair_by_its_angle(interleaved):
     """``reference_decode.rotary_embedding`` against the complex form: pair (a, b) at position
