@@ -85,7 +85,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rotary_interleaved: True rotates pairs of columns (2f, 2f + 1) (GPT-J), False pairs
             (f, f + rotary_dim / 2) (GPT-NeoX, Llama).
         cache_leftpad: optional [B] int32: sequence b's keys start at cache position
-            cache_leftpad[b] (left-padded batches); the positions before it are never read.
+            cache_leftpad[b] (left-padded batches); the positions before it never weigh in
+            (their values are zeroed), but the key step holding the first key is read
+            whole, so with a block_table the pages of the pad it reaches must be valid ones.
             Causal alignment, windows and ALiBi count keys from that start, as flash-attn's.
         cache_seqlens: int or [B] int32 tensor: the keys already in each sequence's cache
             (None: the whole cache, L_cache or max_blocks * page_size); with cache_leftpad
