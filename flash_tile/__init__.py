@@ -4,8 +4,9 @@
 ``scaled_dot_product_attention`` takes torch's [..., L, D] layout and top-left alignment;
 ``flash_attn_varlen_func`` (and its packed forms) attends over packed sequences of different
 lengths; ``flash_attn_with_kvcache`` attends against a contiguous or paged KV cache (decode).
-With float8_e4m3fn inputs and descale factors the first two run the FP8 forward (sm_90+);
-``quantize_fp8`` and ``hadamard_rotate`` prepare such inputs.
+With float8_e4m3fn inputs and descale factors ``flash_attn_func`` and
+``flash_attn_varlen_func`` run the FP8 forward (sm_90+); ``quantize_fp8`` and
+``hadamard_rotate`` prepare such inputs.
 """
 
 from flash_tile.api import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,

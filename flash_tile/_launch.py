@@ -5,8 +5,9 @@ This is the one place that knows the kernels' parameter order: the JIT launches 
 ahead-of-time compiles in ``flash_tile.aot`` both take their compile-time constants from
 ``ForwardSpec`` (``constants`` for the forward, ``dq_constants`` and ``dkdv_constants`` for
 the backward, ``preprocess_constants`` and ``convert_constants`` for the one-pass form's small
-kernels). Callers pass checked tensors; the one choice made here from the arrays a launch
-really gets is 32- or 64-bit indexing (``needs_int64_index``).
+kernels). Callers pass checked tensors; the choices made here from the arrays a launch
+really gets are 32- or 64-bit indexing (``needs_int64_index``) and a boolean mask's form
+(``kernel_mask``).
 """
 
 import functools

@@ -37,6 +37,9 @@ DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16, "float8_e4m3fn": ct.fl
 # The tensor-core matmul instruction each architecture family should use.
 TENSOR_CORE_OP = {"sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
                   "sm_100": "UTCHMMA", "sm_103": "UTCHMMA", "sm_120": "HMMA", "sm_121": "HMMA"}
+# The same for e4m3 operands (the FP8 forward; tileiras 13.4 compiles none for sm_8x).
+FP8_TENSOR_CORE_OP = {"sm_90": "QGMMA", "sm_100": "UTCQMMA", "sm_103": "UTCQMMA",
+                      "sm_120": "QMMA", "sm_121": "QMMA"}
 # Architectures with the tensor memory accelerator: their tile loads should be UTMALDG.
 TMA_ARCHS = ("sm_90", "sm_100", "sm_103", "sm_120", "sm_121")
 

@@ -16,7 +16,8 @@ flash_tile versions, and ``code_digest`` of the kernels and the registry) in
 machine, not once per process; ``flash-tile tune`` fills it ahead of time.
 
 ``FLASH_TILE_AUTOTUNE=0`` turns tuning off: every call gets the architecture's fixed default
-(``variants.default_config``), deterministic and with no timing or cache. Calls made while a
+(``variants.default_config``, ``default_backward_config`` for the backward), deterministic and
+with no timing or cache. Calls made while a
 CUDA graph is being captured never tune (timing needs synchronisation): they use a cached
 winner or the default.
 """

@@ -34,12 +34,13 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
                            tile_ir_out=None):
     print(f"compiling the forward for {arch}: {dtype}, D={head_dim}, "
           f"{'causal' if causal else 'not causal'}, {autotune.describe(config)}")
+    fp8 = dtype == "float8_e4m3fn"  # the FP8 forward (e4m3 Q, K, V^T)
     cubin = aot.compile_forward(arch, dtype, head_dim, causal=causal, even_n=False,
-                                store_lse=True, config=config)
+                                store_lse=True, config=config, fp8=fp8)
     sass = aot.disassemble(cubin)
     summary = aot.summarize(sass)
     usage = aot.resource_usage(cubin)
-    tc = aot.TENSOR_CORE_OP.get(arch, "?")
+    tc = (aot.FP8_TENSOR_CORE_OP if fp8 else aot.TENSOR_CORE_OP).get(arch, "?")
     print(f"  cubin {len(cubin)} bytes, {summary['instructions']} SASS instructions, "
           f"{usage['registers']} registers/thread, {usage['shared_bytes']} B shared memory")
     print(f"  tensor-core matmuls ({tc} expected): {summary['tensor_core']}   "
@@ -52,7 +53,7 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full SASS written to {sass_out}")
     tile_ir = aot.disassemble_tile_ir(aot.compile_forward(
         arch, dtype, head_dim, causal=causal, even_n=False, store_lse=True, config=config,
-        output_format="tileir_bytecode"))
+        output_format="tileir_bytecode", fp8=fp8))
     print("  top Tile IR ops: " + ", ".join(f"{op} {n}" for op, n in aot.tile_ir_ops(tile_ir, 10)))
     if tile_ir_out:
         with open(tile_ir_out, "w") as f:
@@ -60,8 +61,9 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full Tile IR written to {tile_ir_out}")
 
 
-def _config_for(arch, head_dim, tile_m=None, tile_n=None):
-    config = variants.default_config(variants.capability_of(arch), head_dim)
+def _config_for(arch, head_dim, tile_m=None, tile_n=None, fp8=False):
+    capability = variants.capability_of(arch)
+    config = (variants.fp8_config if fp8 else variants.default_config)(capability, head_dim)
     # The default's hints, with the asked-for tile shape.
     return dataclasses.replace(config, tile_m=tile_m or config.tile_m,
                                tile_n=tile_n or config.tile_n)
@@ -135,7 +137,8 @@ def demo(args):
 
 def inspect(args):
     _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
-    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n)
+    config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n,
+                         args.dtype == "float8_e4m3fn")
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out, args.tile_ir_out)
 

@@ -33,7 +33,7 @@ def quantize_fp8(x: torch.Tensor, per: str = "head", kv_heads: int | None = None
     ``flash_attn_func``'s descale arguments take for k and v. For q under GQA/MQA pass
     ``kv_heads`` (the key/value heads): then each group of H / kv_heads query heads shares
     one factor, descale [B, kv_heads], as q_descale must be. ``per="tensor"``: one factor,
-    a 0-d float32 descale. A group of zeros gets a factor of 1.
+    a 0-d float32 descale (``kv_heads`` raises there). A group of zeros gets a factor of 1.
     """
     if x.dim() != 4 or not x.is_floating_point() or x.dtype in (FP8_DTYPE, torch.float64):
         raise ValueError("quantize_fp8 takes a [batch, seqlen, heads, head_dim] float16, "
@@ -41,6 +41,9 @@ def quantize_fp8(x: torch.Tensor, per: str = "head", kv_heads: int | None = None
                          f"{tuple(x.shape)}")
     batch, length, heads, dim = x.shape
     if per == "tensor":
+        if kv_heads is not None:
+            raise ValueError("kv_heads groups heads for per=\"head\"; per=\"tensor\" has one "
+                             "factor for all of them")
         amax = x.abs().amax().float()
     elif per == "head":
         groups = heads if kv_heads is None else kv_heads

@@ -497,7 +497,7 @@ class DecodeConfig:
     """The decode kernel's tiles and split policy (``kernels/attention_decode.py``).
 
     ``rows``: packed query rows per program (query rows x the GQA group, padded to powers of
-    two); ``tile_n``: keys per step (capped by the page size); ``ctas_per_sm``: how many
+    two); ``tile_n``: keys per step of a contiguous cache; ``ctas_per_sm``: how many
     programs per SM the split heuristic aims at; ``min_tiles_per_split``: the fewest key tiles
     a split is given; ``max_splits``: the split count's cap (the combine reads them all).
     Paged caches: ``paged_tile_n`` keys a step, joined from at most ``max_page_loads`` tile
@@ -554,10 +554,10 @@ SMALL_SHARED_MEMORY = ((8, 6), (8, 7), (8, 9), (12, 0), (12, 1))
 @functools.cache
 def default_decode_config(capability: tuple[int, int], head_dim: int = 128) -> DecodeConfig:
     """The decode config for a GPU and head dim: 64-key steps at D > 128 (the K and V tiles
-    of a step stay at 64 KiB in bf16), 128-key steps below; gathered pages half as many keys
-    a step on the GPUs of 100 KiB of shared memory a SM (sm_86, sm_89, sm_120: tileiras
-    13.4 spills 110-173 LDL/STL there at the full step, none at half); programmatic dependent
-    launch where the GPU has it (sm_90 and newer)."""
+    of a step stay at 64 KiB in bf16), 128-key steps below; at D > 128 gathered pages half
+    as many keys a step on the GPUs of 100 KiB of shared memory a SM (sm_86, sm_89, sm_120:
+    tileiras 13.4 spills 110-173 LDL/STL there at the full step, none at half); programmatic
+    dependent launch where the GPU has it (sm_90 and newer)."""
     config = DecodeConfig(tile_n=64) if head_dim > 128 else DECODE_DEFAULT
     if tuple(capability) in SMALL_SHARED_MEMORY and head_dim > 128:
         config = replace(config, gather_tile_n=32)

@@ -15,6 +15,15 @@ def test_inspect_summarises_sass_and_tile_ir(tmp_path, capsys):
     assert "HGMMA" in sass.read_text() and "mmaf" in tile_ir.read_text()
 
 
+def test_inspect_compiles_the_fp8_forward(tmp_path, capsys):
+    """--dtype float8_e4m3fn compiles the FP8 forward on its own tiles (e4m3 Q, K and V^T)."""
+    sass = tmp_path / "k.sass"
+    assert main(["inspect", "--arch", "sm_90", "--dtype", "float8_e4m3fn", "--head-dim", "128",
+                 "--sass-out", str(sass)]) == 0
+    assert "tensor-core matmuls (QGMMA expected)" in capsys.readouterr().out
+    assert "QGMMA" in sass.read_text() and ".E4M3.E4M3" in sass.read_text()
+
+
 def test_errors_are_one_line(capsys):
     assert main(["inspect", "--tile-m", "48"]) == 1
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ def _quantized(q, k, v, per="head", rotate=False):
     if rotate:
         q, k = flash_tile.hadamard_rotate(q.float(), k.float())
     batch, kv_heads = k.shape[0], k.shape[2]
-    q8, qd = flash_tile.quantize_fp8(q, per, kv_heads=kv_heads)
+    q8, qd = flash_tile.quantize_fp8(q, per, kv_heads=kv_heads if per == "head" else None)
     k8, kd = flash_tile.quantize_fp8(k, per)
     v8, vd = flash_tile.quantize_fp8(v, per)
     descale = _validate.fp8_descales(batch, kv_heads, torch.device("cpu"), q_descale=qd,
@@ -140,6 +140,8 @@ def test_quantize_zero_group_and_errors():
         flash_tile.quantize_fp8(x, per="row")
     with pytest.raises(ValueError, match="kv_heads"):
         flash_tile.quantize_fp8(torch.zeros(1, 4, 3, 16), kv_heads=2)
+    with pytest.raises(ValueError, match="one factor"):  # no groups to share a tensor's
+        flash_tile.quantize_fp8(x, per="tensor", kv_heads=1)
 
 
 def test_hadamard_is_orthonormal_and_keeps_scores():
