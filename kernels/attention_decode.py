@@ -330,81 +330,6 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
                      tile=ct.permute(lse, (1, 0)).reshape((1, 1, TILE_G, TILE_LQ)))
 
 
-@ct.kernel
-def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
-                     Slopes, Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale: float,
-                     softcap: float, window_left: int, window_right: int, new_len: int,
-                     NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
-                     TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                     MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
-                     ALIBI: ConstBool, PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
-                     BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
-                     SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
-    """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
-    OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
-    under BATCH_IDX, BlockTable under PAGED (steps of TILE_N keys joined from loads of
-    PAGE_N, or gathered by row under GATHER); the window bounds under their MASK_ switch.
-    Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
-    new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
-    holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
-    sequence's first key; under ATTN_MASK, Mask [B, 1, Lq, L] bool or uint8 the keys each
-    query row may see (shared by the heads). KDescale and VDescale [B, H_kv] fp32 are read
-    when the caches are float8_e4m3fn (Q float16 or bfloat16)."""
-    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
-                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
-                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
-                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
-
-
-@ct.kernel
-def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
-                           OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
-                           LeftPad, Mask, KDescale, VDescale, qk_scale: float, softcap: float,
-                           window_left: int, window_right: int, new_len: int,
-                           NUM_SPLITS: ConstInt,
-                           TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
-                           TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
-                           MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
-                           PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
-                           BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
-                           SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
-    """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
-    elements or more (the launcher picks it); the same body."""
-    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
-                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
-                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
-                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
-                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
-
-
-@ct.kernel
-def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: ConstInt,
-                   STORE_LSE: ConstBool):
-    """Grid (Lq, H, B): merge the NUM_SPLITS partial outputs of query row bid(0) of head bid(1)
-    of sequence bid(2). OutSplit [S, B, Lq, H, Dv] and LseSplit [S, B, Lq, H] fp32 (the decode
-    workspace with its heads merged); Out [B, Lq, H, Dv], Lse [B, H, Lq] fp32 (under
-    STORE_LSE). TILE_S >= S: the padded splits read lse = -inf and weigh nothing."""
-    ct.grid_dependency_control_wait()  # the decode's partials (a PDL launch's successor)
-    row = ct.bid(0)
-    head = ct.bid(1)
-    batch = ct.bid(2)
-    lse_s = ct.load(LseSplit, index=(0, batch, row, head), shape=(TILE_S, 1, 1, 1),
-                    padding_mode=NEG_INF).reshape((TILE_S, 1))
-    lse_max = ct.max(lse_s, axis=0, keepdims=True)  # [1, 1]
-    empty = lse_max == -math.inf
-    weight = ct.exp(lse_s - ct.where(empty, 0.0, lse_max))  # [TILE_S, 1], 0 for empty splits
-    total = ct.sum(weight, axis=0, keepdims=True)
-    o_s = ct.load(OutSplit, index=(0, batch, row, head, 0), shape=(TILE_S, 1, 1, 1, TILE_DV),
-                  padding_mode=ZERO).reshape((TILE_S, TILE_DV))
-    out = ct.sum(o_s * weight, axis=0, keepdims=True) / ct.where(empty, 1.0, total)
-    ct.store(Out, index=(batch, row, head, 0),
-             tile=out.astype(Out.dtype).reshape((1, 1, 1, TILE_DV)))
-    if STORE_LSE:
-        lse = ct.where(empty, math.inf, lse_max + ct.log(total))
-        ct.store(Lse, index=(batch, head, row), tile=lse.reshape((1, 1, 1)))
-
-
 def _rotary_lanes(rotary_dim, TILE_D: ConstInt, INTERLEAVED: ConstBool):
     """For the columns d of a [1, TILE_D] row: (d, the column d is paired with, its frequency
     f(d), whether d is its pair's first, whether d rotates (d < rotary_dim))."""
@@ -484,6 +409,81 @@ def _append_impl(KNew, VNew, K, V, CacheSeqLens, BatchIdx, BlockTable, Q, QRot, 
                         seqlen + i * q_step, Cos, Sin, lanes)  # [TILE_G, TILE_D]
             ct.store(QRot, index=(batch, i, kv_head, 0, 0),
                      tile=q.astype(QRot.dtype).reshape((1, 1, 1, TILE_G, TILE_D)))
+
+
+@ct.kernel
+def attention_decode(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable,
+                     Slopes, Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale: float,
+                     softcap: float, window_left: int, window_right: int, new_len: int,
+                     NUM_SPLITS: ConstInt, TILE_LQ: ConstInt, TILE_G: ConstInt,
+                     TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                     MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool, SOFTCAP: ConstBool,
+                     ALIBI: ConstBool, PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
+                     BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
+                     SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
+    """Grid (NUM_SPLITS * cdiv(Lq, TILE_LQ), H_kv, B). Out and Lse are written without SPLIT,
+    OutSplit and LseSplit with it; Slopes [B, H_kv, G] fp32 is read under ALIBI, BatchIdx
+    under BATCH_IDX, BlockTable under PAGED (steps of TILE_N keys joined from loads of
+    PAGE_N, or gathered by row under GATHER); the window bounds under their MASK_ switch.
+    Sequence b has SeqLensK[b] + new_len keys (the cache's length before an append of
+    new_len rows, or its whole length with new_len = 0). Under SINKS, Sinks [H_kv, G] fp32
+    holds each query head's sink logit; under LEFTPAD, LeftPad [B] int32 the cache row of each
+    sequence's first key; under ATTN_MASK, Mask [B, 1, Lq, L] bool or uint8 the keys each
+    query row may see (shared by the heads). KDescale and VDescale [B, H_kv] fp32 are read
+    when the caches are float8_e4m3fn (Q float16 or bfloat16)."""
+    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
+                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
+
+
+@ct.kernel
+def attention_decode_int64(Q, K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, Out, Lse,
+                           OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes, Sinks,
+                           LeftPad, Mask, KDescale, VDescale, qk_scale: float, softcap: float,
+                           window_left: int, window_right: int, new_len: int,
+                           NUM_SPLITS: ConstInt,
+                           TILE_LQ: ConstInt, TILE_G: ConstInt, TILE_N: ConstInt,
+                           TILE_D: ConstInt, TILE_DV: ConstInt, MASK_LEFT: ConstBool,
+                           MASK_RIGHT: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
+                           PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool,
+                           BATCH_IDX: ConstBool, SPLIT: ConstBool, STORE_LSE: ConstBool,
+                           SINKS: ConstBool, LEFTPAD: ConstBool, ATTN_MASK: ConstBool):
+    """``attention_decode`` with 64-bit shapes and strides for the caches, for caches of 2**31
+    elements or more (the launcher picks it); the same body."""
+    _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, BlockTable, Slopes,
+                 Sinks, LeftPad, Mask, KDescale, VDescale, qk_scale, softcap, window_left,
+                 window_right, new_len, NUM_SPLITS, TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV,
+                 MASK_LEFT, MASK_RIGHT, SOFTCAP, ALIBI, PAGED, PAGE_N, GATHER, BATCH_IDX, SPLIT,
+                 STORE_LSE, SINKS, LEFTPAD, ATTN_MASK)
+
+
+@ct.kernel
+def decode_combine(OutSplit, LseSplit, Out, Lse, TILE_S: ConstInt, TILE_DV: ConstInt,
+                   STORE_LSE: ConstBool):
+    """Grid (Lq, H, B): merge the NUM_SPLITS partial outputs of query row bid(0) of head bid(1)
+    of sequence bid(2). OutSplit [S, B, Lq, H, Dv] and LseSplit [S, B, Lq, H] fp32 (the decode
+    workspace with its heads merged); Out [B, Lq, H, Dv], Lse [B, H, Lq] fp32 (under
+    STORE_LSE). TILE_S >= S: the padded splits read lse = -inf and weigh nothing."""
+    ct.grid_dependency_control_wait()  # the decode's partials (a PDL launch's successor)
+    row = ct.bid(0)
+    head = ct.bid(1)
+    batch = ct.bid(2)
+    lse_s = ct.load(LseSplit, index=(0, batch, row, head), shape=(TILE_S, 1, 1, 1),
+                    padding_mode=NEG_INF).reshape((TILE_S, 1))
+    lse_max = ct.max(lse_s, axis=0, keepdims=True)  # [1, 1]
+    empty = lse_max == -math.inf
+    weight = ct.exp(lse_s - ct.where(empty, 0.0, lse_max))  # [TILE_S, 1], 0 for empty splits
+    total = ct.sum(weight, axis=0, keepdims=True)
+    o_s = ct.load(OutSplit, index=(0, batch, row, head, 0), shape=(TILE_S, 1, 1, 1, TILE_DV),
+                  padding_mode=ZERO).reshape((TILE_S, TILE_DV))
+    out = ct.sum(o_s * weight, axis=0, keepdims=True) / ct.where(empty, 1.0, total)
+    ct.store(Out, index=(batch, row, head, 0),
+             tile=out.astype(Out.dtype).reshape((1, 1, 1, TILE_DV)))
+    if STORE_LSE:
+        lse = ct.where(empty, math.inf, lse_max + ct.log(total))
+        ct.store(Lse, index=(batch, head, row), tile=lse.reshape((1, 1, 1)))
 
 
 @ct.kernel

@@ -238,6 +238,17 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
                        VARLEN)
 
 
+def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
+    """V^T's [TILE_DV, TILE_N] tile of keys bid(0), key/value head bid(1), batch bid(2)."""
+    index = (ct.bid(2), ct.bid(1), 0, ct.bid(0))
+    # The permuted order reads V [.., Lk, Dv] as V^T: the transpose is the load's, so global
+    # memory sees only 16-byte loads and stores and the bytes move in shared memory
+    # (sm_90: LDG.128, STS.U8, LDS.128, STG.128).
+    tile = ct.load(V, index=index, shape=(1, 1, TILE_DV, TILE_N), order=(0, 1, 3, 2),
+                   padding_mode=ZERO)
+    ct.store(VT, index=index, tile=tile)
+
+
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                   Descale, qk_scale: float,
@@ -291,17 +302,6 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
                         STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)
-
-
-def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
-    """V^T's [TILE_DV, TILE_N] tile of keys bid(0), key/value head bid(1), batch bid(2)."""
-    index = (ct.bid(2), ct.bid(1), 0, ct.bid(0))
-    # The permuted order reads V [.., Lk, Dv] as V^T: the transpose is the load's, so global
-    # memory sees only 16-byte loads and stores and the bytes move in shared memory
-    # (sm_90: LDG.128, STS.U8, LDS.128, STG.128).
-    tile = ct.load(V, index=index, shape=(1, 1, TILE_DV, TILE_N), order=(0, 1, 3, 2),
-                   padding_mode=ZERO)
-    ct.store(VT, index=index, tile=tile)
 
 
 @ct.kernel
