@@ -273,10 +273,10 @@ def load_keys_major(A_T, batch, head, start, index, ROWS: ConstInt, COLS: ConstI
     return tile.reshape((ROWS, COLS))
 
 
-def descale(Descale, which: ConstInt, batch, head):
-    """Descale[which, batch, head] of an fp32 [3, B, H_kv] array, as a scalar: the FP8
-    forward's q, k (which 0, 1) and v (2) descale factors of one (batch, kv head)."""
-    return ct.load(Descale, (which, batch, head), shape=()).item()
+def descale(Descale, WHICH: ConstInt, batch, head):
+    """Descale[WHICH, batch, head] of an fp32 [3, B, H_kv] array, as a scalar: the FP8
+    forward's q, k (WHICH 0, 1) and v (2) descale factors of one (batch, kv head)."""
+    return ct.load(Descale, (WHICH, batch, head), shape=()).item()
 
 
 def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLEN: ConstBool):
