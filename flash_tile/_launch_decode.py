@@ -77,20 +77,22 @@ def decode_tiles(q_len: int, group: int, page_size: int | None, config: DecodeCo
 
 
 def decode_splits(num_splits: int, batch: int, kv_heads: int, q_tiles: int, key_tiles: int,
-                  sms: int, config: DecodeConfig) -> int:
-    """The split count: ``num_splits`` when given (> 0), capped at the key tiles and at
-    ``config.max_splits``; else as many splits as keep the grid within one wave of
-    ``config.ctas_per_sm`` programs per SM (a grid that already fills a wave, or nearly,
-    is not split: a second, part-filled wave cost more than it hid), each split keeping at
-    least ``config.min_tiles_per_split`` key tiles, at most ``config.max_splits``, rounded
-    down to a power of two: the count is a compile-time constant of the kernels, and a cache
-    that grows through a generation then compiles at most seven decode kernels, not one per
-    count."""
+                  sms: int, config: DecodeConfig, split_elements: int) -> int:
+    """The split count: ``num_splits`` when given (> 0), capped at the key tiles, at
+    ``config.max_splits`` and at as many splits as keep the partials below 2**31 elements
+    (``split_elements`` a split: B Lq H Dv; the workspace is indexed in 32 bits); else as
+    many splits as keep the grid within one wave of ``config.ctas_per_sm`` programs per SM
+    (a grid that already fills a wave, or nearly, is not split: a second, part-filled wave
+    cost more than it hid), each split keeping at least ``config.min_tiles_per_split`` key
+    tiles, under the same caps, rounded down to a power of two: the count is a compile-time
+    constant of the kernels, and a cache that grows through a generation then compiles at
+    most seven decode kernels, not one per count."""
+    cap = min(config.max_splits, (2**31 - 1) // split_elements)
     if num_splits > 0:
-        return max(1, min(num_splits, key_tiles, config.max_splits))
+        return max(1, min(num_splits, key_tiles, cap))
     programs = batch * kv_heads * q_tiles
     want = sms * config.ctas_per_sm // programs
-    splits = max(1, min(want, key_tiles // config.min_tiles_per_split, config.max_splits))
+    splits = max(1, min(want, key_tiles // config.min_tiles_per_split, cap))
     return 1 << (splits.bit_length() - 1)
 
 
@@ -260,10 +262,7 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
     q_tiles = -(-q_len // tile_lq)
     capacity = table_blocks * cache_shape[1] if paged else cache_shape[1]
     splits = decode_splits(num_splits, batch, kv_heads, q_tiles, -(-capacity // tile_n), sms,
-                           config)
-    # The partials [S, B, Lq, H, Dv] are indexed in 32 bits: no more splits than keep them
-    # below 2**31 elements (one split has none).
-    splits = min(splits, max(1, (2**31 - 1) // (batch * q_len * heads * v_head_dim)))
+                           config, batch * q_len * heads * v_head_dim)
     (mask_left, mask_right, softcap, alibi, batch_idx, store_lse, sinks, leftpad,
      attn_mask) = switches
     spec = DecodeSpec(splits, tile_lq, tile_g, tile_n, tile_width(head_dim),

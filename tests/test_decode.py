@@ -170,18 +170,23 @@ def test_tiles_pack_the_group_and_fit_the_pages():
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
     config = variants.DECODE_DEFAULT
+
+    def splits(num_splits, batch, kv_heads, key_tiles):  # 132 SMs, 2**20-element partials
+        return _launch_decode.decode_splits(num_splits, batch, kv_heads, 1, key_tiles, 132,
+                                            config, 2**20)
+
     # B = 1, 8 KV heads, a 128k cache: 33 splits make 264 programs for 132 SMs at 2 a SM;
     # rounded down to a power of two (one compile per power, as a cache grows).
-    assert _launch_decode.decode_splits(0, 1, 8, 1, 1024, 132, config) == 32
-    assert _launch_decode.decode_splits(0, 128, 8, 1, 1024, 132, config) == 1  # full already
-    assert _launch_decode.decode_splits(0, 32, 8, 1, 1024, 132, config) == 1  # 256 of 264: no split
-    assert _launch_decode.decode_splits(0, 8, 8, 1, 1024, 132, config) == 4  # 256 programs in 4
+    assert splits(0, 1, 8, 1024) == 32
+    assert splits(0, 128, 8, 1024) == 1  # full already
+    assert splits(0, 32, 8, 1024) == 1  # 256 of 264: no split
+    assert splits(0, 8, 8, 1024) == 4  # 256 programs in 4
     # One key tile a split at least.
-    assert _launch_decode.decode_splits(0, 1, 1, 1, 6, 132, config) == 4
-    assert _launch_decode.decode_splits(0, 1, 1, 1, 10**6, 132, config) == config.max_splits
-    assert _launch_decode.decode_splits(5, 1, 8, 1, 1024, 132, config) == 5  # the caller's count
-    assert _launch_decode.decode_splits(5, 1, 8, 1, 2, 132, config) == 2  # never more than tiles
-    assert _launch_decode.decode_splits(1000, 1, 8, 1, 10**6, 132, config) == config.max_splits
+    assert splits(0, 1, 1, 6) == 4
+    assert splits(0, 1, 1, 10**6) == config.max_splits
+    assert splits(5, 1, 8, 1024) == 5  # the caller's count
+    assert splits(5, 1, 8, 2) == 2  # never more than tiles
+    assert splits(1000, 1, 8, 10**6) == config.max_splits
 
 
 def test_split_partials_and_outputs_stay_below_2_31_elements():
@@ -196,6 +201,8 @@ def test_split_partials_and_outputs_stay_below_2_31_elements():
                                            num_splits, switches, False, config, 132).splits
 
     assert splits(2048, 64) == 31 and splits(2**16, 4) == 1 and splits(16, 64) == 64
+    # The heuristic's 32 splits (B = 1, a 128k cache) under a cap of 5: 4, a power of two.
+    assert _launch_decode.decode_splits(0, 1, 8, 1, 1024, 132, config, 2**31 // 5) == 4
     q = torch.empty(1, 2**10, 2**14, 64, device="meta", dtype=torch.bfloat16)  # 2**30
     _validate.check_decode_index(q, 64)
     with pytest.raises(NotImplementedError, match="its output"):
