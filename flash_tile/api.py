@@ -26,16 +26,25 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in tensors)
 
 
+BLHD = "[batch, seqlen, heads, head_dim]"  # flash_attn_func's layout
+PACKED = "[total, heads, head_dim]"  # flash_attn_varlen_func's
+
+
+def _check_layout(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k and v each of ``layout``'s rank (BLHD or PACKED); ValueError naming it if not."""
+    rank = layout.count(",") + 1
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+
+
 def _checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
                     descales: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(q, k, v, fp8) of flash_attn_func or flash_attn_varlen_func: each of the ``layout``'s
-    rank (ValueError otherwise); float8_e4m3fn with ``descales`` (q_descale, k_descale and
-    v_descale by name) for the FP8 forward (``_validate.check_fp8``), else cast as autocast
-    says and checked as the kernels' dtypes."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != layout.count(",") + 1:
-            raise ValueError(f"{name} must be {layout.count(',') + 1}-D {layout}, got shape "
-                             f"{tuple(t.shape)}")
+    """(q, k, v, fp8) of flash_attn_func or flash_attn_varlen_func: of ``layout``
+    (``_check_layout``); float8_e4m3fn with ``descales`` (q_descale, k_descale and v_descale
+    by name) for the FP8 forward (``_validate.check_fp8``), else cast as autocast says and
+    checked as the kernels' dtypes."""
+    _check_layout(layout, q, k, v)
     fp8 = _validate.check_fp8(q, k, v, **descales)
     if not fp8:
         q, k, v = _autocast(q, k, v)
@@ -102,7 +111,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         raise NotImplementedError("return_attn_probs: attention probabilities are not "
                                   "returned; use return_lse=True for the log-sum-exp")
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
-    q, k, v, fp8 = _checked_inputs(q, k, v, "[batch, seqlen, heads, head_dim]", names)
+    q, k, v, fp8 = _checked_inputs(q, k, v, BLHD, names)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
     scale = _check_bhld(q, k, v, softmax_scale)
     left, right = _validate.check_window(window_size)

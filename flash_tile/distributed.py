@@ -65,7 +65,8 @@ import torch.distributed as dist
 from flash_tile import _validate
 from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
                              varlen_attention)
-from flash_tile.api import _autocast, _check_bhld, _dropout_seed, _unit_last_stride
+from flash_tile.api import (BLHD, PACKED, _autocast, _check_bhld, _check_layout, _dropout_seed,
+                            _unit_last_stride)
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -503,10 +504,7 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
         This rank's shard of the output, [total_local, H, Dv] in q's dtype; gradients reach q,
         k and v of every rank (dK/dV back around the ring to their owners).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D [total, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
+    _check_layout(PACKED, q, k, v)
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"q, k and v must hold the same packed rows, got {q.shape[0]}, "
                          f"{k.shape[0]} and {v.shape[0]}")
@@ -559,10 +557,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         ``flash_attn_func``'s default form, so under ``torch.use_deterministic_algorithms(True)``
         the two-pass one (bitwise reproducible locally).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [batch, seqlen, heads, head_dim], got shape "
-                             f"{tuple(t.shape)}")
+    _check_layout(BLHD, q, k, v)
     if q.shape[1] != k.shape[1] or k.shape[1] % 2:
         raise ValueError(f"each rank's shard must hold two equal chunks of queries and of "
                          f"keys: got {q.shape[1]} queries and {k.shape[1]} keys")

@@ -13,7 +13,7 @@ from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
-from flash_tile.api import _checked_inputs, _dropout_seed, _needs_grad
+from flash_tile.api import PACKED, _checked_inputs, _dropout_seed, _needs_grad
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -38,7 +38,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                   "returned; use return_lse=True for the log-sum-exp")
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
-    q, k, v, fp8 = _checked_inputs(q, k, v, "[total, heads, head_dim]", names)
+    q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
     _validate.check_lengths(k.shape[0], v.shape[0])
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
     _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
