@@ -353,8 +353,8 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
 
 
 def _preprocess_impl(Out, dOut, Lse, dLse, Delta, dQacc, CuSeqQ, Sinks, dSinks,
-                      TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-                      LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
+                     TILE_M: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                     LSE_GRAD: ConstBool, VARLEN: ConstBool, SINKS: ConstBool):
     """The one-pass backward's first launch: Delta (as the dQ kernel's), the sinks' gradient
     shares under SINKS (dSinks as the dQ kernel's) and zeros in dQacc [B, H, Lq, D] fp32,
     for the query tile of head bid(1) that ``program_tile`` gives. Grid (cdiv(Lq, TILE_M), H,
