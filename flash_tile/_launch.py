@@ -73,9 +73,8 @@ class ForwardSpec:
                 dq_accum)
 
     def preprocess_constants(self, lse_grad: bool) -> tuple:
-        """The one-pass preprocess kernel's: TILE_M, TILE_D, TILE_DV, LSE_GRAD, VARLEN,
-        SINKS."""
-        return (self.tile_m, self.tile_d, self.tile_dv, lse_grad, self.varlen, self.sinks)
+        """The one-pass preprocess kernel's: TILE_M, TILE_DV, LSE_GRAD, VARLEN, SINKS."""
+        return (self.tile_m, self.tile_dv, lse_grad, self.varlen, self.sinks)
 
     def convert_constants(self) -> tuple:
         """The one-pass dQ convert kernel's: TILE_M, TILE_D, SOFTCAP, VARLEN."""
@@ -189,19 +188,27 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
     return _with_hints(kernel, tuple(config.hints().items()))
 
 
+# The one-pass preprocess (a row sum of O * dO, memory-bound) at four programs an SM: without a
+# hint tileiras gave its 64-row tiles 255 registers, one program an SM, 167 us at B*L = 16k
+# tokens, H*D = 2048, D = 128 (1.1 TB/s); hinted 64 registers and 72 us, the whole backward
+# 0.87-0.99x its time at D 64/128, L 1k-16k. Its 128-row tiles at D = 256 fill an SM's shared
+# memory either way (no change) [H200, 2026-12-04, bf16; the A/B in
+# docs/experiments/evidence/2026-12-04-backward-preprocess-ab-h200.md].
+PREPROCESS_HINTS = (("occupancy", 4),)
+
+
 @functools.cache
 def hinted_backward_kernels(config: TileConfig, int64_index: bool = False) -> tuple:
     """The backward's kernels in launch order (32- or 64-bit indexing): (dQ, dK/dV) with
-    ``config``'s hints, or in the one-pass form (preprocess, dK/dV with the hints, dQ
-    convert): the two small kernels move a few bytes per element and take tileiras's
-    defaults."""
+    ``config``'s hints, or in the one-pass form (preprocess with ``PREPROCESS_HINTS``, dK/dV
+    with the config's, dQ convert with tileiras's defaults)."""
     hints = tuple(config.hints().items())
     if config.one_pass:
         preprocess, dkdv, convert = ((attention_bwd_preprocess_int64, attention_bwd_dkdv_int64,
                                       attention_bwd_dq_convert_int64) if int64_index else
                                      (attention_bwd_preprocess, attention_bwd_dkdv,
                                       attention_bwd_dq_convert))
-        return preprocess, _with_hints(dkdv, hints), convert
+        return _with_hints(preprocess, PREPROCESS_HINTS), _with_hints(dkdv, hints), convert
     kernels = ((attention_bwd_dq_int64, attention_bwd_dkdv_int64) if int64_index else
                (attention_bwd_dq, attention_bwd_dkdv))
     return tuple(_with_hints(kernel, hints) for kernel in kernels)
@@ -216,10 +223,11 @@ def delta_workspace(batch: int, heads: int, q_len: int, device: torch.device) ->
 def dq_accumulator(q: torch.Tensor) -> torch.Tensor:
     """The one-pass backward's fp32 dQ sums, q's shape [B, H, Lq, D], rows padded to a
     multiple of 16 bytes: TMA reduce-adds need 16-byte aligned strides (per-element atomics
-    otherwise). The preprocess kernel zeroes it (no memset launch)."""
+    otherwise). Zeroed here, a memset launch: see ``_preprocess_impl`` for why the
+    preprocess kernel does not."""
     batch, heads, q_len, head_dim = q.shape
     padded = -(-head_dim // 4) * 4
-    return torch.empty((batch, heads, q_len, padded), dtype=torch.float32,
+    return torch.zeros((batch, heads, q_len, padded), dtype=torch.float32,
                        device=q.device)[..., :head_dim]
 
 
@@ -437,8 +445,8 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     the kernels' 64-bit entry points run (``needs_int64_index``). Two forms (``config.one_pass``):
       - two passes, deterministic (no atomics): the dQ kernel on ``config.dq_kernel()``'s
         tiles, which also stores Delta = rowsum(dO * O) - dLSE, then dK/dV on ``config``'s;
-      - one pass: a preprocess kernel (Delta, and zeros in an fp32 dQ accumulator,
-        ``dq_accumulator``), dK/dV on ``config``'s tiles adding dQ into the accumulator,
+      - one pass: a memset of an fp32 dQ accumulator (``dq_accumulator``), a preprocess
+        kernel (Delta), dK/dV on ``config``'s tiles adding dQ into the accumulator,
         and a convert kernel writing dq; dq's last bits depend on the order of the adds.
     With ``varlen`` the arrays are packed as ``launch_forward``'s (dlse [1, H, total_q]).
     With ``sinks`` (the forward's) returns their gradient [H] fp32: per-tile shares of the
@@ -480,7 +488,7 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if config.one_pass:
         preprocess, dkdv, convert = kernels
         launch_on(q.device, q_grid, preprocess,
-                  (out, dout, lse, dlse_arg, delta, dq_acc, cu_q, sinks_arg, dsinks_arg,
+                  (out, dout, lse, dlse_arg, delta, cu_q, sinks_arg, dsinks_arg,
                    *dq_spec.preprocess_constants(dlse is not None)))
         launch_on(q.device, dkdv_grid, dkdv, dkdv_args)
         launch_on(q.device, q_grid, convert,

@@ -176,7 +176,7 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                             *spec.dkdv_constants(group, config.group_inner, config.one_pass)],
                            cc)
     if config.one_pass:
-        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, acc, cu[0], _sinks(),
+        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, cu[0], _sinks(),
                                  _array(ct.float32, 3),
                                  *dq_spec.preprocess_constants(lse_grad)], cc),
                 dkdv,

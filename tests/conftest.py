@@ -90,9 +90,6 @@ def poison_outputs(patch=setattr):
         workspace if varlen else poisoned(workspace))(shape, varlen, device))
     # Delta: the dQ (or preprocess) kernel must store every row the dK/dV kernel reads.
     patch(_launch, "delta_workspace", poisoned_tensor(_launch.delta_workspace))
-    # The one-pass backward's dQ sums: the preprocess kernel must zero every row it reads.
-    accumulator = _launch.dq_accumulator
-    patch(_launch, "dq_accumulator", poisoned_tensor(accumulator))
     # The FP8 forward's V^T: e4m3's NaN bytes (0x7F) where the copy must write.
     workspace_of = _launch.keys_major_workspace
     patch(_launch, "keys_major_workspace", lambda v: _poison_bytes(workspace_of(v)))

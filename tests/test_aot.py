@@ -334,8 +334,8 @@ def test_sm90_d256_one_pass_default(features):
     """At D=256 the sm_90 default is the one-pass form (timed alone 0.78-0.90x the two passes'
     time, variants.py): its dK/dV adds dQ by TMA reduce-adds (UTMAREDG) on HGMMA, and neither
     it nor the convert kernel spills, under every feature; ``deterministic`` keeps the two
-    passes. The preprocess, on 128-row tiles, spills under VARLEN with SINKS (60 LDL/STL,
-    tileiras 13.4, 2026-12-02): a memory-bound kernel of a few loads a row, listed here so that
+    passes. The preprocess, on 128-row tiles, spills under VARLEN with SINKS (12 LDL/STL,
+    tileiras 13.4, 2026-12-04): a memory-bound kernel of a few loads a row, listed here so that
     the count is seen (an entry that stops spilling fails too)."""
     config = variants.default_backward_config((9, 0), 256)
     assert config == variants.SM90_ONE_PASS_WIDE and config.one_pass

@@ -206,9 +206,9 @@ def test_backward_past_2_31_elements_takes_the_64_bit_entry_points(launched, one
 
 
 def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
-    """A one-pass variant: the preprocess (Delta, zeros in the fp32 dQ sums), dK/dV with
-    DQ_ACCUM adding into those sums, then the convert writing dq; all three share the sums,
-    whose rows are padded to 16 bytes (TMA reduce-adds need aligned strides)."""
+    """A one-pass variant: the preprocess (Delta), dK/dV with DQ_ACCUM adding into the fp32
+    dQ sums, which start as zeros, then the convert writing dq from them; the sums' rows are
+    padded to 16 bytes (TMA reduce-adds need aligned strides)."""
     from flash_tile import _launch, variants
 
     q, k, v = (torch.randn(2, 8, 300, 72), torch.randn(2, 2, 320, 72),
@@ -221,10 +221,11 @@ def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
     (pre_grid, pre, pre_args), (kv_grid, dkdv, kv_args), (cv_grid, convert, cv_args) = launched
     assert (pre, dkdv, convert) == _launch.hinted_backward_kernels(config)
     assert pre_grid == cv_grid == (5, 8, 2) and kv_grid == (3, 2, 2)
-    acc = pre_args[5]
+    acc = kv_args[8]
     assert acc.dtype == torch.float32 and acc.shape == (2, 8, 300, 72)
     assert acc.stride() == (8 * 300 * 72, 300 * 72, 72, 1)  # 72 floats: 16-byte rows already
-    assert kv_args[8] is acc and cv_args[0] is acc and cv_args[1] is dq
+    assert not acc.any() and cv_args[0] is acc and cv_args[1] is dq
+    assert not any(arg is acc for arg in pre_args)
     assert pre_args[4] is kv_args[5]  # Delta: stored by the preprocess, read by dK/dV
     assert kv_args[-1] is True  # DQ_ACCUM
     assert cv_args[3] == 0.125 and cv_args[-2:] == (False, False)  # SOFTCAP, VARLEN
@@ -235,6 +236,7 @@ def test_dq_accumulator_pads_rows_to_16_bytes():
 
     acc = _launch.dq_accumulator(torch.empty(1, 2, 5, 59, dtype=torch.bfloat16))
     assert acc.shape == (1, 2, 5, 59) and acc.stride() == (2 * 5 * 60, 5 * 60, 60, 1)
+    assert acc.dtype == torch.float32 and not acc.any()  # the dK/dV kernel adds into zeros
 
 
 def _bool_mask(layout):
