@@ -41,8 +41,8 @@ memset), a preprocess kernel stores Delta; the dK/dV kernel also forms dQ_i += d
 tiled view's reduce-add, one TMA reduce (UTMAREDG) of the whole tile on sm_90 and sm_100;
 a convert kernel scales dQ and casts it to the inputs' dtype. The adds of one dQ tile come
 from different programs in whatever order they run, so dQ's last bits vary from run to run
-(dK and dV do not). Per pair it adds TILE_M x D fp32 values for 10 TILE_M TILE_N D flops, so the dK/dV tile wants
-many keys (TILE_N = 128 halves the traffic of 64).
+(dK and dV do not). Per pair it adds TILE_M x D fp32 values for 10 TILE_M TILE_N D flops,
+so the dK/dV tile wants many keys (TILE_N = 128 halves the traffic of 64).
 
 Both skip the tiles a causal or window band hides and build no mask for the tiles it shows
 whole (``_tiles.tile_runs``). The passes may take their own tile shapes (a variant's choice):
