@@ -308,17 +308,15 @@ def test_masked_decode_compiles(arch):
 
 
 def test_fake_kvcache_op_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        q = torch.empty(3, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
-        k_cache = torch.empty(4, 100, 2, 64, device="cuda", dtype=torch.bfloat16)
-        v_cache = torch.empty(4, 100, 2, 32, device="cuda", dtype=torch.bfloat16)
-        lens = torch.empty(3, device="cuda", dtype=torch.int32)
-        out, lse = torch.ops.flash_tile.kvcache_attention(
-            q, k_cache, v_cache, None, None, lens, None, None, None, 0.125, 0.0, -1, 0, 0, True)
-        assert out.shape == (3, 2, 8, 32) and out.dtype == torch.bfloat16
-        assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
+    """The op's fake kernel, run on meta tensors (``register_fake`` serves the Meta key)."""
+    q = torch.empty(3, 2, 8, 64, device="meta", dtype=torch.bfloat16)
+    k_cache = torch.empty(4, 100, 2, 64, device="meta", dtype=torch.bfloat16)
+    v_cache = torch.empty(4, 100, 2, 32, device="meta", dtype=torch.bfloat16)
+    lens = torch.empty(3, device="meta", dtype=torch.int32)
+    out, lse = torch.ops.flash_tile.kvcache_attention(
+        q, k_cache, v_cache, None, None, lens, None, None, None, 0.125, 0.0, -1, 0, 0, True)
+    assert out.shape == (3, 2, 8, 32) and out.dtype == torch.bfloat16
+    assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -1,12 +1,11 @@
-"""The custom ops' fake kernels and autograd wiring, without a GPU: fake CUDA tensors for the
-shapes, meta tensors for autograd (the engine would look for CUDA streams with fake CUDA ones)."""
+"""The custom ops' fake kernels and autograd wiring, without a GPU: meta tensors, on which
+the ops run their registered fake kernels (``register_fake`` serves the Meta key too)."""
 
 import inspect
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from flash_tile import _ops  # registers flash_tile::attention_forward/backward
 
@@ -22,69 +21,67 @@ def _qkv(requires_grad=False, device="cuda"):
 
 
 def test_fake_forward_shapes_and_layout():
-    with FakeTensorMode():
-        q, k, v = _qkv()
-        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-        assert out.shape == (2, 8, 100, 40) and out.dtype == torch.bfloat16
-        assert out.transpose(1, 2).is_contiguous()  # memory laid out as [B, Lq, H, Dv]
-        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
-        _, no_lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
-        assert no_lse.shape == (0,)
+    q, k, v = _qkv(device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    assert out.shape == (2, 8, 100, 40) and out.dtype == torch.bfloat16
+    assert out.transpose(1, 2).is_contiguous()  # memory laid out as [B, Lq, H, Dv]
+    assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
+    _, no_lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, False)
+    assert no_lse.shape == (0,)
 
 
 def test_fake_backward_shapes():
-    with FakeTensorMode():
-        q, k, v = _qkv()
-        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-        dq, dk, dv, dsinks = BWD(out, q, k, v, out, lse, lse, None, None, 0.125, 0.0, 20, -1, 0)
-        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
-        assert dsinks.shape == (0,)  # no sinks: an empty gradient
-        sinks = torch.zeros(q.shape[1])
-        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.0, 0, sinks)
-        *_, dsinks = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.0, 0,
-                         sinks)
-        assert dsinks.shape == sinks.shape and dsinks.dtype == torch.float32
+    q, k, v = _qkv(device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    dq, dk, dv, dsinks = BWD(out, q, k, v, out, lse, lse, None, None, 0.125, 0.0, 20, -1, 0)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+    assert dsinks.shape == (0,)  # no sinks: an empty gradient
+    sinks = torch.zeros(q.shape[1], device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.0, 0, sinks)
+    *_, dsinks = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.0, 0,
+                     sinks)
+    assert dsinks.shape == sinks.shape and dsinks.dtype == torch.float32
 
 
-class _BackwardCalls(TorchDispatchMode):
-    """Records the arguments of every ``flash_tile::attention_backward`` call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is BWD.default:
-            self.calls.append(args)
-        return func(*args, **(kwargs or {}))
+def _spy_on_the_ops(monkeypatch):
+    """[(op name, args)] of every call of the two custom ops from here on: the module's
+    ``forward_op`` / ``backward_op`` (looked up where they are called) wrapped."""
+    calls = []
+    for name in ("forward_op", "backward_op"):
+        op = getattr(_ops, name)
+        monkeypatch.setattr(_ops, name,
+                            lambda *args, op=op, name=name: calls.append((name, args)) or op(*args))
+    return calls
 
 
-def _backward_args(loss):
+def _backward_args(loss, monkeypatch):
     """The arguments the backward op got for ``loss().backward()``, which must call it once."""
-    with _BackwardCalls() as recorded:
-        loss().backward()
-    assert len(recorded.calls) == 1
+    recorded = _spy_on_the_ops(monkeypatch)
+    loss().backward()
+    calls = [args for name, args in recorded if name == "backward_op"]
+    assert len(calls) == 1
     # The op's parameters are its body's (torch.library.custom_op infers the schema from it).
-    got = inspect.signature(_ops._backward_impl).bind(*recorded.calls[0])
+    got = inspect.signature(_ops._backward_impl).bind(*calls[0])
     got.apply_defaults()
     got = got.arguments
     return got["dout"], got["dlse"], (got["dropout_p"], got["dropout_seed"])
 
 
-def test_autograd_reaches_the_backward_op():
+def test_autograd_reaches_the_backward_op(monkeypatch):
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, _ = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-    dout, dlse, dropout = _backward_args(lambda: out.sum())
+    dout, dlse, dropout = _backward_args(lambda: out.sum(), monkeypatch)
     assert dout.shape == out.shape and dlse is None and dropout == (0.0, 0)
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
 @pytest.mark.parametrize("loss", ["out+lse", "lse only"])
-def test_gradient_through_the_lse_reaches_the_backward_op(loss):
+def test_gradient_through_the_lse_reaches_the_backward_op(loss, monkeypatch):
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
-    _, dlse, _ = _backward_args(lambda: lse.sum() + (out.sum() if loss == "out+lse" else 0))
+    _, dlse, _ = _backward_args(lambda: lse.sum() + (out.sum() if loss == "out+lse" else 0),
+                                monkeypatch)
     assert dlse is not None and dlse.shape == lse.shape
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
@@ -124,16 +121,15 @@ def test_public_functions_trace_without_graph_breaks(entry, requires_grad, monke
     assert out.shape == q.shape
 
 
-def test_dropout_arguments_reach_the_backward_op():
+def test_dropout_arguments_reach_the_backward_op(monkeypatch):
     q, k, v = _qkv(requires_grad=True, device="meta")
     out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
-    assert _backward_args(lambda: out.sum())[2] == (0.1, 12345)
-    with FakeTensorMode():
-        q, k, v = _qkv()
-        out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
-        dq, dk, dv, _ = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
-                         12345)
-        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert _backward_args(lambda: out.sum(), monkeypatch)[2] == (0.1, 12345)
+    q, k, v = _qkv(device="meta")
+    out, lse = FWD(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 12345)
+    dq, dk, dv, _ = BWD(out, q, k, v, out, lse, None, None, None, 0.125, 0.0, 20, -1, 0, 0.1,
+                        12345)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 @pytest.fixture
@@ -272,19 +268,6 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
     assert fwd[-9] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
 
 
-class _OpCalls(TorchDispatchMode):
-    """Records which flash_tile ops were dispatched."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (FWD.default, BWD.default):
-            self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def _stub_the_launches(monkeypatch, on_forward, on_backward):
     """The ops' bodies with sm_90's D=64 default as the chosen variant, and their
     ``launch_forward`` / ``launch_backward`` calls given to ``on_forward`` / ``on_backward``
@@ -305,6 +288,12 @@ def op_launches(monkeypatch):
     return calls
 
 
+def _refuse_the_launches(monkeypatch):
+    """Make any launch of the ops' bodies (as a traced call must not make) fail the test."""
+    _stub_the_launches(monkeypatch, lambda args: pytest.fail("forward launched"),
+                       lambda args: pytest.fail("backward launched"))
+
+
 def _refuse_the_ops(monkeypatch):
     """Make any call of the two custom ops (as the eager path must not) fail the test."""
     for name in ("forward_op", "backward_op"):
@@ -316,22 +305,22 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches,
     """In eager mode the public functions' ``attention_forward`` runs the ops' bodies through
     an autograd.Function, dispatching neither op: one forward launch, then one backward launch
     that gets the forward's output and LSE, the output's gradient, the LSE's gradient when the
-    loss uses the LSE, and the forward's scalars and dropout. On meta tensors, the launches
-    recorded instead of run."""
+    loss uses the LSE, and the forward's scalars and dropout. On CPU tensors (meta ones have
+    no memory to compare), the launches recorded instead of run."""
     from flash_tile import _launch, variants
 
     config = variants.default_config((9, 0), 64)  # what op_launches chooses
     _refuse_the_ops(monkeypatch)
-    q, k, v = _qkv(requires_grad=True, device="meta")
+    q, k, v = _qkv(requires_grad=True, device="cpu")
     out, lse = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True, 0.1, 7)
     (out.sum() + (lse.sum() if loss == "out+lse" else 0)).backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     (fq, fk, fv, f_out, f_lse, *f_rest), (dout, bq, bk, bv, b_out, b_lse, *b_rest) = op_launches
     assert all(x is y for x, y in zip((fq, fk, fv, f_out, f_lse, bq, bk, bv),
                                       (q, k, v, out, lse, q, k, v)))
-    # The saved output and LSE come back as new tensor objects over the same storage.
-    assert torch._C._is_alias_of(b_out, out) and not torch._C._is_alias_of(b_out, lse)
-    assert torch._C._is_alias_of(b_lse, lse) and dout.shape == out.shape
+    # The saved output and LSE come back as new tensor objects over the same memory.
+    assert b_out is not out and b_out.is_set_to(out) and b_lse.is_set_to(lse)
+    assert dout.shape == out.shape
     dq, dk, dv, dlse, *scalars = b_rest
     assert (dlse is None) == (loss == "out")
     dropout = _launch.Dropout(0.1, 7)
@@ -345,12 +334,12 @@ def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
     dq, dk, dv to the leaves as they are: a gradient whose strides differ from a contiguous
     leaf's is copied into the leaf's layout, once per tensor and backward. [B, H, L, D] is the
     SDPA function's usual input; [B, L, H, D] is flash-attn's, seen by the op transposed. The
-    launches are recorded by their gradients' storages alone: autograd also copies a gradient
-    that something else still references."""
+    launches are recorded by their gradients' memory addresses alone (CPU tensors, launches
+    stubbed): autograd also copies a gradient that something else still references."""
     storages = []
     _stub_the_launches(monkeypatch, lambda args: None, lambda args: storages.extend(
-        t.untyped_storage()._cdata for t in args[6:9]))  # dq, dk, dv
-    leaves = _qkv(requires_grad=True, device="meta")
+        t.untyped_storage().data_ptr() for t in args[6:9]))  # dq, dk, dv
+    leaves = _qkv(requires_grad=True, device="cpu")
     if layout == "[B, L, H, D]":
         leaves = tuple(t.detach().transpose(1, 2).contiguous().requires_grad_() for t in leaves)
         q, k, v = (t.transpose(1, 2) for t in leaves)
@@ -358,7 +347,7 @@ def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
         q, k, v = leaves
     out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
     out.sum().backward()
-    assert [leaf.grad.untyped_storage()._cdata for leaf in leaves] == storages, layout
+    assert [leaf.grad.untyped_storage().data_ptr() for leaf in leaves] == storages, layout
 
 
 @pytest.mark.parametrize("case", ["no input needs a gradient", "torch.no_grad"])
@@ -374,10 +363,10 @@ def test_inference_builds_no_autograd_node(monkeypatch, op_launches, case):
 
 
 @pytest.mark.parametrize("tracer", ["dispatch mode", "make_fx"])
-def test_tracers_see_the_op(tracer):
-    """Under a dispatch mode (FlopCounterMode, FakeTensorMode, ...) or make_fx the call is the
-    custom op, forward and backward, as under torch.compile: the body would launch kernels on
-    tensors that have no memory."""
+def test_tracers_see_the_op(tracer, monkeypatch):
+    """Under a dispatch mode (FlopCounterMode here; FakeTensorMode, ...) or make_fx the call is
+    the custom op, forward and backward, as under torch.compile: the body would launch kernels
+    on tensors that have no memory."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def fn(q, k, v):
@@ -388,11 +377,13 @@ def test_tracers_see_the_op(tracer):
         graph = make_fx(fn)(*_qkv(device="meta")).graph
         assert "flash_tile.attention_forward.default" in {str(n.target) for n in graph.nodes}
         return
+    _refuse_the_launches(monkeypatch)
+    calls = _spy_on_the_ops(monkeypatch)
     q, k, v = _qkv(requires_grad=True, device="meta")
-    with _OpCalls() as calls:
+    with FlopCounterMode(display=False):
         out, _ = fn(q, k, v)
         out.sum().backward()
-    assert calls.ops == [FWD.default, BWD.default]
+    assert [name for name, _ in calls] == ["forward_op", "backward_op"]
 
 
 def test_public_functions_take_the_op_under_torch_compile():
