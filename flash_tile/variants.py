@@ -286,9 +286,9 @@ SM90_ONE_PASS_WIDE = replace(SM90_BACKWARD_WIDE, one_pass=True)
 # the two passes' dQ kernel steps 32 keys, SM90_ONE_PASS_WIDE took 0.78-0.90x the time of
 # SM90_BACKWARD_WIDE on every row (L 1k/4k/16k, causal and not) [H200, 2026-12-02, bf16,
 # bench_variants.py --backward;
-# docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass-d256.md]. The backward grid
-# of that day (bench/results/backward-h200.md, commit 2a6c423) ran it with 64-row preprocess
-# and convert programs: 0.97-1.24x less time than the two passes, 1.03x more at 1k causal.
+# docs/experiments/evidence/2026-12-02-variants-h200-bwd-one-pass-d256.md]; in the backward
+# grid of 2026-12-04 (bench/results/backward-h200.md, tree 2ae68ea) the two passes took
+# 1.11-1.28x its time on the device, and it ran at 0.98-1.15x cuDNN's.
 # The default unless ``deterministic``: (largest head dim, config) per family, as
 # _BACKWARD_DEFAULTS's families, None for the two passes (also past the last entry).
 _ONE_PASS_DEFAULTS = {
