@@ -188,27 +188,35 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
     return _with_hints(kernel, tuple(config.hints().items()))
 
 
-# The one-pass preprocess (a row sum of O * dO, memory-bound) at four programs an SM: without a
-# hint tileiras gave its 64-row tiles 255 registers, one program an SM, 167 us at B*L = 16k
-# tokens, H*D = 2048, D = 128 (1.1 TB/s); hinted 64 registers and 72 us, the whole backward
-# 0.87-0.99x its time at D 64/128, L 1k-16k. Its 128-row tiles at D = 256 fill an SM's shared
-# memory either way (no change) [H200, 2026-12-04, bf16; the A/B in
-# docs/experiments/evidence/2026-12-04-backward-preprocess-ab-h200.md].
-PREPROCESS_HINTS = (("occupancy", 4),)
+# The one-pass preprocess (a row sum of O * dO, memory-bound) at four programs an SM on sm_90:
+# without a hint tileiras gave its 64-row tiles 255 registers, one program an SM, 167 us at
+# B*L = 16k tokens, H*D = 2048, D = 128 (1.1 TB/s); hinted 64 registers and 72 us, the whole
+# backward 0.87-0.99x its time at D 64/128, L 1k-16k. Its 128-row tiles at D = 256 fill an
+# SM's shared memory either way (no change) [H200, 2026-12-04, bf16; the A/B in
+# docs/experiments/evidence/2026-12-04-backward-preprocess-ab-h200.md]. Other architectures
+# keep tileiras's choice: on sm_80 (no TMA) the hint took D = 256 from 70 to 858 LDL/STL.
+PREPROCESS_OCCUPANCY = {"sm_90": 4}
+
+
+@functools.cache
+def _preprocess_kernel(kernel):
+    """A one-pass preprocess entry point with ``PREPROCESS_OCCUPANCY``, made once per kernel
+    (``_with_hints``'s reason; a ``ct.ByTarget`` is not hashable, so not through it)."""
+    return kernel.replace_hints(occupancy=ct.ByTarget(**PREPROCESS_OCCUPANCY))
 
 
 @functools.cache
 def hinted_backward_kernels(config: TileConfig, int64_index: bool = False) -> tuple:
     """The backward's kernels in launch order (32- or 64-bit indexing): (dQ, dK/dV) with
-    ``config``'s hints, or in the one-pass form (preprocess with ``PREPROCESS_HINTS``, dK/dV
-    with the config's, dQ convert with tileiras's defaults)."""
+    ``config``'s hints, or in the one-pass form (preprocess with ``PREPROCESS_OCCUPANCY``,
+    dK/dV with the config's, dQ convert with tileiras's defaults)."""
     hints = tuple(config.hints().items())
     if config.one_pass:
         preprocess, dkdv, convert = ((attention_bwd_preprocess_int64, attention_bwd_dkdv_int64,
                                       attention_bwd_dq_convert_int64) if int64_index else
                                      (attention_bwd_preprocess, attention_bwd_dkdv,
                                       attention_bwd_dq_convert))
-        return _with_hints(preprocess, PREPROCESS_HINTS), _with_hints(dkdv, hints), convert
+        return _preprocess_kernel(preprocess), _with_hints(dkdv, hints), convert
     kernels = ((attention_bwd_dq_int64, attention_bwd_dkdv_int64) if int64_index else
                (attention_bwd_dq, attention_bwd_dkdv))
     return tuple(_with_hints(kernel, hints) for kernel in kernels)
