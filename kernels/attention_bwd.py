@@ -412,7 +412,7 @@ def attention_bwd_dkdv(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, C
     the key tiles, (total_k // TILE_N + B, H_kv, 1); under SEQUSED_K sequence b uses its first
     SeqUsedK[b] keys (the others' rows are not stored). Under DQ_ACCUM (the one-pass form) it
     also adds every tile pair's dQ, unscaled (dS k, or dX k under SOFTCAP), into dQacc
-    [B, H, Lq, D] fp32, which the preprocess kernel zeroed and the convert kernel reads."""
+    [B, H, Lq, D] fp32, which the launcher zeroed and the convert kernel reads."""
     _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, CuSeqK,
                SeqUsedK, qk_scale, softcap, diag_offset, window_left, window_right,
                dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,

@@ -22,7 +22,8 @@ for d, L, causal in rows:
     run = runner(b, h, L, d, causal, torch.bfloat16, True)
     rec = []
     saved = _launch.launch_on
-    _launch.launch_on = lambda dev, grid, k, args, **a: rec.append((grid, k, args)) or saved(dev, grid, k, args, **a)
+    _launch.launch_on = (lambda dev, grid, k, args, **a:
+                         rec.append((grid, k, args)) or saved(dev, grid, k, args, **a))
     ref = run(cfg)
     _launch.launch_on = saved
     (pg, pre, pargs), (kg, dkdv, kargs), (cg, conv, cargs) = rec
