@@ -191,8 +191,9 @@ def hinted_kernel(config: TileConfig, int64_index: bool = False):
 # The one-pass preprocess (a row sum of O * dO, memory-bound) at four programs an SM on sm_90:
 # without a hint tileiras gave its 64-row tiles 255 registers, one program an SM, 167 us at
 # B*L = 16k tokens, H*D = 2048, D = 128 (1.6 TB/s, the zeros then stored too); hinted 64
-# registers and 72 us, the whole backward 0.87-0.98x its time at D 64/128, L 1k-16k. Its 128-row tiles at D = 256 fill an
-# SM's shared memory either way (no change) [H200, 2026-12-04, bf16; the A/B in
+# registers and 72 us, the whole backward 0.87-0.98x its time at D 64/128, L 1k-16k. Its
+# 128-row tiles at D = 256 fill an SM's shared memory either way (no change) [H200,
+# 2026-12-04, bf16; the A/B in
 # docs/experiments/evidence/2026-12-04-backward-preprocess-ab-h200.md]. Other architectures
 # keep tileiras's choice: on sm_80 (no TMA) the hint took D = 256 from 70 to 858 LDL/STL.
 PREPROCESS_OCCUPANCY = {"sm_90": 4}
