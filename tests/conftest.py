@@ -115,5 +115,5 @@ def backward_form(request, monkeypatch):
         pytest.skip("the one-pass backward is registered for sm_90 only")
     monkeypatch.setitem(variants._ONE_PASS_DEFAULTS, (9, 0),
                         one_pass if request.param == "one_pass" else ())
-    setattr(autotune, "decided", {})  # choices made under the real table
+    monkeypatch.setattr(autotune, "decided", {})  # choices made under the real table
     return request.param
