@@ -19,22 +19,22 @@ backward. q, k, v and dO are fresh bf16 (or ``--dtype``) values, [B, H, L, D].
 import argparse
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
+from bench_attention import _sdpa
+from bench_backward import _backward_only
 from bench_variants import runner
 from flash_tile import variants
 from flash_tile._timing import DTYPES, grid_shape
 
 
 def _cudnn_backward(batch, heads, length, head_dim, causal, dtype):
-    """SDPA cuDNN's backward of one stored forward, as a zero-argument call."""
-    q, k, v = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype,
-                           requires_grad=True) for _ in range(3))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    dout = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    """SDPA cuDNN's backward of one stored forward, as a zero-argument call (as
+    ``bench_backward`` times it on the device)."""
+    q, k, v, dout = (torch.randn(batch, heads, length, head_dim, device="cuda", dtype=dtype)
+                     for _ in range(4))
+    sdpa = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    return _backward_only(lambda *qkv: sdpa(*qkv, causal), q, k, v, dout)
 
 
 def main():
