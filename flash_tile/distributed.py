@@ -65,8 +65,8 @@ import torch.distributed as dist
 from flash_tile import _validate
 from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
                              varlen_attention)
-from flash_tile.api import (BLHD, PACKED, _autocast, _check_bhld, _check_layout, _dropout_seed,
-                            _unit_last_stride)
+from flash_tile.api import (BLHD, PACKED, _autocast, _check_bhld, _check_layout, _check_packed,
+                            _dropout_seed, _unit_last_stride)
 
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -511,15 +511,12 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
     cu = _offsets(cu_seqlens, 1, q.shape[0])  # each local length even: two halves
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
-    _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
-    _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
+    scale = _check_packed(q, k, v, softmax_scale)
     if q.is_cuda:
         q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
         _validate.check_dtypes(q, k, v)
         _validate.check_device(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
-    scale = _validate.check_scale(softmax_scale if softmax_scale is not None
-                                  else 1.0 / math.sqrt(q.shape[2]))
     softcap = _validate.check_softcap(softcap)
     return _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
                         attention)

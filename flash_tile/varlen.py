@@ -5,7 +5,6 @@ sequence's bounds from the cumulative lengths, so nothing is padded and nothing 
 on the host.
 """
 
-import math
 
 import torch
 
@@ -13,7 +12,7 @@ from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
-from flash_tile.api import PACKED, _checked_inputs, _dropout_seed, _needs_grad
+from flash_tile.api import PACKED, _check_packed, _checked_inputs, _dropout_seed, _needs_grad
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -39,14 +38,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
-    _validate.check_lengths(k.shape[0], v.shape[0])
-    _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
-    _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
+    scale = _check_packed(q, k, v, softmax_scale)
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-    scale = _validate.check_scale(softmax_scale if softmax_scale is not None
-                                  else 1.0 / math.sqrt(q.shape[2]))
     left, right = _validate.check_window(window_size)
     if causal:
         right = 0
