@@ -5,7 +5,6 @@ sequence's bounds from the cumulative lengths, so nothing is padded and nothing 
 on the host.
 """
 
-
 import torch
 
 from flash_tile import _validate
