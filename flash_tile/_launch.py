@@ -323,10 +323,35 @@ def _fill_unused(device, *arrays):
                  for array, rank in arrays)
 
 
+#: The raw handle of a device's current stream (what torch's generated code reads); absent
+#: from CPU builds of torch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+#: Stream objects by (device index, raw handle), for ``current_stream``.
+_streams: dict[tuple[int, int], object] = {}
+#: A process that meets more streams than this starts the table over.
+MAX_STREAMS = 64
+
+
+def current_stream(device: torch.device):
+    """``device``'s current stream as a torch Stream, as ``torch.cuda.current_stream`` returns
+    it, made once per raw stream handle: that call builds a new Stream object each time, 4.6
+    us of host time on the H200's host against 4.7 us for a whole ``ct.launch`` of two arrays
+    (2026-12-04, docs/experiments/evidence/2026-12-04-launch-host-h200.md); the raw handle is
+    a C call."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (index, _raw_stream(index))
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= MAX_STREAMS:
+            _streams.clear()
+        stream = _streams[key] = torch.cuda.current_stream(device)
+    return stream
+
+
 def launch_on(device: torch.device, grid: tuple, kernel, args: tuple, **attributes) -> None:
     """``ct.launch`` on ``device``'s current stream, under a device guard only where another
     device is current (the guard costs ~2 us of host time a launch, a planned call's tenth)."""
-    stream = torch.cuda.current_stream(device)
+    stream = current_stream(device)
     if device.type == "cuda" and device.index == torch.cuda.current_device():
         ct.launch(stream, grid, kernel, args, **attributes)
     else:

@@ -11,12 +11,19 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_tile._launch import (_fill_unused, _placeholder, _with_hints, kernel_mask,
+from flash_tile._launch import (_placeholder, _with_hints, kernel_mask,
                                 launch_on, needs_int64_index)
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
 from flash_tile.variants import DecodeConfig, tile_width
+
+#: What the decode path's kernels get for an array their switches leave unread (Lse without
+#: STORE_LSE, BlockTable without PAGED, ...): an int scalar, which ``ct.launch`` takes 0.26 us
+#: faster than a placeholder array (H200 host, 2026-12-04,
+#: docs/experiments/evidence/2026-12-04-launch-host-h200.md). ``aot.decode_signatures`` types
+#: them as int32 scalars alike.
+ABSENT = 0
 
 
 @dataclass(frozen=True)
@@ -215,33 +222,31 @@ class _DecodePlan:
         if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
             k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # as launch_decode
         device = q.device
-        out_split = lse_split = None
-        if self.splits > 1:
+        split = self.splits > 1
+        if split:  # the kernel writes the partials; the combine, out and lse
             out_split, lse_split = decode_workspace(self.splits, batch, q_len,
                                                     kv_heads * group, self.out_view[4], device)
-        slopes = None if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group)
-        sinks = None if sinks is None else sinks.view(kv_heads, group)
-        lse_g = None if lse is None else lse.view(batch, kv_heads, group, q_len)
-        (lse_g, ws_out, ws_lse, batch_idx, block_table, slopes, sinks, leftpad,
-         attn_mask) = _fill_unused(
-            device, (lse_g, 4), (None if out_split is None else
-                                 out_split.view(self.splits, *self.out_view), 6),
-            (None if lse_split is None else lse_split.view(self.splits, *self.out_view[:4]),
-             5), (batch_idx, 1), (block_table, 2), (slopes, 3), (sinks, 2), (leftpad, 1),
-            (kernel_mask(attn_mask), 4))
+            outputs = (ABSENT, ABSENT, out_split.view(self.splits, *self.out_view),
+                       lse_split.view(self.splits, *self.out_view[:4]))
+        else:
+            outputs = (out.view(self.out_view), ABSENT if lse is None else
+                       lse.view(batch, kv_heads, group, q_len), ABSENT, ABSENT)
         args = (q.view(self.q_view), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                out.view(self.out_view), lse_g, ws_out, ws_lse, seqlens_k, batch_idx,
-                block_table, slopes, sinks, leftpad, attn_mask,
-                *_descale_args(device, kv_descale),
-                float(scale), float(softcap),
+                *outputs, seqlens_k, ABSENT if batch_idx is None else batch_idx,
+                ABSENT if block_table is None else block_table,
+                ABSENT if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group),
+                ABSENT if sinks is None else sinks.view(kv_heads, group),
+                ABSENT if leftpad is None else leftpad,
+                ABSENT if attn_mask is None else kernel_mask(attn_mask),
+                *(kv_descale or (ABSENT, ABSENT)), float(scale), float(softcap),
                 int(window[0]), int(window[1]), int(new_len), *self.constants)
         # Under pdl both launches may start while their predecessor on the stream (the
         # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
         # before its first read (ct.grid_dependency_control_wait).
         launch_on(device, self.grid, self.kernel, args, programmatic_dependent_launch=self.pdl)
-        if self.splits > 1:
+        if split:
             launch_on(device, (q_len, kv_heads * group, batch), decode_combine,
-                      (out_split, lse_split, out, _fill_unused(device, (lse, 3))[0],
+                      (out_split, lse_split, out, ABSENT if lse is None else lse,
                        *self.combine_constants), programmatic_dependent_launch=self.pdl)
 
 
@@ -301,11 +306,6 @@ class Rotary:
     q_step: int
 
 
-def _descale_args(device: torch.device, kv_descale) -> tuple:
-    """(KDescale, VDescale) for a launch: an FP8 cache's factors, or placeholders."""
-    return _fill_unused(device, (None, 2), (None, 2)) if kv_descale is None else kv_descale
-
-
 def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
                         k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cache_seqlens: torch.Tensor, batch_idx: torch.Tensor | None,
@@ -324,9 +324,8 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
     batch = q.shape[0] if k_new is None else k_new.shape[0]
     if k_new is None:  # typed as the cache: the append's store must compile, never runs
         k_new = v_new = _placeholder(device, 4, k_cache.dtype)
-    batch_idx_arg, table = _fill_unused(device, (batch_idx, 1), (block_table, 2))
     rows, group = new_len, 1
-    rotary_args = (*_fill_unused(device, (None, 5), (None, 5), (None, 2), (None, 2)), 0, 0)
+    rotary_args = (ABSENT, ABSENT, ABSENT, ABSENT, 0, 0)
     if rotary is not None:
         rows, group = max(new_len, q.shape[1]), q.shape[2] // kv_heads
         shape = (batch, q.shape[1], kv_heads, group, head_dim)
@@ -334,8 +333,10 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
                        2 * rotary.cos.shape[1], rotary.q_step)
     launch_on(device, (rows, kv_heads, batch),
               cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
-              (k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx_arg, table,
-               *rotary_args[:4], *_descale_args(device, kv_descale), new_len,
+              (k_new, v_new, k_cache, v_cache, cache_seqlens,
+               ABSENT if batch_idx is None else batch_idx,
+               ABSENT if block_table is None else block_table,
+               *rotary_args[:4], *(kv_descale or (ABSENT, ABSENT)), new_len,
                *rotary_args[4:], tile_width(head_dim),
                tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
                batch_idx is not None, rotary is not None,

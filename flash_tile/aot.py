@@ -332,32 +332,38 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     cache = ct.float8_e4m3fn if fp8_cache else DTYPES[dtype]
     k, v = (_array(cache, 4, d, index) for d in (head_dim, v_head_dim))
     new_k, new_v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
-    descales = [_array(ct.float32, 2)] * 2
+    # An array the switches leave unread comes as an int scalar (_launch_decode.ABSENT).
+    absent = ScalarConstraint(ct.int32)
+    descales = [_array(ct.float32, 2) if fp8_cache else absent] * 2
     # A mask over a capacity of 16-byte rows comes as its uint8 view (_launch.kernel_mask).
-    mask = _array(ct.uint8, 4, 1024) if attn_mask else _array(ct.float32, 4)
+    mask = _array(ct.uint8, 4, 1024) if attn_mask else absent
+    split = splits > 1
     decode, append = ((attention_decode_int64, cache_append_int64) if int64_index else
                       (attention_decode, cache_append))
-    f32 = _array(ct.float32, 4)
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)] + \
         [ScalarConstraint(ct.int32)] * 3
     cc = CallingConvention.cutile_python_v1()
+    outputs = ((absent, absent, _array(ct.float32, 6), _array(ct.float32, 5)) if split else
+               (vo, _array(ct.float32, 4) if store_lse else absent, absent, absent))
+    batch_rows, table = (_index_array(1) if batch_idx else absent,
+                         absent if page_size is None else _index_array(2))
     kernels = {"decode": (decode.replace_hints(**config.hints()), KernelSignature(
-        [qk, k, v, vo, f32, _array(ct.float32, 6), _array(ct.float32, 5), _index_array(1),
-         _index_array(1), _index_array(2), _array(ct.float32, 3), _array(ct.float32, 2),
-         _index_array(1), mask, *descales, *scalars, *spec.constants()], cc))}
-    if splits > 1:
+        [qk, k, v, *outputs, _index_array(1), batch_rows, table,
+         _array(ct.float32, 3) if alibi else absent, _array(ct.float32, 2) if sinks else absent,
+         _index_array(1) if leftpad else absent, mask, *descales, *scalars,
+         *spec.constants()], cc))}
+    if split:
         kernels["combine"] = (decode_combine, KernelSignature(
-            [_array(ct.float32, 5, v_head_dim), f32, _array(DTYPES[dtype], 4, v_head_dim),
-             _array(ct.float32, 3), variants.tile_width(splits, 1),
+            [_array(ct.float32, 5, v_head_dim), _array(ct.float32, 4),
+             _array(DTYPES[dtype], 4, v_head_dim),
+             _array(ct.float32, 3) if store_lse else absent, variants.tile_width(splits, 1),
              variants.tile_width(v_head_dim), store_lse], cc))
     rotated = (_array(DTYPES[dtype], 5, head_dim), _array(DTYPES[dtype], 5, head_dim),
                _array(DTYPES[dtype], 2, head_dim // 2), _array(DTYPES[dtype], 2, head_dim // 2))
     if rotary is None:
-        rotated = (_array(ct.float32, 5), _array(ct.float32, 5), _array(ct.float32, 2),
-                   _array(ct.float32, 2))
+        rotated = (absent,) * 4
     kernels["append"] = (append, KernelSignature(
-        [new_k, new_v, k, v, _index_array(1), _index_array(1), _index_array(2), *rotated,
-         *descales,
+        [new_k, new_v, k, v, _index_array(1), batch_rows, table, *rotated, *descales,
          *[ScalarConstraint(ct.int32)] * 3, variants.tile_width(head_dim),
          variants.tile_width(v_head_dim), variants.tile_width(group, 1) if rotary else 1,
          page_size is not None, batch_idx, rotary is not None, rotary == "interleaved"], cc))

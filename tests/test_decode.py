@@ -474,7 +474,7 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     launches = []
     monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: launches.append(
         (*args, attributes)))
-    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device",
                         lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)

@@ -263,7 +263,7 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
     calls = []
     monkeypatch.setattr(_launch.ct, "launch",
                         lambda stream, grid, kernel, args: calls.append((grid, kernel, args)))
-    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     monkeypatch.setattr(_ops_fp8, "device_properties", lambda device: ((9, 0), "H200"))
     descale = torch.rand(3, 2, 2)

@@ -197,7 +197,8 @@ def test_non_unit_last_stride_is_copied_and_correct():
 
 def test_runs_on_current_stream_under_no_grad_and_autocast(monkeypatch):
     """Every launch of the call goes to the side stream that is current (the launches are
-    recorded on their way to cuTile), and the autocast result is right."""
+    recorded on their way to cuTile), and the autocast result is right; a planned call on
+    the default stream after it launches there (the streams are kept by raw handle)."""
     from flash_tile import _launch
 
     streams = []
@@ -214,6 +215,13 @@ def test_runs_on_current_stream_under_no_grad_and_autocast(monkeypatch):
     assert out.dtype == torch.bfloat16 == expected.dtype
     ref, _ = _references(q, k, v, None, 0, (-1, 0))
     _check(out, ref, expected, "autocast on a side stream")
+    streams.clear()
+    with torch.no_grad():
+        for _ in range(2):  # the second call runs its plan
+            again = flash_tile.scaled_dot_product_attention(*(t.bfloat16() for t in (q, k, v)),
+                                                            is_causal=True)
+    assert len(streams) == 2 and all(s == torch.cuda.current_stream() for s in streams)
+    _check(again, ref, expected, "the default stream after a side stream")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU (cuda:1)")

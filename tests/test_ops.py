@@ -144,7 +144,7 @@ def launched(monkeypatch):
     monkeypatch.setattr(_launch.ct, "launch",
                         lambda stream, grid, kernel, args, **attributes: calls.append(
                             (grid, kernel, args)))
-    monkeypatch.setattr(_launch.torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     return calls
 
@@ -478,10 +478,14 @@ def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
             _matches(args, sig)
 
 
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_decode_sinks_launches_match_the_compiled_signatures(launched, page_size, monkeypatch):
-    """The decode and combine launches with SINKS (split, paged or not), against the
-    signatures the AOT tests compile."""
+@pytest.mark.parametrize("page_size,splits,sinks,store_lse", [
+    (None, 4, True, True), (64, 4, True, False), (None, 1, False, False), (16, 1, True, True)])
+def test_decode_launches_match_the_compiled_signatures(launched, page_size, splits, sinks,
+                                                       store_lse, monkeypatch):
+    """The append, decode and combine launches (split or not, paged or not, with or without
+    sinks and the LSE) against the signatures the AOT tests compile; every array a switch
+    leaves unread goes as the int scalar ``_launch_decode.ABSENT``, which ``ct.launch`` takes
+    faster than an array."""
     from flash_tile import _launch_decode, aot, variants
 
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
@@ -490,20 +494,28 @@ def test_decode_sinks_launches_match_the_compiled_signatures(launched, page_size
         k_cache = torch.randn(batch, 256, kv_heads, d).bfloat16()
         table = None
     else:
-        k_cache = torch.randn(8, page_size, kv_heads, d).bfloat16()
-        table = torch.arange(8, dtype=torch.int32).view(batch, 4)
+        k_cache = torch.randn(512 // page_size, page_size, kv_heads, d).bfloat16()
+        table = torch.randperm(512 // page_size, dtype=torch.int32).view(batch, -1)
     q = torch.randn(batch, 1, heads, d).bfloat16()
-    out, lse = torch.empty_like(q), torch.empty(batch, heads, 1)
+    k_new = torch.randn(batch, 1, kv_heads, d).bfloat16()
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, 1) if store_lse else None
     lens = torch.tensor([100, 200], dtype=torch.int32)
     config = variants.default_decode_config((9, 0), d)
-    splits = _launch_decode.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table,
-                                          None, 0.125, 0.0, (-1, 0), 0, 4, config,
-                                          torch.zeros(heads))
-    (_, _, decode), (_, _, combine) = launched
+    _launch_decode.launch_cache_append(k_new, k_new, k_cache, k_cache, lens, None, table)
+    used = _launch_decode.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table,
+                                        None, 0.125, 0.0, (-1, 0), 1, splits, config,
+                                        torch.zeros(heads) if sinks else None)
+    assert (used > 1) == (splits > 1)
     sigs = aot.decode_signatures(config, head_dim=d, group=heads // kv_heads,
-                                 page_size=page_size, splits=splits, sinks=True)
-    _matches(decode, sigs["decode"][1])
-    _matches(combine, sigs["combine"][1])
+                                 page_size=page_size, splits=used, sinks=sinks,
+                                 store_lse=store_lse)
+    names = ["append", "decode"] + (["combine"] if used > 1 else [])
+    assert len(launched) == len(names)
+    for (_, _, args), name in zip(launched, names):
+        _matches(args, sigs[name][1])
+        # No placeholder array (one element) is left: every array here has more.
+        assert all(arg.numel() > 1 for arg in args if isinstance(arg, torch.Tensor)), name
 
 
 def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
@@ -561,3 +573,33 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
             assert planned == full and type(planned) is type(full)
     lse_arg = lse2 if return_lse else args[4]  # the placeholder without an LSE
     assert all(a is b for a, b in zip(plan_args[:5], (q2, k2, v2, out2, lse_arg)))
+
+
+def test_current_stream_is_made_once_per_raw_handle(monkeypatch):
+    """``_launch.current_stream`` asks torch for a Stream object once per (device, raw
+    handle) and hands it back while that stream stays current; another stream (or device)
+    gets its own, and past MAX_STREAMS the table starts over."""
+    from flash_tile import _launch
+
+    current = {"handle": 11}
+    made = []
+
+    def make(device):
+        made.append((device.index, current["handle"]))
+        return object()
+
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: current["handle"] + 100 * index)
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", make)
+    monkeypatch.setattr(_launch, "_streams", {})
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    first = _launch.current_stream(gpu0)
+    assert _launch.current_stream(gpu0) is first and made == [(0, 11)]
+    current["handle"] = 12  # a side stream made current
+    side = _launch.current_stream(gpu0)
+    assert side is not first and _launch.current_stream(gpu1) is not side
+    current["handle"] = 11
+    assert _launch.current_stream(gpu0) is first and made == [(0, 11), (0, 12), (1, 12)]
+    monkeypatch.setattr(_launch, "MAX_STREAMS", 3)
+    current["handle"] = 13
+    _launch.current_stream(gpu0)
+    assert len(_launch._streams) == 1 and _launch.current_stream(gpu0) is not first
