@@ -207,6 +207,7 @@ class _DecodePlan:
     q_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, D]
     out_view: tuple[int, int, int, int, int]  # [B, Lq, H_kv, G, Dv]
     pdl: bool  # the config's programmatic dependent launch
+    int64_index: bool  # the caches need 64-bit offsets (the append's choice too)
 
     def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
@@ -277,7 +278,8 @@ def _decode_plan(q_shape: tuple, cache_shape: tuple, v_head_dim: int,
                        _decode_kernel(config, int64_index), spec.constants(),
                        (tile_width(splits, 1), tile_width(v_head_dim), store_lse),
                        (batch, q_len, kv_heads, group, head_dim),
-                       (batch, q_len, kv_heads, group, v_head_dim), config.pdl)
+                       (batch, q_len, kv_heads, group, v_head_dim), config.pdl,
+                       int64_index)
 
 
 def decode_workspace(splits: int, batch: int, q_len: int, heads: int, v_head_dim: int,
@@ -311,17 +313,25 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
                         cache_seqlens: torch.Tensor, batch_idx: torch.Tensor | None,
                         block_table: torch.Tensor | None, q: torch.Tensor | None = None,
                         q_rot: torch.Tensor | None = None, rotary: Rotary | None = None,
-                        kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                        kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        int64_index: bool | None = None) -> None:
     """Write k_new/v_new [B, L_new, H_kv, D / Dv] into the caches (layouts as
     ``launch_decode``) at position cache_seqlens[b] of each sequence b, on the current stream
     of their device. With ``rotary`` the keys are rotated at their positions on the way, and
     q [B, Lq, H, D] is rotated into q_rot (its shape) in the same launch; k_new and v_new may
     then be None (no new rows: q alone is rotated). Into float8_e4m3fn caches, rows in q's
     dtype are divided by ``kv_descale`` ((k, v) [B, H_kv] fp32) and rounded; e4m3 rows are
-    stored as they are."""
+    stored as they are. ``int64_index`` whether the caches need 64-bit offsets
+    (``needs_int64_index``), where the caller knows it (a decode plan); None: worked out
+    here."""
     device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
     new_len = 0 if k_new is None else k_new.shape[1]
     batch = q.shape[0] if k_new is None else k_new.shape[0]
+    if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
+        k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # as the decode: rows past the
+        # batch are never written, so the choice of offsets is the decode plan's
+    if int64_index is None:
+        int64_index = needs_int64_index(k_cache, v_cache)
     if k_new is None:  # typed as the cache: the append's store must compile, never runs
         k_new = v_new = _placeholder(device, 4, k_cache.dtype)
     rows, group = new_len, 1
@@ -332,7 +342,7 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
         rotary_args = (q.view(shape), q_rot.view(shape), rotary.cos, rotary.sin,
                        2 * rotary.cos.shape[1], rotary.q_step)
     launch_on(device, (rows, kv_heads, batch),
-              cache_append_int64 if needs_int64_index(k_cache, v_cache) else cache_append,
+              cache_append_int64 if int64_index else cache_append,
               (k_new, v_new, k_cache, v_cache, cache_seqlens,
                ABSENT if batch_idx is None else batch_idx,
                ABSENT if block_table is None else block_table,

@@ -519,11 +519,11 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
                     cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
                     rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
                     rotary_interleaved: bool, rotary_q_step: int,
-                    kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+                    kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    int64_index: bool | None = None) -> torch.Tensor:
     """The KV-cache call's append: k/v (when given) into the caches at cache_seqlens, rotated
     under rotary_cos/sin, q rotated with them, quantized by ``kv_descale`` into FP8 caches;
-    returns the q to attend with."""
+    returns the q to attend with. ``int64_index`` as ``launch_cache_append``'s."""
     if k is None and rotary_cos is None:
         return q
     rotary = q_rot = None
@@ -531,7 +531,7 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
         rotary = Rotary(rotary_cos, rotary_sin, rotary_interleaved, rotary_q_step)
         q_rot = rotated_q_workspace(q)
     launch_cache_append(k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, q,
-                        q_rot, rotary, kv_descale)
+                        q_rot, rotary, kv_descale, int64_index)
     return q if q_rot is None else q_rot
 
 

@@ -385,7 +385,8 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
     assert config == variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
-    assert append[7:] == (q, None, None, None) and dpads is None  # no rotary, no pad
+    # no rotary, no pad, the 64-bit choice left to the append
+    assert append[7:] == (q, None, None, None, None) and dpads is None
     calls.clear()
     flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=7)  # an int length
     assert [name for name, _ in calls] == ["decode"]
@@ -404,7 +405,7 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     flash_tile.flash_attn_with_kvcache(q, k8, v8, k_new, v_new, cache_seqlens=lens,
                                        k_descale=torch.tensor(0.5))
     (_, append), (_, decode) = calls
-    assert append[2] is k8 and append[-1] is decode[-2]
+    assert append[2] is k8 and append[-2] is decode[-2] and append[-1] is None
     kd, vd = decode[-2]
     assert kd.shape == vd.shape == (2, 2) and kd.eq(0.5).all() and vd.eq(1.0).all()
     monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
@@ -443,10 +444,11 @@ def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_st
         calls.clear()
     call(cos, sin)
     (_, append), (_, decode) = calls
-    q_arg, q_rot, rotary, kv_descale = append[7:]
+    q_arg, q_rot, rotary, kv_descale, int64_index = append[7:]
     assert q_arg is q and q_rot.shape == q.shape and q_rot is not q
     assert rotary == _launch_decode.Rotary(cos, sin, False, q_step)
     assert decode[0] is q_rot and decode[-3] is pads and kv_descale is decode[-2] is None
+    assert int64_index is None  # the full path's append works it out
 
 
 @pytest.mark.parametrize("arch,page_size", [("sm_90", None), ("sm_90", 64), ("sm_80", None)])
@@ -459,6 +461,32 @@ def test_int64_entry_points_compile(arch, page_size):
     assert set(cubins) == {"decode", "combine", "append"}
     big = torch.empty(2**31 + 1, dtype=torch.bfloat16, device="meta")
     assert _launch.needs_int64_index(big.view(1, -1, 1, 1))
+
+
+def test_the_append_indexes_the_rows_it_writes_as_the_decode(monkeypatch):
+    """A contiguous cache of more rows than the batch (no cache_batch_idx): the append takes
+    the 32-bit kernel where the batch's rows keep every offset below 2**31, as the decode's
+    plan does, so that the plan's choice can be handed to it; with cache_batch_idx (any row)
+    it takes the 64-bit kernel, and a choice given is taken. Meta tensors, the launches
+    recorded."""
+    import contextlib
+
+    from flash_tile.kernels.attention_decode import cache_append, cache_append_int64
+
+    kernels = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: kernels.append(
+        args[2]))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    k = torch.empty(5, 2**20, 4, 128, device="meta", dtype=torch.bfloat16)  # 2**29 a row
+    new = torch.empty(2, 1, 4, 128, device="meta", dtype=torch.bfloat16)
+    lens, rows = (torch.empty(2, dtype=torch.int32, device="meta") for _ in range(2))
+    assert _launch.needs_int64_index(k) and not _launch.needs_int64_index(k[:2])
+    _launch_decode.launch_cache_append(new, new, k, k, lens, None, None)
+    _launch_decode.launch_cache_append(new, new, k, k, lens, rows, None)
+    _launch_decode.launch_cache_append(new, new, k[:2], k[:2], lens, None, None,
+                                       int64_index=True)
+    assert kernels == [cache_append, cache_append_int64, cache_append_int64]
 
 
 def test_big_caches_run_in_32_bit_launches(monkeypatch):
