@@ -305,22 +305,34 @@ def _placeholder(device: torch.device, rank: int,
     return torch.empty((1,) * rank, dtype=dtype, device=device)
 
 
-def _cu_seqlens(device: torch.device, varlen: "Varlen | None") -> tuple:
-    """(CuSeqQ, CuSeqK, SeqUsedK) for a launch: the cumulative lengths and the keys used, or
-    placeholders (the kernels read them only under VARLEN, and SeqUsedK under SEQUSED_K)."""
-    unused = _placeholder(device, 1, torch.int32)
-    if varlen is None:
-        return unused, unused, unused
-    return (varlen.cu_seqlens_q, varlen.cu_seqlens_k,
-            unused if varlen.seqused_k is None else varlen.seqused_k)
+#: What a kernel gets for an array its switches leave unread (Lse without STORE_LSE, Slopes
+#: without ALIBI, Mask without ATTN_MASK, the cumulative lengths without VARLEN, ...): an int
+#: scalar, which ``ct.launch`` takes 0.26-0.59 us faster than an array (H200 hosts,
+#: 2026-12-04, docs/experiments/evidence/2026-12-04-launch-host-h200.md); ``flash_tile.aot``
+#: types those parameters as int32 scalars alike.
+ABSENT = 0
 
 
-def _fill_unused(device, *arrays):
-    """The optional arrays, given as (array or None, rank) pairs, with a placeholder of that
-    rank for each None: the kernels never touch Lse without STORE_LSE, dLse without LSE_GRAD,
-    Slopes without ALIBI, Mask without ATTN_MASK, but each parameter needs an array."""
-    return tuple(_placeholder(device, rank) if array is None else array
+def _or_absent(*arrays) -> tuple:
+    """The optional arrays, ``ABSENT`` for each None."""
+    return tuple(ABSENT if array is None else array for array in arrays)
+
+
+def _int64_placeholders(device: torch.device, *arrays) -> tuple:
+    """The optional arrays that the 64-bit entry points type as 64-bit indexed (Lse and Mask
+    of the forward, dLse, Mask and dQacc of the backward), given as (array or ``ABSENT``,
+    rank) pairs: an int cannot take that annotation, so a placeholder array of the rank
+    (never read nor written) stands for each ``ABSENT``."""
+    return tuple(_placeholder(device, rank) if array is ABSENT else array
                  for array, rank in arrays)
+
+
+def _cu_seqlens(varlen: "Varlen | None") -> tuple:
+    """(CuSeqQ, CuSeqK, SeqUsedK) for a launch: the cumulative lengths and the keys used, or
+    ``ABSENT`` (the kernels read them only under VARLEN, and SeqUsedK under SEQUSED_K)."""
+    if varlen is None:
+        return ABSENT, ABSENT, ABSENT
+    return _or_absent(varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_k)
 
 
 #: The raw handle of a device's current stream (what torch's generated code reads); absent
@@ -373,10 +385,14 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     spec = forward_spec(config, head_dim, v_head_dim, k.shape[2], window, softcap > 0.0,
                         alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
                         dropout.p > 0.0, sinks is not None, descale is not None)
-    lse, slopes, attn_mask, sinks, descale = _fill_unused(
-        q.device, (lse, 3), (alibi_slopes, 2), (kernel_mask(attn_mask), 4), (sinks, 1),
-        (descale, 3))
-    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
+    attn_mask = kernel_mask(attn_mask)
+    int64_index = needs_int64_index(q, k, v, out, *(t for t in (lse, attn_mask)
+                                                     if t is not None))
+    lse, slopes, attn_mask, sinks, descale = _or_absent(lse, alibi_slopes, attn_mask, sinks,
+                                                        descale)
+    if int64_index:
+        lse, attn_mask = _int64_placeholders(q.device, (lse, 3), (attn_mask, 4))
+    cu_q, cu_k, used_k = _cu_seqlens(varlen)
     if varlen is None:
         grid = forward_grid(q_len, heads, batch, config)
     else:
@@ -386,8 +402,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
-    kernel = hinted_kernel(config, needs_int64_index(q, k, v, out, lse, attn_mask))
-    return grid, kernel, args
+    return grid, hinted_kernel(config, int64_index), args
 
 
 def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -432,7 +447,7 @@ class ForwardPlan:
     or seeds change from call to call (``flash_tile._plans``)."""
 
     __slots__ = ("grid", "kernel", "tail", "device", "dtype", "out_shape", "lse_shape",
-                 "lse_placeholder")
+                 "no_lse")
 
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
@@ -441,13 +456,14 @@ class ForwardPlan:
         batch, heads, q_len, v_head_dim = out.shape
         self.out_shape = (batch, q_len, heads, v_head_dim)
         self.lse_shape = None if lse is None else tuple(lse.shape)
-        self.lse_placeholder = _placeholder(out.device, 3)
+        # What a call without an LSE passes: ABSENT, or the 64-bit entry point's placeholder.
+        self.no_lse = args[4] if lse is None else None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None) -> None:
         """``launch_forward`` of the planned call on these arrays (out [B, H, Lq, Dv])."""
         launch_on(self.device, self.grid, self.kernel,
-                  (q, k, v, out, self.lse_placeholder if lse is None else lse, *self.tail))
+                  (q, k, v, out, self.no_lse if lse is None else lse, *self.tail))
 
 
 def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -504,21 +520,23 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         spec, dq_spec = varlen.spec(spec), varlen.spec(dq_spec)
         q_grid = varlen_grid(q_len, dq_config.tile_m, heads, varlen.batch)
         dkdv_grid = varlen_grid(k_len, config.tile_n, kv_heads, varlen.batch)
-    dlse_arg, slopes, attn_mask = _fill_unused(q.device, (dlse, 3), (alibi_slopes, 2),
-                                               (kernel_mask(attn_mask), 4))
-    cu_q, cu_k, used_k = _cu_seqlens(q.device, varlen)
+    dlse_arg, slopes, attn_mask = _or_absent(dlse, alibi_slopes, kernel_mask(attn_mask))
+    cu_q, cu_k, used_k = _cu_seqlens(varlen)
     dsinks = None
     if sinks is not None:
         # One share a program of the Delta-forming grid (packed: batch 1, the flattened grid).
         (dsinks,) = sinks_workspace((batch, heads, q_grid[0]), varlen is not None, q.device)
-    sinks_arg, dsinks_arg, dq_acc_arg = _fill_unused(q.device, (sinks, 1), (dsinks, 3),
-                                                     (dq_acc, 4))
+    sinks_arg, dsinks_arg, dq_acc_arg = _or_absent(sinks, dsinks, dq_acc)
+    int64_index = needs_int64_index(*arrays)
+    if int64_index:
+        dlse_arg, attn_mask, dq_acc_arg = _int64_placeholders(
+            q.device, (dlse_arg, 3), (attn_mask, 4), (dq_acc_arg, 4))
     scalars = (float(scale), float(softcap), int(diag_offset), int(window[0]), int(window[1]),
                *dropout.scalars())
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, slopes, attn_mask, cu_q, cu_k,
                  used_k, *scalars,
                  *spec.dkdv_constants(heads // kv_heads, config.group_inner, config.one_pass))
-    kernels = hinted_backward_kernels(config, needs_int64_index(*arrays))
+    kernels = hinted_backward_kernels(config, int64_index)
     if config.one_pass:
         preprocess, dkdv, convert = kernels
         launch_on(q.device, q_grid, preprocess,

@@ -11,19 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_tile._launch import (_placeholder, _with_hints, kernel_mask,
+from flash_tile._launch import (ABSENT, _placeholder, _with_hints, kernel_mask,
                                 launch_on, needs_int64_index)
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
 from flash_tile.variants import DecodeConfig, tile_width
-
-#: What the decode path's kernels get for an array their switches leave unread (Lse without
-#: STORE_LSE, BlockTable without PAGED, ...): an int scalar, which ``ct.launch`` takes 0.26 us
-#: faster than a placeholder array (H200 host, 2026-12-04,
-#: docs/experiments/evidence/2026-12-04-launch-host-h200.md). ``aot.decode_signatures`` types
-#: them as int32 scalars alike.
-ABSENT = 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ from flash_tile.kernels.attention_fwd import keys_major_copy, keys_major_copy_in
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16, "float8_e4m3fn": ct.float8_e4m3fn}
+#: An array parameter that the instance's switches leave unread: the launchers pass the int
+#: ``_launch.ABSENT`` there.
+ABSENT = ScalarConstraint(ct.int32)
 
 # The tensor-core matmul instruction each architecture family should use.
 TENSOR_CORE_OP = {"sm_80": "HMMA", "sm_86": "HMMA", "sm_89": "HMMA", "sm_90": "HGMMA",
@@ -137,8 +140,12 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     if varlen:
         spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
-    params = [qk, qk, v, out, rows, slopes, mask, _index_array(1), _index_array(1), _sinks(),
-              _index_array(1), _array(ct.float32, 3), *scalars, *spec.constants()]
+    cu = _index_array(1) if varlen else ABSENT
+    # The 64-bit entry point types Lse and Mask as 64-bit indexed: arrays there always.
+    params = [qk, qk, v, out, rows if store_lse or int64_index else ABSENT,
+              slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu, cu, _sinks() if sinks else ABSENT,
+              _index_array(1) if varlen and seqused_k else ABSENT,
+              _array(ct.float32, 3) if fp8 else ABSENT, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -165,26 +172,32 @@ def backward_signatures(dtype: str, head_dim: int, v_head_dim: int, window: tupl
                          for s in (spec, dq_spec))
     dq_spec = dataclasses.replace(dq_spec, sinks=sinks)
     cc = CallingConvention.cutile_python_v1()
-    cu = (_index_array(1), _index_array(1))
+    cu = (_index_array(1),) * 2 if varlen else (ABSENT,) * 2
+    used_k = _index_array(1) if varlen and seqused_k else ABSENT
+    # The 64-bit entry points type dLse, Mask and dQacc as 64-bit indexed: arrays there always.
+    slopes, mask = slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT
+    dlse = rows if lse_grad or int64_index else ABSENT
+    sink_arrays = (_sinks(), _array(ct.float32, 3)) if sinks else (ABSENT, ABSENT)
     # The one-pass form's fp32 dQ sums, rows padded to 16 bytes (_launch.dq_accumulator): the
     # strides of the padded rows, the extents of the head dim.
     acc = dataclasses.replace(_array(ct.float32, 4, -(-head_dim // 4) * 4, index),
                               shape_divisible_by=_array(ct.float32, 4,
                                                         row=head_dim).shape_divisible_by)
-    dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo, acc, slopes, mask, *cu,
-                            _index_array(1), *scalars,
+    dkdv = KernelSignature([qk, qk, vo, vo, rows, rows, qk, vo,
+                            acc if config.one_pass or int64_index else ABSENT, slopes, mask,
+                            *cu, used_k,
+                            *scalars,
                             *spec.dkdv_constants(group, config.group_inner, config.one_pass)],
                            cc)
     if config.one_pass:
-        return (KernelSignature([dq_vo, dq_vo, rows, rows, rows, cu[0], _sinks(),
-                                 _array(ct.float32, 3),
+        return (KernelSignature([dq_vo, dq_vo, rows, dlse, rows, cu[0], *sink_arrays,
                                  *dq_spec.preprocess_constants(lse_grad)], cc),
                 dkdv,
                 KernelSignature([acc, dq_qk, cu[0], ScalarConstraint(ct.float32),
                                  *dq_spec.convert_constants()], cc))
-    return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, rows, rows, dq_qk, slopes,
-                             mask, *cu, _sinks(), _array(ct.float32, 3), _index_array(1),
-                             *scalars, *dq_spec.dq_constants(lse_grad)], cc),
+    return (KernelSignature([dq_qk, dq_qk, dq_vo, dq_vo, dq_vo, rows, dlse, rows, dq_qk, slopes,
+                             mask, *cu, *sink_arrays, used_k, *scalars,
+                             *dq_spec.dq_constants(lse_grad)], cc),
             dkdv)
 
 
@@ -332,8 +345,7 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     cache = ct.float8_e4m3fn if fp8_cache else DTYPES[dtype]
     k, v = (_array(cache, 4, d, index) for d in (head_dim, v_head_dim))
     new_k, new_v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
-    # An array the switches leave unread comes as an int scalar (_launch_decode.ABSENT).
-    absent = ScalarConstraint(ct.int32)
+    absent = ABSENT
     descales = [_array(ct.float32, 2) if fp8_cache else absent] * 2
     # A mask over a capacity of 16-byte rows comes as its uint8 view (_launch.kernel_mask).
     mask = _array(ct.uint8, 4, 1024) if attn_mask else absent

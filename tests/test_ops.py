@@ -182,8 +182,10 @@ def test_backward_launch_gives_each_kernel_its_tiles(launched):
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
 def test_backward_past_2_31_elements_takes_the_64_bit_entry_points(launched, one_pass):
     """An output gradient of 2**31 elements (meta tensors): every kernel of either form is
-    the 64-bit entry point; one element fewer keeps the 32-bit ones."""
-    from flash_tile import _launch, variants
+    the 64-bit entry point; one element fewer keeps the 32-bit ones. Either way the launches
+    match the signatures the AOT tests compile (the 64-bit ones take placeholder arrays
+    where the 32-bit ones take ``ABSENT``)."""
+    from flash_tile import _launch, aot, variants
 
     config = variants.SM90_ONE_PASS if one_pass else variants.SM90_BACKWARD
     for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
@@ -197,8 +199,37 @@ def test_backward_past_2_31_elements_takes_the_64_bit_entry_points(launched, one
         kernels = tuple(kernel for _, kernel, _ in launched)
         assert kernels == _launch.hinted_backward_kernels(config, int64)
         assert len(kernels) == (3 if one_pass else 2)
+        sigs = aot.backward_signatures("bfloat16", 128, 128, (-1, 0), False, False, None, True,
+                                       config, 4, int64_index=int64)
+        for (_, _, args), sig in zip(launched, sigs, strict=True):
+            _matches(args, sig)
     assert set(_launch.hinted_backward_kernels(config, True)).isdisjoint(
         _launch.hinted_backward_kernels(config, False))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_forward_past_2_31_elements_matches_the_64_bit_signature(launched, return_lse):
+    """A q of 2**31 elements (meta tensors) launches the 64-bit forward with the arguments of
+    its AOT signature, from ``launch_forward`` and from the plan made of it: without an LSE
+    a placeholder array stands in for it (the entry point types Lse as 64-bit indexed, which
+    an int cannot be), where the 32-bit forward gets ``ABSENT``."""
+    from flash_tile import _launch, aot, variants
+
+    config = variants.default_config((9, 0), 128)
+    for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
+        q = torch.empty(1, 32, q_len, 128, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, 8, 1024, 128, device="meta", dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, q_len, device="meta") if return_lse else None
+        launched.clear()
+        scalars = (0.1, 0.0, 0, (-1, 0), config)
+        _launch.launch_forward(q, k, k, q, lse, None, None, *scalars)
+        _launch.forward_plan(q, k, k, q, lse, *scalars).launch(q, k, k, q, lse)
+        sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, True,
+                                    return_lse, config, int64_index=int64)
+        for _, kernel, args in launched:
+            assert kernel is _launch.hinted_kernel(config, int64)
+            _matches(args, sig)
+            assert isinstance(args[4], torch.Tensor) == (int64 or return_lse)
 
 
 def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
@@ -260,7 +291,7 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
                             None, None, mask, 0.125, 0.0, 8, (-1, -1),
                             variants.default_backward_config((9, 0), 64))
     fwd, dq, dkdv = (args for _, _, args in launched)
-    assert dq[-4] is False and dq[6].shape == (1, 1, 1)  # no dLSE: LSE_GRAD off, a placeholder
+    assert dq[-4] is False and dq[6] is _launch.ABSENT  # no dLSE: LSE_GRAD off
     as_uint8 = layout in ("aligned", "broadcast")
     for got in (fwd[6], dq[10], dkdv[10]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
