@@ -439,7 +439,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 class ForwardPlan:
     """A forward launch with everything but its q, k, v, out and LSE settled: the grid, the
-    kernel and the rest of the argument tuple (placeholders, scalars, constants) that
+    kernel and the rest of the argument tuple (``ABSENT`` ints, scalars, constants) that
     ``forward_launch`` built for one call signature, and the outputs' shapes: out
     [B, Lq, H, Dv] (the kernel writes its [B, H, Lq, Dv] transpose) and the LSE [B, H, Lq]
     or None. Valid for every call of that signature (the same shapes, strides, dtypes,

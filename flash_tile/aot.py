@@ -143,8 +143,8 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     cu = _index_array(1) if varlen else ABSENT
     # The 64-bit entry point types Lse and Mask as 64-bit indexed: arrays there always.
     params = [qk, qk, v, out, rows if store_lse or int64_index else ABSENT,
-              slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu, cu, _sinks() if sinks else ABSENT,
-              _index_array(1) if varlen and seqused_k else ABSENT,
+              slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu, cu,
+              _sinks() if sinks else ABSENT, _index_array(1) if varlen and seqused_k else ABSENT,
               _array(ct.float32, 3) if fp8 else ABSENT, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
@@ -345,35 +345,34 @@ def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
     cache = ct.float8_e4m3fn if fp8_cache else DTYPES[dtype]
     k, v = (_array(cache, 4, d, index) for d in (head_dim, v_head_dim))
     new_k, new_v = (_array(DTYPES[dtype], 4, d) for d in (head_dim, v_head_dim))
-    absent = ABSENT
-    descales = [_array(ct.float32, 2) if fp8_cache else absent] * 2
+    descales = [_array(ct.float32, 2) if fp8_cache else ABSENT] * 2
     # A mask over a capacity of 16-byte rows comes as its uint8 view (_launch.kernel_mask).
-    mask = _array(ct.uint8, 4, 1024) if attn_mask else absent
+    mask = _array(ct.uint8, 4, 1024) if attn_mask else ABSENT
     split = splits > 1
     decode, append = ((attention_decode_int64, cache_append_int64) if int64_index else
                       (attention_decode, cache_append))
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.float32)] + \
         [ScalarConstraint(ct.int32)] * 3
     cc = CallingConvention.cutile_python_v1()
-    outputs = ((absent, absent, _array(ct.float32, 6), _array(ct.float32, 5)) if split else
-               (vo, _array(ct.float32, 4) if store_lse else absent, absent, absent))
-    batch_rows, table = (_index_array(1) if batch_idx else absent,
-                         absent if page_size is None else _index_array(2))
+    outputs = ((ABSENT, ABSENT, _array(ct.float32, 6), _array(ct.float32, 5)) if split else
+               (vo, _array(ct.float32, 4) if store_lse else ABSENT, ABSENT, ABSENT))
+    batch_rows, table = (_index_array(1) if batch_idx else ABSENT,
+                         ABSENT if page_size is None else _index_array(2))
     kernels = {"decode": (decode.replace_hints(**config.hints()), KernelSignature(
         [qk, k, v, *outputs, _index_array(1), batch_rows, table,
-         _array(ct.float32, 3) if alibi else absent, _array(ct.float32, 2) if sinks else absent,
-         _index_array(1) if leftpad else absent, mask, *descales, *scalars,
+         _array(ct.float32, 3) if alibi else ABSENT, _array(ct.float32, 2) if sinks else ABSENT,
+         _index_array(1) if leftpad else ABSENT, mask, *descales, *scalars,
          *spec.constants()], cc))}
     if split:
         kernels["combine"] = (decode_combine, KernelSignature(
             [_array(ct.float32, 5, v_head_dim), _array(ct.float32, 4),
              _array(DTYPES[dtype], 4, v_head_dim),
-             _array(ct.float32, 3) if store_lse else absent, variants.tile_width(splits, 1),
+             _array(ct.float32, 3) if store_lse else ABSENT, variants.tile_width(splits, 1),
              variants.tile_width(v_head_dim), store_lse], cc))
     rotated = (_array(DTYPES[dtype], 5, head_dim), _array(DTYPES[dtype], 5, head_dim),
                _array(DTYPES[dtype], 2, head_dim // 2), _array(DTYPES[dtype], 2, head_dim // 2))
     if rotary is None:
-        rotated = (absent,) * 4
+        rotated = (ABSENT,) * 4
     kernels["append"] = (append, KernelSignature(
         [new_k, new_v, k, v, _index_array(1), batch_rows, table, *rotated, *descales,
          *[ScalarConstraint(ct.int32)] * 3, variants.tile_width(head_dim),

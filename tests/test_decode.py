@@ -489,6 +489,37 @@ def test_the_append_indexes_the_rows_it_writes_as_the_decode(monkeypatch):
     assert kernels == [cache_append, cache_append_int64, cache_append_int64]
 
 
+@pytest.mark.parametrize("big", [False, True])
+def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big):
+    """``_plans.run_kvcache``: the append gets the decode plan's 32/64-bit choice (here with
+    cache_batch_idx, so a cache of 2**31 elements takes the 64-bit kernels), and a step that
+    returns no LSE allocates none. Meta tensors, the launches recorded."""
+    import contextlib
+
+    from flash_tile import _ops, _plans
+
+    appends, kernels = [], []
+    monkeypatch.setattr(_ops, "launch_cache_append", lambda *args: appends.append(args))
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: kernels.append(
+        args[2]))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    k_cache = torch.empty(4, 2**20 if big else 1024, 4, 128, **meta)  # 2**29 elements a row
+    q, k_new = torch.empty(2, 1, 16, 128, **meta), torch.empty(2, 1, 4, 128, **meta)
+    lens, rows = (torch.empty(2, dtype=torch.int32, device="meta") for _ in range(2))
+    plan = _plans.kvcache(q, k_cache, k_cache, rows, None, 0.0, -1, 0, 1, False)
+    assert plan.int64_index == big
+    out, lse = _plans.run_kvcache(plan, q, k_cache, k_cache, k_new, k_new, lens, rows, None,
+                                  0.088, 0.0, -1, 0, False, None, None, None, None, True, 0)
+    assert lse is None and out.shape == (2, 1, 16, 128)
+    assert len(appends) == 1 and appends[0][-1] is big
+    config = variants.default_decode_config((9, 0), 128)
+    assert kernels == [_launch_decode._decode_kernel(config, big)]
+
+
 def test_big_caches_run_in_32_bit_launches(monkeypatch):
     """A contiguous cache of 2**31 elements or more runs in launches of as many sequences as
     keep every offset below 2**31, on the 32-bit decode kernel; with cache_batch_idx (any

@@ -597,12 +597,12 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
     plan.launch(q2, k2, v2, out2, lse2)
     (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
-    for full, planned in zip(args, plan_args):  # the placeholders are the same cached views
+    for full, planned in zip(args, plan_args):  # the arrays by identity, the rest by value
         if isinstance(full, torch.Tensor):
             assert planned is full
         else:
             assert planned == full and type(planned) is type(full)
-    lse_arg = lse2 if return_lse else args[4]  # the placeholder without an LSE
+    lse_arg = lse2 if return_lse else args[4]  # ABSENT without an LSE
     assert all(a is b for a, b in zip(plan_args[:5], (q2, k2, v2, out2, lse_arg)))
 
 
@@ -633,4 +633,6 @@ def test_current_stream_is_made_once_per_raw_handle(monkeypatch):
     monkeypatch.setattr(_launch, "MAX_STREAMS", 3)
     current["handle"] = 13
     _launch.current_stream(gpu0)
-    assert len(_launch._streams) == 1 and _launch.current_stream(gpu0) is not first
+    assert len(_launch._streams) == 1  # full: started over with the new stream
+    current["handle"] = 11
+    assert _launch.current_stream(gpu0) is not first and made[-1] == (0, 11)
