@@ -44,17 +44,28 @@ GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace. The b
 layers have no "with grad" column: every one of them is a training step's.
 
 A third table takes a decode step (``flash_attn_with_kvcache``) apart the same way
-(``decode_layers``).
+(``decode_layers``). With ``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as
+``git archive <commit> flash_tile kernels | tar -x -C DIR`` unpacks them) a fourth table
+times the public calls a host-path change moves (``public_layers``) on this tree and on
+DIR's, imported side by side in this process (``load_package``), in the same interleaved
+rounds, with each pair's outputs compared first: the one-command A/B of such a change.
 
     python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
+    python bench/bench_launch.py --baseline /tmp/base --out /tmp/launch-ab
 
 Writes <out>.json and <out>.md.
 """
 
 import argparse
 import functools
+import importlib
 import os
+import pathlib
+import re
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 
 import cuda.tile as ct
@@ -203,6 +214,71 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     }
 
 
+def load_package(directory: str, name: str = "flash_tile_baseline"):
+    """The flash_tile package of the tree at ``directory`` (its ``flash_tile/`` and
+    ``kernels/``), imported beside this tree's as ``name``: a copy in a temporary directory
+    with every ``flash_tile`` name in its sources renamed, so that its custom ops, kernels,
+    caches and plans are its own. (An editable install of this tree wins over PYTHONPATH, so
+    a second tree cannot be imported under the same name.)"""
+    copy = pathlib.Path(tempfile.mkdtemp(prefix="bench-launch-")) / name
+    shutil.copytree(pathlib.Path(directory) / "flash_tile", copy,
+                    ignore=shutil.ignore_patterns("__pycache__", "kernels"))
+    shutil.copytree(pathlib.Path(directory) / "kernels", copy / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for source in copy.rglob("*.py"):
+        source.write_text(re.sub(r"\bflash_tile\b", name, source.read_text()))
+    sys.path.insert(0, str(copy.parent))
+    return importlib.import_module(name)
+
+
+def public_inputs() -> tuple:
+    """The arrays of ``public_layers``: q, k, v [1, 128, 1, 64] bf16 (flash-attn's layout),
+    a decode step's q [1, 1, 32, 128], its caches [1, 1024, 8, 128], a new row of k and v
+    and the cache lengths 1024 (full) and 1000."""
+    return (*inputs(1, 1, 128, 64, torch.bfloat16),
+            torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16),
+            *inputs(1, 8, 1024, 128, torch.bfloat16)[:2], *inputs(1, 8, 1, 128, torch.bfloat16)[:2],
+            *(torch.full((1,), n, dtype=torch.int32, device="cuda") for n in (1024, 1000)))
+
+
+def public_layers(package, arrays: tuple) -> dict:
+    """Zero-argument calls of ``package``'s (flash_tile, or a baseline's copy) public
+    functions that a host-path change moves, on ``public_inputs``' arrays, each a repeated
+    (planned) call: flash_attn_func and the SDPA drop-in (causal) and decode steps on
+    ``decode_layers``' shapes: the chosen split count, one split, and the append of one row
+    at position 1000 (the same row each call)."""
+    q, k, v, step_q, k_cache, v_cache, k_new, v_new, full, filled = arrays
+    qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+    step = functools.partial(package.flash_attn_with_kvcache, step_q, k_cache, v_cache,
+                             causal=True)
+    return {
+        "flash_attn_func": lambda: package.flash_attn_func(q, k, v, causal=True),
+        "scaled_dot_product_attention": lambda: package.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=True),
+        "flash_attn_with_kvcache": lambda: step(cache_seqlens=full),
+        "flash_attn_with_kvcache, one split": lambda: step(cache_seqlens=full, num_splits=1),
+        "flash_attn_with_kvcache, append of a row": lambda: step(k_new, v_new,
+                                                                 cache_seqlens=filled),
+    }
+
+
+def against_baseline(directory: str) -> list[dict]:
+    """Rows of ``public_layers`` on this tree and on ``directory``'s (``load_package``):
+    host us of each side in the same interleaved rounds (``host_us``), their ratio, and the
+    largest difference between the sides' outputs (0 for a host-path change)."""
+    arrays = public_inputs()
+    sides = {"tree": public_layers(flash_tile, arrays),
+             "baseline": public_layers(load_package(directory), arrays)}
+    diffs = {name: float((sides["tree"][name]().float() - sides["baseline"][name]().float())
+                         .abs().max()) for name in sides["tree"]}
+    times = host_us({(side, name): fn for side, calls in sides.items()
+                     for name, fn in calls.items()})
+    return [{"layer": name, "host_us": round(times[("tree", name)], 1),
+             "baseline_host_us": round(times[("baseline", name)], 1),
+             "ratio": round(times[("tree", name)] / times[("baseline", name)], 3),
+             "max_diff": diff} for name, diff in diffs.items()]
+
+
 def wall_us(fn, iters: int = ITERS) -> float:
     """Wall microseconds per call of ``iters`` back-to-back calls, synchronised at the end."""
     for _ in range(3):
@@ -236,8 +312,12 @@ def main():
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", default="bench/out/launch", help="output path prefix")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="a tree's flash_tile/ and kernels/ to time the public calls "
+                             "against (git archive <commit> flash_tile kernels)")
     args = parser.parse_args()
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"
+    baseline_rows = against_baseline(args.baseline) if args.baseline else []
 
     tiny = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16), args.causal))
     tiny_grad = host_us(layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16, True),
@@ -276,9 +356,14 @@ def main():
     decode_rows = [{"layer": name, "host_us": round(us, 1)} for name, us in decode.items()]
     body += ("\n\nA decode step (B=1, Lq=1, H=32, H_kv=8, D=128, a 1k cache, bf16):\n\n" +
              md_table(["layer", "host us"], [[r["layer"], r["host_us"]] for r in decode_rows]))
+    if baseline_rows:
+        body += (f"\n\nPlanned public calls against {args.baseline} (same rounds):\n\n" +
+                 md_table(["layer", "host us", "baseline host us", "ratio", "max |diff|"],
+                          [[r["layer"], r["host_us"], r["baseline_host_us"], r["ratio"],
+                            r["max_diff"]] for r in baseline_rows]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     save_json(args.out, info, shape=shape, rows=rows, backward_rows=bwd_rows,
-              decode_rows=decode_rows)
+              decode_rows=decode_rows, baseline=args.baseline, baseline_rows=baseline_rows)
     print(write_report(args.out, "Host cost per forward and backward call, layer by layer,",
                        info, body))
 
