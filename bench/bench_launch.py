@@ -51,7 +51,8 @@ DIR's, imported side by side in this process (``load_package``), in the same int
 rounds, with each pair's outputs compared first: the one-command A/B of such a change.
 
     python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
-    python bench/bench_launch.py --baseline /tmp/base --out /tmp/launch-ab
+    mkdir -p ab/base && git archive HEAD~1 flash_tile kernels | tar -x -C ab/base
+    python bench/bench_launch.py --baseline ab/base --out /tmp/launch-ab
 
 Writes <out>.json and <out>.md.
 """
