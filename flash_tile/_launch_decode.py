@@ -130,8 +130,8 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     attn_mask)
         return plan.splits
     # A contiguous cache of 2**31 elements or more: launches of fewer sequences keep 32-bit
-    # indices (sequence b is row b, so the rows past the batch are never read).
-    k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    # indices.
+    k_cache, v_cache = batch_rows(k_cache, v_cache, q.shape[0], None, None)
     chunk = int32_batch_rows(k_cache, v_cache)
     splits = 0
     for b0 in range(0, q.shape[0], chunk):
@@ -146,6 +146,16 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return splits
 
 
+def batch_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int,
+               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None) -> tuple:
+    """The caches as the append and the decode index them: a contiguous cache without
+    cache_batch_idx holds sequence b in row b, so its rows past the batch are never read nor
+    written, and are cut off before the 32/64-bit choice (both kernels then make the same)."""
+    if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
+        return k_cache[:batch], v_cache[:batch]
+    return k_cache, v_cache
+
+
 def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 store_lse: bool, batch_idx: torch.Tensor | None,
                 block_table: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
@@ -157,9 +167,7 @@ def decode_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch must be split into launches that 32-bit offsets reach (a contiguous cache of 2**31
     elements or more)."""
     paged = block_table is not None
-    if not paged and batch_idx is None and k_cache.shape[0] > q.shape[0]:
-        # sequence b is row b: the rows past the batch are never read (nor indexed)
-        k_cache, v_cache = k_cache[:q.shape[0]], v_cache[:q.shape[0]]
+    k_cache, v_cache = batch_rows(k_cache, v_cache, q.shape[0], batch_idx, block_table)
     int64_index = needs_int64_index(k_cache, v_cache)
     if not paged and batch_idx is None and int64_index and \
             0 < int32_batch_rows(k_cache, v_cache) < q.shape[0]:
@@ -213,8 +221,7 @@ class _DecodePlan:
         """The decode (and, with more than one split, the combine) of a call with this plan's
         signature, on q's current stream; arguments as ``launch_decode``'s."""
         batch, q_len, kv_heads, group, head_dim = self.q_view
-        if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
-            k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # as launch_decode
+        k_cache, v_cache = batch_rows(k_cache, v_cache, batch, batch_idx, block_table)
         device = q.device
         split = self.splits > 1
         if split:  # the kernel writes the partials; the combine, out and lse
@@ -320,9 +327,7 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
     device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
     new_len = 0 if k_new is None else k_new.shape[1]
     batch = q.shape[0] if k_new is None else k_new.shape[0]
-    if block_table is None and batch_idx is None and k_cache.shape[0] > batch:
-        k_cache, v_cache = k_cache[:batch], v_cache[:batch]  # as the decode: rows past the
-        # batch are never written, so the choice of offsets is the decode plan's
+    k_cache, v_cache = batch_rows(k_cache, v_cache, batch, batch_idx, block_table)
     if int64_index is None:
         int64_index = needs_int64_index(k_cache, v_cache)
     if k_new is None:  # typed as the cache: the append's store must compile, never runs

@@ -506,10 +506,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, s
                       seqused_k, deterministic), sinks)
 
 
-def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool):
-    """(out [B, Lq, H, Dv] in q's dtype, lse [B, H, Lq] fp32 or an empty tensor)."""
+def _decode_outputs(q: torch.Tensor, v_head_dim: int, return_lse: bool,
+                    op_outputs: bool = True):
+    """(out [B, Lq, H, Dv] in q's dtype, lse [B, H, Lq] fp32); without ``return_lse`` the
+    lse is an empty tensor where it is one of the op's outputs (``op_outputs``), else None
+    (a planned call allocates nothing for it)."""
     batch, q_len, heads, _ = q.shape
     out = torch.empty((batch, q_len, heads, v_head_dim), dtype=q.dtype, device=q.device)
+    if not return_lse and not op_outputs:
+        return out, None
     lse_shape = (batch, heads, q_len) if return_lse else (0,)
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 

@@ -136,10 +136,7 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """``_ops._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
     mode: the append (32- or 64-bit as the plan's decode), then the planned decode; (out,
     lse) as the op's, but lse None unless ``return_lse`` (no allocation for it)."""
-    batch, q_len, heads, _ = q.shape
-    out = torch.empty((batch, q_len, heads, plan.out_view[4]), dtype=q.dtype, device=q.device)
-    lse = (torch.empty((batch, heads, q_len), dtype=torch.float32, device=q.device)
-           if return_lse else None)
+    out, lse = _ops._decode_outputs(q, plan.out_view[4], return_lse, op_outputs=False)
     q = _ops.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
                              block_table, rotary_cos, rotary_sin, rotary_interleaved,
                              rotary_q_step, kv_descale, plan.int64_index)
