@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from bench_attention import failure, machine_info, md_table, save_json, write_report
 from bench_decode import ROUNDS, best_of_rounds, paged, row_inputs, row_reference
-from flash_tile import _launch_decode, _ops, reference
+from flash_tile import _launch_decode, _ops_decode, reference
 from flash_tile.variants import DecodeConfig
 
 
@@ -57,7 +57,7 @@ def variant_row(batch, length, heads, kv_heads, head_dim, q_len, page_size, conf
     table = None
     if page_size is not None:
         k, v, table = paged(k, v, page_size, gen)
-    default = _ops.decode_config(q, v)
+    default = _ops_decode.decode_config(q, v)
     row = {"batch": batch, "seqlen": length, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "q_len": q_len, "page_size": page_size, "us": {},
            "skipped": {}, "max_err": {}}

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_tile
-from flash_tile import _launch, _launch_decode, _ops, variants
+from flash_tile import _launch, _launch_decode, _ops, _ops_decode, variants
 from flash_tile._timing import grid_shape
 from bench_attention import device_ms, machine_info, md_table, save_json, write_report
 
@@ -160,7 +160,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
                                   it splits), then with num_splits=1 (one launch); after
                                   the first call of its signature it runs that call's plan
                                   (``flash_tile._plans``: no checks, the decode planned)
-      op body                     ``_ops._kvcache_impl``: the op's body, the full path
+      op body                     ``_ops_decode._kvcache_impl``: the op's body, the full path
                                   without the checks
       launch_decode               the output allocation and ``_launch_decode.launch_decode``
       ct.launch                   cuTile's launch of the decode kernel's prebuilt arguments
@@ -201,7 +201,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     return {
         "flash_attn_with_kvcache": public,
         "flash_attn_with_kvcache, one split": functools.partial(public, 1),
-        "op body": functools.partial(_ops._kvcache_impl, q, k, v, None, None, lens, None, None,
+        "op body": functools.partial(_ops_decode._kvcache_impl, q, k, v, None, None, lens, None, None,
                                      None, scale, 0.0, -1, 0, 0, False),
         "launch_decode, one split": lambda: _launch_decode.launch_decode(
             q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,

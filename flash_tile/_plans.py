@@ -24,7 +24,7 @@ The plans live in ``autotune.plans`` beside the choices they were made from, and
 
 import torch
 
-from flash_tile import _launch_decode, _ops, autotune
+from flash_tile import _launch_decode, _ops, _ops_decode, autotune
 from flash_tile._launch import forward_plan
 
 #: A process that meets more signatures than this starts its plans over.
@@ -120,7 +120,7 @@ def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (the batch runs in launches that 32-bit offsets reach)."""
     return _launch_decode.decode_plan(q, k_cache, v_cache, return_lse, cache_batch_idx,
                                       block_table, None, softcap, (window_left, window_right),
-                                      num_splits, _ops.decode_config(q, v_cache), sinks,
+                                      num_splits, _ops_decode.decode_config(q, v_cache), sinks,
                                       cache_leftpad, attn_mask)
 
 
@@ -133,11 +133,11 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                 rotary_sin: torch.Tensor | None, rotary_interleaved: bool, rotary_q_step: int,
                 kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attn_mask: torch.Tensor | None = None):
-    """``_ops._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
+    """``_ops_decode._kvcache_impl`` (without ALiBi) of a call with ``plan``'s signature, in eager
     mode: the append (32- or 64-bit as the plan's decode), then the planned decode; (out,
     lse) as the op's, but lse None unless ``return_lse`` (no allocation for it)."""
-    out, lse = _ops._decode_outputs(q, plan.out_view[4], return_lse, op_outputs=False)
-    q = _ops.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+    out, lse = _ops_decode._decode_outputs(q, plan.out_view[4], return_lse, op_outputs=False)
+    q = _ops_decode.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
                              block_table, rotary_cos, rotary_sin, rotary_interleaved,
                              rotary_q_step, kv_descale, plan.int64_index)
     plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens,

@@ -19,7 +19,7 @@ import torch
 
 from flash_tile import _plans, _validate
 from flash_tile._interop import accepts_cupy
-from flash_tile._ops import kvcache_attention
+from flash_tile._ops_decode import kvcache_attention
 
 
 def _seqlens(cache_seqlens, batch: int, capacity: int, new_len: int, device) -> torch.Tensor:

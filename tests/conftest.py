@@ -63,11 +63,11 @@ def poison_outputs(patch=setattr):
     """Make the allocators of the ops' outputs and workspaces fill them with NaN (e4m3's NaN
     bytes for V^T), through ``patch``: a monkeypatch's ``setattr``, or the builtin in a
     process that a GPU test spawns."""
-    from flash_tile import _launch, _launch_decode, _ops, _plans
+    from flash_tile import _launch, _launch_decode, _ops, _ops_decode, _plans
 
     def poisoned(allocate):
-        def allocate_nan(*args):
-            outputs = allocate(*args)
+        def allocate_nan(*args, **keywords):
+            outputs = allocate(*args, **keywords)
             for t in outputs:
                 if t is not None:
                     t.fill_(float("nan"))
@@ -80,10 +80,11 @@ def poison_outputs(patch=setattr):
     patch(_ops, "_forward_outputs", poisoned(_ops._forward_outputs))
     patch(_plans, "outputs", poisoned(_plans.outputs))
     patch(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
-    patch(_ops, "_decode_outputs", poisoned(_ops._decode_outputs))
+    patch(_ops_decode, "_decode_outputs", poisoned(_ops_decode._decode_outputs))
     patch(_launch_decode, "decode_workspace", poisoned(_launch_decode.decode_workspace))
     # The rotated q: the append must write every element the decode reads.
-    patch(_ops, "rotated_q_workspace", poisoned_tensor(_ops.rotated_q_workspace))
+    patch(_ops_decode, "rotated_q_workspace",
+          poisoned_tensor(_ops_decode.rotated_q_workspace))
     # The sinks' shares: NaN where every program must store (the varlen zeros are meant).
     workspace = _launch.sinks_workspace
     patch(_launch, "sinks_workspace", lambda shape, varlen, device: (

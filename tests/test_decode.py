@@ -357,13 +357,13 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     """The wiring from flash_attn_with_kvcache to the two launches, on CPU tensors with the
     launches recorded instead of run: the append first, at cache_seqlens, then the decode with
     the new rows counted, the causal window, the LSE buffer and the split request."""
-    from flash_tile import _ops
+    from flash_tile import _ops_decode
 
     calls = []
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(_ops, "launch_cache_append", lambda *a: calls.append(("append", a)))
-    monkeypatch.setattr(_ops, "launch_decode", lambda *a: calls.append(("decode", a)))
+    monkeypatch.setattr(_ops_decode, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops_decode, "launch_cache_append", lambda *a: calls.append(("append", a)))
+    monkeypatch.setattr(_ops_decode, "launch_decode", lambda *a: calls.append(("decode", a)))
     q = _q(2, 3, 8, 64)
     k_cache, v_cache = _q(4, 100, 2, 64), _q(4, 100, 2, 32)
     k_new, v_new = _q(2, 3, 2, 64), _q(2, 3, 2, 32)
@@ -419,13 +419,13 @@ def test_rotary_and_leftpad_reach_the_launches(monkeypatch, causal, window, q_st
     """The rotary tables reach the append with q and a fresh buffer for the rotated q, which
     the decode then reads; q rows step through positions when the call is causal or has a
     window bound below the capacity (100 here), as flash-attn's; the pads reach the decode."""
-    from flash_tile import _ops
+    from flash_tile import _ops_decode
 
     calls = []
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(_ops, "launch_cache_append", lambda *a: calls.append(("append", a)))
-    monkeypatch.setattr(_ops, "launch_decode", lambda *a: calls.append(("decode", a)))
+    monkeypatch.setattr(_ops_decode, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops_decode, "launch_cache_append", lambda *a: calls.append(("append", a)))
+    monkeypatch.setattr(_ops_decode, "launch_decode", lambda *a: calls.append(("decode", a)))
     q, k_cache, k_new = _q(2, 3, 8, 64), _q(2, 100, 2, 64), _q(2, 1, 2, 64)
     cos, sin = _q(102, 16), _q(102, 16)  # q's last two rows may sit 2 past the capacity
     lens, pads = (torch.tensor(x, dtype=torch.int32) for x in ([5, 90], [2, 0]))
@@ -489,23 +489,30 @@ def test_the_append_indexes_the_rows_it_writes_as_the_decode(monkeypatch):
     assert kernels == [cache_append, cache_append_int64, cache_append_int64]
 
 
+@pytest.mark.parametrize("poisoned", [False, True])
 @pytest.mark.parametrize("big", [False, True])
-def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big):
+def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big, poisoned):
     """``_plans.run_kvcache``: the append gets the decode plan's 32/64-bit choice (here with
     cache_batch_idx, so a cache of 2**31 elements takes the 64-bit kernels), and a step that
-    returns no LSE allocates none. Meta tensors, the launches recorded."""
+    returns no LSE allocates none. Meta tensors, the launches recorded; also with the GPU
+    tests' NaN-filling allocators (``conftest.poison_outputs``), which must take the
+    planned step's calls as the allocators they wrap do."""
     import contextlib
 
-    from flash_tile import _ops, _plans
+    import conftest
+    from flash_tile import _ops_decode, _plans
+
+    if poisoned:
+        conftest.poison_outputs(monkeypatch.setattr)
 
     appends, kernels = [], []
-    monkeypatch.setattr(_ops, "launch_cache_append", lambda *args: appends.append(args))
+    monkeypatch.setattr(_ops_decode, "launch_cache_append", lambda *args: appends.append(args))
     monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: kernels.append(
         args[2]))
     monkeypatch.setattr(_launch, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops_decode, "device_properties", lambda device: ((9, 0), "H200"))
     meta = {"device": "meta", "dtype": torch.bfloat16}
     k_cache = torch.empty(4, 2**20 if big else 1024, 4, 128, **meta)  # 2**29 elements a row
     q, k_new = torch.empty(2, 1, 16, 128, **meta), torch.empty(2, 1, 4, 128, **meta)
