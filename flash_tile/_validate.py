@@ -1,6 +1,6 @@
 """The input checks of the public functions, with their messages. ``api.py`` checks what
 only it sees, where it takes it: ranks and batch sizes, the packed functions' shapes,
-``return_attn_probs``, a mask together with causal, and dropout under graph capture.
+``return_attn_probs`` (with dropout), a mask together with causal, and dropout under graph capture.
 
 All checks run before anything launches. Shape and dtype errors are ``ValueError``; arguments
 or cases that are valid in flash-attn or torch but not supported here yet are
@@ -222,6 +222,18 @@ def check_dropout(dropout_p: float) -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
+
+
+def check_attn_probs(dropout_p: float) -> None:
+    """``return_attn_probs=True`` as flash-attn 2 takes it: without dropout it returns the
+    LSE and an empty S_dmask (what callers use it for); with dropout flash-attn's S_dmask is
+    the probabilities with the dropped ones negated, a testing aid these kernels do not
+    write."""
+    if check_dropout(dropout_p) > 0.0:
+        raise NotImplementedError("return_attn_probs with dropout_p > 0: the probabilities "
+                                  "and their dropout pattern (flash-attn's S_dmask) are not "
+                                  "returned; pass dropout_p=0, or use return_lse=True for "
+                                  "the log-sum-exp alone")
 
 
 def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads: int) -> torch.Tensor:

@@ -104,10 +104,14 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     """flash_attn_func on [B, L, H, D] tensors (possibly views of packed ones); ``descales``
     the FP8 forward's (q_descale, k_descale, v_descale). A plain inference call of a seen
     signature runs its plan (``flash_tile._plans``)."""
+    if return_attn_probs:  # flash-attn 2's (out, lse, S_dmask): S_dmask empty, no dropout
+        _validate.check_attn_probs(dropout_p)
+        out, lse = _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                               alibi_slopes, deterministic, False, True, sinks, descales)
+        return out, lse, q.new_empty((0,))
     plan_key = None
     if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
-            descales[0] is None and descales[1] is None and descales[2] is None and \
-            not return_attn_probs:
+            descales[0] is None and descales[1] is None and descales[2] is None:
         plan_key = _plans.key("flash_attn", (q, k, v), (softmax_scale, causal, window_size,
                                                          softcap, return_lse))
         plan = _plans.find(plan_key)
@@ -116,9 +120,6 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                           v.transpose(1, 2))
             return (out, lse) if return_lse else out
     dropout_p = _validate.check_dropout(dropout_p)
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs: attention probabilities are not "
-                                  "returned; use return_lse=True for the log-sum-exp")
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, BLHD, names)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
@@ -190,7 +191,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             last bits can differ between runs (dK and dV do not).
             ``torch.use_deterministic_algorithms(True)`` has the same effect. FP8 inputs have
             no backward, so it changes nothing for them.
-        return_attn_probs: must be False (probabilities are not returned).
+        return_attn_probs: return (out, lse, S_dmask) as flash-attn 2 does, the way its
+            callers get the LSE: lse as with ``return_lse`` (gradients flow through it) and
+            S_dmask an empty tensor of q's dtype, as flash-attn's without dropout. With
+            dropout_p > 0 it raises NotImplementedError (flash-attn then returns the
+            probabilities with their dropout pattern, for testing; these kernels do not
+            write them).
         return_lse: also return the row log-sum-exp of the final scores; gradients flow
             through it too (as ring attention needs when it merges partial results).
         sinks: [H] float32 learnt sink logits (gpt-oss's attention sinks), or None: head h's
@@ -218,7 +224,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Returns:
         out [B, Lq, H, Dv] (contiguous, q's dtype; bfloat16 for FP8 inputs); with
         ``return_lse`` the tuple
-        (out, lse) where lse is [B, H, Lq] float32, natural log.
+        (out, lse) where lse is [B, H, Lq] float32, natural log; with ``return_attn_probs``
+        (either way) (out, lse, S_dmask), S_dmask empty.
 
     Raises:
         ValueError, NotImplementedError, RuntimeError as described in ``flash_tile._validate``,

@@ -31,9 +31,13 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             return_attn_probs, seqused_k, return_lse, sinks=None, descales=(None, None, None)):
     """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones);
     ``descales`` the FP8 forward's (q_descale, k_descale, v_descale)."""
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs: attention probabilities are not "
-                                  "returned; use return_lse=True for the log-sum-exp")
+    if return_attn_probs:  # flash-attn 2's (out, lse, S_dmask): S_dmask empty, no dropout
+        _validate.check_attn_probs(dropout_p)
+        out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, False, seqused_k, True, sinks,
+                           descales)
+        return out, lse, q.new_empty((0,))
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
@@ -111,6 +115,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             seqused_k[b] of its cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys (a cache row
             partly filled); its band aligns bottom-right to them, and the unused keys get zero
             gradients.
+        return_attn_probs: (out, lse, S_dmask) with S_dmask empty, as ``flash_attn_func``'s
+            (flash-attn 2's form; dropout_p > 0 then raises NotImplementedError).
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
@@ -123,7 +129,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Returns:
         out [total_q, H, Dv] in q's dtype; with ``return_lse`` (out, lse [H, total_q] fp32,
-        natural log, +inf for rows that see no key).
+        natural log, +inf for rows that see no key); with ``return_attn_probs`` (either
+        way) (out, lse, S_dmask), S_dmask empty.
 
     The offsets may start past row 0 and end before the last row: rows that no sequence
     covers are left unwritten (their gradients too). Not checked (it would need a device

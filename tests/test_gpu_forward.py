@@ -127,6 +127,27 @@ def test_flash_attn_features(case, dtype):
     torch.testing.assert_close(lse, lse_ref, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_return_attn_probs_is_flash_attn_2s_triple(grad):
+    """flash-attn 2's (out, softmax_lse, S_dmask) without dropout: the output and LSE of a
+    ``return_lse`` call (the same launch: bitwise equal), S_dmask empty; gradients flow
+    through the output and the LSE as ``return_lse``'s do (a planned inference call too)."""
+    shape = (2, 4, 2, 113, 203, 64, 64)
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(shape, torch.bfloat16, layout="blhd"))
+    for _ in range(2):  # the second inference call runs its plan
+        out, lse, s_dmask = flash_tile.flash_attn_func(q, k, v, causal=True,
+                                                       return_attn_probs=True)
+        ref_out, ref_lse = flash_tile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        assert s_dmask.numel() == 0 and s_dmask.dtype == q.dtype
+    bhld = (t.detach().transpose(1, 2) for t in (q, k))
+    torch.testing.assert_close(lse.detach(), _lse_reference(*bhld, 1.0 / 8.0, 90, (-1, 0)),
+                               rtol=1e-4, atol=1e-4)
+    if grad:
+        torch.autograd.backward((out, lse), (torch.randn_like(out), torch.randn_like(lse)))
+        assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
 @pytest.mark.parametrize("head_dim", [8, 40, 62, 80, 96, 112, 160, 192, 256])
 def test_head_dims(head_dim):
     shape = (2, 3, 3, 100, 150, head_dim, head_dim)

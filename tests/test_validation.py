@@ -144,8 +144,11 @@ def test_scale(scale):
 
 def test_flash_attn_unsupported_arguments_are_named():
     q = _blhd()
-    with pytest.raises(NotImplementedError, match="return_attn_probs"):
-        flash_tile.flash_attn_func(q, q, q, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="return_attn_probs with dropout_p > 0"):
+        flash_tile.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
+    with pytest.raises(NotImplementedError, match="return_attn_probs with dropout_p > 0"):
+        flash_tile.flash_attn_qkvpacked_func(torch.stack([q] * 3, 2), 0.1,
+                                             return_attn_probs=True)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, float("nan")])

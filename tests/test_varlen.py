@@ -52,7 +52,7 @@ def _args(dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("change,error,match", [
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
-    (dict(return_attn_probs=True), NotImplementedError, "return_lse"),
+    (dict(return_attn_probs=True, dropout_p=0.1), NotImplementedError, "S_dmask"),
     (dict(max_seqlen_q=0), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k"),
     (dict(window_size=(3,)), ValueError, "window_size"),

@@ -1,0 +1,357 @@
+"""The launchers, without a GPU: every `ct.launch` that `flash_tile._launch` and
+`flash_tile._launch_decode` make is recorded on the CPU instead of run, and its arguments are
+checked against the AOT signatures the compiled kernels were checked in; the call plans and the
+stream table."""
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The (grid, kernel, args) of every ``ct.launch`` that ``flash_tile._launch`` makes,
+    recorded on the CPU instead of run."""
+    from contextlib import nullcontext
+
+    from flash_tile import _launch
+
+    calls = []
+    monkeypatch.setattr(_launch.ct, "launch",
+                        lambda stream, grid, kernel, args, **attributes: calls.append(
+                            (grid, kernel, args)))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    return calls
+
+
+def test_backward_launch_gives_each_kernel_its_tiles(launched):
+    """``launch_backward`` with a variant whose kernels take different tiles (SM90_BACKWARD):
+    dQ first on 128x64 (a program per 128 queries), storing the Delta that dK/dV on 64x128 (a
+    program per 128 keys) then reads, each kernel with its own EVEN_N."""
+    from flash_tile import _launch, variants
+
+    q, k, v = (torch.randn(2, 8, 300, 64), torch.randn(2, 2, 320, 64),
+               torch.randn(2, 2, 320, 64))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    out, dout, lse, dlse = torch.randn_like(q), torch.randn_like(q), *torch.randn(2, 2, 8, 300)
+    config = variants.SM90_BACKWARD
+    _launch.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, dlse, None, None, 0.125, 0.0,
+                            20, (-1, 0), config)
+    (q_grid, dq_kernel, q_args), (kv_grid, dkdv, kv_args) = launched
+    assert (dq_kernel, dkdv) == _launch.hinted_backward_kernels(config)
+    assert q_grid == (3, 8, 2) and kv_grid == (3, 2, 2)
+    # TILE_M, TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N after 16 arrays and 8
+    # scalars for dQ (14 arrays for dK/dV): 320 keys are a whole number of dQ's 64-key steps
+    # and not of dK/dV's 128-key tiles. dQ's last constants are LSE_GRAD, VARLEN, SINKS and
+    # SEQUSED_K; dK/dV's SEQUSED_K and DQ_ACCUM (the two-pass form: off).
+    assert q_args[24:31] == (128, 64, 64, 64, False, True, True)
+    assert q_args[-4:] == (True, False, False, False)
+    assert kv_args[22:29] == (64, 128, 64, 64, False, True, False)
+    assert kv_args[-2:] == (False, False)
+    assert q_args[3:5] == (out, dout) and q_args[6] is dlse and q_args[8] is dq
+    delta = q_args[7]  # written by dQ, read by dK/dV
+    assert delta.shape == (2, 8, 300) and delta.dtype == torch.float32 and kv_args[5] is delta
+    assert kv_args[1] is k and kv_args[6:8] == (dk, dv)
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+def test_backward_past_2_31_elements_takes_the_64_bit_entry_points(launched, one_pass):
+    """An output gradient of 2**31 elements (meta tensors): every kernel of either form is
+    the 64-bit entry point; one element fewer keeps the 32-bit ones. Either way the launches
+    match the signatures the AOT tests compile (the 64-bit ones take placeholder arrays
+    where the 32-bit ones take ``ABSENT``)."""
+    from flash_tile import _launch, aot, variants
+
+    config = variants.SM90_ONE_PASS if one_pass else variants.SM90_BACKWARD
+    for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
+        q = torch.empty(1, 32, q_len, 128, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, 8, 1024, 128, device="meta", dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, q_len, device="meta")
+        launched.clear()
+        _launch.launch_backward(q, q, k, k, q, lse, torch.empty_like(q), torch.empty_like(k),
+                                torch.empty_like(k), None, None, None, 0.1, 0.0, 0, (-1, 0),
+                                config)
+        kernels = tuple(kernel for _, kernel, _ in launched)
+        assert kernels == _launch.hinted_backward_kernels(config, int64)
+        assert len(kernels) == (3 if one_pass else 2)
+        sigs = aot.backward_signatures("bfloat16", 128, 128, (-1, 0), False, False, None, True,
+                                       config, 4, int64_index=int64)
+        for (_, _, args), sig in zip(launched, sigs, strict=True):
+            _matches(args, sig)
+    assert set(_launch.hinted_backward_kernels(config, True)).isdisjoint(
+        _launch.hinted_backward_kernels(config, False))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_forward_past_2_31_elements_matches_the_64_bit_signature(launched, return_lse):
+    """A q of 2**31 elements (meta tensors) launches the 64-bit forward with the arguments of
+    its AOT signature, from ``launch_forward`` and from the plan made of it: without an LSE
+    a placeholder array stands in for it (the entry point types Lse as 64-bit indexed, which
+    an int cannot be), where the 32-bit forward gets ``ABSENT``."""
+    from flash_tile import _launch, aot, variants
+
+    config = variants.default_config((9, 0), 128)
+    for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
+        q = torch.empty(1, 32, q_len, 128, device="meta", dtype=torch.bfloat16)
+        k = torch.empty(1, 8, 1024, 128, device="meta", dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, q_len, device="meta") if return_lse else None
+        launched.clear()
+        scalars = (0.1, 0.0, 0, (-1, 0), config)
+        _launch.launch_forward(q, k, k, q, lse, None, None, *scalars)
+        _launch.forward_plan(q, k, k, q, lse, *scalars).launch(q, k, k, q, lse)
+        sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, True,
+                                    return_lse, config, int64_index=int64)
+        for _, kernel, args in launched:
+            assert kernel is _launch.hinted_kernel(config, int64)
+            _matches(args, sig)
+            assert isinstance(args[4], torch.Tensor) == (int64 or return_lse)
+
+
+def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
+    """A one-pass variant: the preprocess (Delta), dK/dV with DQ_ACCUM adding into the fp32
+    dQ sums, which start as zeros, then the convert writing dq from them; the sums' rows are
+    padded to 16 bytes (TMA reduce-adds need aligned strides)."""
+    from flash_tile import _launch, variants
+
+    q, k, v = (torch.randn(2, 8, 300, 72), torch.randn(2, 2, 320, 72),
+               torch.randn(2, 2, 320, 72))
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    out, dout, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 8, 300)
+    config = variants.SM90_ONE_PASS
+    _launch.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, None, 0.125, 0.0,
+                            20, (-1, 0), config)
+    (pre_grid, pre, pre_args), (kv_grid, dkdv, kv_args), (cv_grid, convert, cv_args) = launched
+    assert (pre, dkdv, convert) == _launch.hinted_backward_kernels(config)
+    assert pre_grid == cv_grid == (5, 8, 2) and kv_grid == (3, 2, 2)
+    acc = kv_args[8]
+    assert acc.dtype == torch.float32 and acc.shape == (2, 8, 300, 72)
+    assert acc.stride() == (8 * 300 * 72, 300 * 72, 72, 1)  # 72 floats: 16-byte rows already
+    assert not acc.any() and cv_args[0] is acc and cv_args[1] is dq
+    assert not any(arg is acc for arg in pre_args)
+    assert pre_args[4] is kv_args[5]  # Delta: stored by the preprocess, read by dK/dV
+    assert kv_args[-1] is True  # DQ_ACCUM
+    assert cv_args[3] == 0.125 and cv_args[-2:] == (False, False)  # SOFTCAP, VARLEN
+
+
+def test_dq_accumulator_pads_rows_to_16_bytes():
+    from flash_tile import _launch
+
+    acc = _launch.dq_accumulator(torch.empty(1, 2, 5, 59, dtype=torch.bfloat16))
+    assert acc.shape == (1, 2, 5, 59) and acc.stride() == (2 * 5 * 60, 5 * 60, 60, 1)
+    assert acc.dtype == torch.float32 and not acc.any()  # the dK/dV kernel adds into zeros
+
+
+def _bool_mask(layout):
+    dense = torch.rand(2, 1, 40, 64) > 0.5
+    return {"aligned": dense[..., :48],  # rows 64 bytes apart, 48 keys
+            "broadcast": dense[..., :48].expand(2, 4, 40, 48),
+            "ragged": (torch.rand(2, 4, 40, 50) > 0.5)[..., :48],  # rows 50 bytes apart
+            "offset": dense[..., 1:49],  # base one byte past alignment
+            "keys strided": torch.rand(2, 1, 48, 40).transpose(-1, -2) > 0.5}[layout]
+
+
+@pytest.mark.parametrize("layout", ["aligned", "broadcast", "ragged", "offset", "keys strided"])
+def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched, layout):
+    """A bool mask that TMA can read (unit last stride, 16-byte aligned base and strides) is
+    passed to the forward, dK/dV and dQ kernels as its uint8 view, same memory and strides
+    (TMA misread bool tiles); any other stays bool (no TMA there, and uint8 would spill)."""
+    from flash_tile import _launch, variants
+
+    mask = _bool_mask(layout).expand(2, 4, 40, 48)
+    q, k, v = torch.randn(2, 4, 40, 64), torch.randn(2, 4, 48, 64), torch.randn(2, 4, 48, 64)
+    _launch.launch_forward(q, k, v, torch.empty_like(q), None, None, mask, 0.125, 0.0, 8,
+                           (-1, -1), variants.default_config((9, 0), 64))
+    _launch.launch_backward(torch.randn_like(q), q, k, v, torch.randn_like(q),
+                            torch.randn(2, 4, 40), *(torch.empty_like(t) for t in (q, k, v)),
+                            None, None, mask, 0.125, 0.0, 8, (-1, -1),
+                            variants.default_backward_config((9, 0), 64))
+    fwd, dq, dkdv = (args for _, _, args in launched)
+    assert dq[-4] is False and dq[6] is _launch.ABSENT  # no dLSE: LSE_GRAD off
+    as_uint8 = layout in ("aligned", "broadcast")
+    for got in (fwd[6], dq[10], dkdv[10]):
+        assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
+        assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
+    assert fwd[-9] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
+
+
+_TORCH_OF = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "uint8": torch.uint8, "bool": torch.bool}
+
+
+def _matches(args, signature):
+    """Each launch argument against the AOT signature's parameter at its place (the order the
+    compiled kernels were checked in): arrays of the rank, and of the dtype unless they are an
+    unused switch's placeholder (one element, never read), scalars, equal constants."""
+    params = signature.parameters
+    assert len(args) == len(params)
+    for i, (arg, param) in enumerate(zip(args, params)):
+        kind = type(param).__name__
+        if kind == "ArrayConstraint":
+            assert isinstance(arg, torch.Tensor) and arg.dim() == param.ndim, i
+            if arg.numel() > 1:
+                assert arg.dtype == _TORCH_OF[param.dtype.name], (i, arg.dtype, param.dtype)
+        elif kind == "ScalarConstraint":
+            assert isinstance(arg, (int, float)) and not isinstance(arg, bool), (i, arg)
+        else:
+            assert arg == param.value, (i, arg, param.value)
+
+
+def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
+    """The JIT launches of the forward and both backward kernels with VARLEN, SEQUSED_K and
+    SINKS pass their arguments in the order, dtypes and ranks of the signatures that the AOT
+    tests compile for every architecture."""
+    from flash_tile import _launch, aot, variants
+
+    total_q, total_k = 40, 60
+    q, out = torch.randn(1, 4, total_q, 64).bfloat16(), torch.randn(1, 4, total_q, 64).bfloat16()
+    k, v = torch.randn(1, 2, total_k, 64).bfloat16(), torch.randn(1, 2, total_k, 64).bfloat16()
+    cu_q = torch.tensor([0, 15, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 60], dtype=torch.int32)
+    varlen = _launch.Varlen(cu_q, cu_k, torch.tensor([20, 33], dtype=torch.int32))
+    sinks = torch.zeros(4)
+    config = variants.default_config((9, 0), 64)
+    _launch.launch_forward(q, k, v, out, torch.empty(1, 4, total_q), None, None, 0.125, 0.0, 0,
+                           (-1, 0), config, _launch.NO_DROPOUT, varlen, sinks)
+    flags = dict(varlen=True, sinks=True, seqused_k=True)
+    _matches(launched[0][2], aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False,
+                                                   None, False, True, config, **flags))
+    for bconfig in (variants.default_backward_config((9, 0), 64), variants.SM90_ONE_PASS):
+        launched.clear()
+        _launch.launch_backward(out, q, k, v, out, torch.randn(1, 4, total_q),
+                                *(torch.empty_like(t) for t in (q, k, v)), None, None, None,
+                                0.125, 0.0, 0, (-1, 0), bconfig, _launch.NO_DROPOUT, varlen,
+                                sinks)
+        sigs = aot.backward_signatures("bfloat16", 64, 64, (-1, 0), False, False, None, False,
+                                       bconfig, 2, **flags)
+        assert len(launched) == len(sigs)
+        for (_, _, args), sig in zip(launched, sigs):
+            _matches(args, sig)
+
+
+@pytest.mark.parametrize("page_size,splits,sinks,store_lse", [
+    (None, 4, True, True), (64, 4, True, False), (None, 1, False, False), (16, 1, True, True)])
+def test_decode_launches_match_the_compiled_signatures(launched, page_size, splits, sinks,
+                                                       store_lse, monkeypatch):
+    """The append, decode and combine launches (split or not, paged or not, with or without
+    sinks and the LSE) against the signatures the AOT tests compile; every array a switch
+    leaves unread goes as the int scalar ``_launch_decode.ABSENT``, which ``ct.launch`` takes
+    faster than an array."""
+    from flash_tile import _launch_decode, aot, variants
+
+    monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
+    batch, heads, kv_heads, d = 2, 16, 2, 64
+    if page_size is None:
+        k_cache = torch.randn(batch, 256, kv_heads, d).bfloat16()
+        table = None
+    else:
+        k_cache = torch.randn(512 // page_size, page_size, kv_heads, d).bfloat16()
+        table = torch.randperm(512 // page_size, dtype=torch.int32).view(batch, -1)
+    q = torch.randn(batch, 1, heads, d).bfloat16()
+    k_new = torch.randn(batch, 1, kv_heads, d).bfloat16()
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, 1) if store_lse else None
+    lens = torch.tensor([100, 200], dtype=torch.int32)
+    config = variants.default_decode_config((9, 0), d)
+    _launch_decode.launch_cache_append(k_new, k_new, k_cache, k_cache, lens, None, table)
+    used = _launch_decode.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table,
+                                        None, 0.125, 0.0, (-1, 0), 1, splits, config,
+                                        torch.zeros(heads) if sinks else None)
+    assert (used > 1) == (splits > 1)
+    sigs = aot.decode_signatures(config, head_dim=d, group=heads // kv_heads,
+                                 page_size=page_size, splits=used, sinks=sinks,
+                                 store_lse=store_lse)
+    names = ["append", "decode"] + (["combine"] if used > 1 else [])
+    assert len(launched) == len(names)
+    for (_, _, args), name in zip(launched, names):
+        _matches(args, sigs[name][1])
+        # No placeholder array (one element) is left: every array here has more.
+        assert all(arg.numel() > 1 for arg in args if isinstance(arg, torch.Tensor)), name
+
+
+def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
+    """``flash_tile._plans``: CPU tensors (and meta ones) get no key, so the full path checks
+    them; an unhashable argument is never found nor kept; past MAX_PLANS the plans start
+    over; ``autotune.clear_memory_cache`` forgets them."""
+    from flash_tile import _plans, autotune
+
+    monkeypatch.setattr(autotune, "plans", {})
+    for device in ("cpu", "meta"):
+        q = torch.empty(1, 8, 2, 64, device=device)
+        assert _plans.key("flash_attn", (q, q, q), (None, False)) is None
+    unhashable = ("flash_attn", [8, 8])
+    _plans.keep(unhashable, "plan")
+    assert _plans.find(unhashable) is None and not autotune.plans
+    monkeypatch.setattr(_plans, "MAX_PLANS", 2)
+    for i in range(3):
+        _plans.keep(("k", i), f"plan {i}")
+    assert autotune.plans == {("k", 2): "plan 2"} and _plans.find(("k", 2)) == "plan 2"
+    _plans.keep(None, "plan")  # no key: nothing kept
+    assert _plans.find(None) is None and len(autotune.plans) == 1
+    autotune.clear_memory_cache()
+    assert not autotune.plans
+
+
+@pytest.mark.parametrize("return_lse,window,softcap", [(False, (-1, 0), 0.0),
+                                                        (True, (16, 3), 20.0)])
+def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkeypatch,
+                                                                 return_lse, window, softcap):
+    """``ForwardPlan.launch`` on a call's arrays passes ``ct.launch`` the grid, kernel and
+    argument tuple that ``launch_forward`` passes for the same call (arrays by identity,
+    everything else equal), on odd lengths, GQA, with and without the LSE."""
+    from flash_tile import _launch, variants
+
+    q = torch.randn(2, 8, 113, 64).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(2, 203, 2, 64).transpose(1, 2) for _ in range(2))
+    out = torch.empty(2, 113, 8, 64).transpose(1, 2)  # [B, H, Lq, Dv] laid out as BLHD
+    lse = torch.empty(2, 8, 113) if return_lse else None
+    config = variants.default_config((9, 0), 64)
+    scalars = (0.125, softcap, 203 - 113, window, config)
+    _launch.launch_forward(q, k, v, out, lse, None, None, *scalars)
+    plan = _launch.forward_plan(q, k, v, out, lse, *scalars)
+    assert plan.out_shape == (2, 113, 8, 64)
+    assert plan.lse_shape == ((2, 8, 113) if return_lse else None)
+    q2, k2, v2, out2 = (torch.randn_like(t) for t in (q, k, v, out))  # another call's arrays
+    lse2 = torch.empty_like(lse) if return_lse else None
+    _launch.launch_forward(q2, k2, v2, out2, lse2, None, None, *scalars)
+    plan.launch(q2, k2, v2, out2, lse2)
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    for full, planned in zip(args, plan_args):  # the arrays by identity, the rest by value
+        if isinstance(full, torch.Tensor):
+            assert planned is full
+        else:
+            assert planned == full and type(planned) is type(full)
+    lse_arg = lse2 if return_lse else args[4]  # ABSENT without an LSE
+    assert all(a is b for a, b in zip(plan_args[:5], (q2, k2, v2, out2, lse_arg)))
+
+
+def test_current_stream_is_made_once_per_raw_handle(monkeypatch):
+    """``_launch.current_stream`` asks torch for a Stream object once per (device, raw
+    handle) and hands it back while that stream stays current; another stream (or device)
+    gets its own, and past MAX_STREAMS the table starts over."""
+    from flash_tile import _launch
+
+    current = {"handle": 11}
+    made = []
+
+    def make(device):
+        made.append((device.index, current["handle"]))
+        return object()
+
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: current["handle"] + 100 * index)
+    monkeypatch.setattr(_launch.torch.cuda, "current_stream", make)
+    monkeypatch.setattr(_launch, "_streams", {})
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    first = _launch.current_stream(gpu0)
+    assert _launch.current_stream(gpu0) is first and made == [(0, 11)]
+    current["handle"] = 12  # a side stream made current
+    side = _launch.current_stream(gpu0)
+    assert side is not first and _launch.current_stream(gpu1) is not side
+    current["handle"] = 11
+    assert _launch.current_stream(gpu0) is first and made == [(0, 11), (0, 12), (1, 12)]
+    monkeypatch.setattr(_launch, "MAX_STREAMS", 3)
+    current["handle"] = 13
+    _launch.current_stream(gpu0)
+    assert len(_launch._streams) == 1  # full: started over with the new stream
+    current["handle"] = 11
+    assert _launch.current_stream(gpu0) is not first and made[-1] == (0, 11)
