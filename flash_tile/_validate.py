@@ -11,6 +11,7 @@ or cases that are valid in flash-attn or torch but not supported here yet are
 import functools
 import importlib.metadata
 import math
+import operator
 import os
 import shutil
 import subprocess
@@ -197,23 +198,23 @@ def check_heads(q_heads: int, kv_heads: int, v_heads: int, gqa_allowed: bool = T
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """flash-attn's (left, right) window; -1 leaves a side unbounded."""
+    """flash-attn's (left, right) window of ints; a negative entry leaves its side unbounded
+    (returned as -1), as in flash-attn, which tests ``< 0``."""
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = (operator.index(w) for w in window_size)
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair of ints (left, right), got "
                          f"{window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got {window_size}")
-    return left, right
+    return max(left, -1), max(right, -1)
 
 
 def check_softcap(softcap: float) -> float:
-    """A finite softcap >= 0 (0: off), as a float."""
+    """A finite softcap as a float; as in flash-attn, only a positive one caps the scores
+    (returned as it is), and one <= 0 is off (returned as 0.0)."""
     softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
-    return softcap
+    if not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite number (<= 0: off), got {softcap}")
+    return max(softcap, 0.0)
 
 
 def check_dropout(dropout_p: float) -> float:

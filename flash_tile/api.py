@@ -179,10 +179,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         softmax_scale: scale of q.k before the softmax; default 1 / sqrt(D). Must be > 0.
         causal: causal mask aligned to the bottom-right corner of the score matrix, as in
             flash-attn 2.1+: query i sees key j iff j <= i + Lk - Lq.
-        window_size: (left, right) sliding window, -1 for an unbounded side: query i sees key
+        window_size: (left, right) sliding window of ints, -1 (any negative, as in flash-attn)
+            for an unbounded side: query i sees key
             j iff i + Lk - Lq - left <= j <= i + Lk - Lq + right. With ``causal`` the right
             side is 0. Key tiles outside every row's window are not loaded.
-        softcap: if > 0, scores become softcap * tanh(scores / softcap) (after the scale).
+        softcap: if > 0, scores become softcap * tanh(scores / softcap) (after the scale);
+            0 or less: off, as in flash-attn.
         alibi_slopes: [H] or [B, H] float32: adds -slope * |i + Lk - Lq - j| to the scores.
         deterministic: run the two-pass backward, bitwise reproducible (the forward always
             is). Otherwise the backward may run the one-pass form, where it is the default

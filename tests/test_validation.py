@@ -95,14 +95,23 @@ def test_heads():
         flash_tile.flash_attn_func(_blhd(heads=4), _blhd(heads=4), _blhd(heads=2))
 
 
-@pytest.mark.parametrize("window", [(-2, 0), (0, -5), (1,), "ab", None])
+@pytest.mark.parametrize("window", [(1.5, 0), (0, "3"), (1,), "ab", None])
 def test_window(window):
     q = _blhd()
     with pytest.raises(ValueError, match="window_size"):
         flash_tile.flash_attn_func(q, q, q, window_size=window)
 
 
-@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan")])
+def test_negative_window_sides_and_softcaps_are_off_as_in_flash_attn():
+    """flash-attn tests a window side ``< 0`` and a softcap ``> 0``: any negative side is
+    unbounded and a softcap <= 0 is off; integer types other than int are taken."""
+    assert _validate.check_window((-2, -7)) == (-1, -1)
+    assert _validate.check_window((torch.tensor(3), True)) == (3, 1)
+    assert _validate.check_softcap(-2.5) == _validate.check_softcap(0) == 0.0
+    assert _validate.check_softcap(30) == 30.0
+
+
+@pytest.mark.parametrize("softcap", [float("-inf"), float("inf"), float("nan")])
 def test_softcap(softcap):
     q = _blhd()
     with pytest.raises(ValueError, match="softcap"):
