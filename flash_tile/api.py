@@ -311,10 +311,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=None):
+def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks=None,
+          deterministic=False):
     """``scaled_dot_product_attention``'s body, with ``flash_attn_func``'s ``sinks`` [H]
-    (which torch's function has not): for integrations (Transformers' gpt-oss) that pass a
-    mask and sinks together. A plain inference call on [B, H, L, D] tensors of a seen
+    and ``deterministic`` (which torch's function has not): for integrations (Transformers'
+    gpt-oss, a model asking for deterministic attention) that pass a mask with them. A plain inference call on [B, H, L, D] tensors of a seen
     signature runs its plan (``flash_tile._plans``)."""
     plan_key = None
     if attn_mask is None and dropout_p == 0.0 and sinks is None and query.dim() == 4:
@@ -359,5 +360,5 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         return out.transpose(1, 2)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     out, _ = attention_forward(q, k, v, None, mask, scale, 0.0, 0, -1, right, needs_grad,
-                               dropout_p, _dropout_seed(dropout_p), sinks)
+                               dropout_p, _dropout_seed(dropout_p), sinks, bool(deterministic))
     return out.reshape(*lead, *out.shape[-2:])

@@ -134,9 +134,11 @@ def _torch_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale=None, softc
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None,
-                  causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
+                  causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  deterministic=False, sinks=None):
     """flash_attn_varlen_func by the float64 reference, one sequence at a time."""
     assert dropout_p == 0.0 and softcap == 0.0 and cu_q.dtype == cu_k.dtype == torch.int32
+    assert alibi_slopes is None
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] -
                                                                         cu_k[:-1]).max())
     out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
@@ -164,7 +166,8 @@ def varlen_calls(monkeypatch):
 
 
 def _torch_sdpa_with_sinks(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                           enable_gqa, sinks):  # noqa: ARG001 - the reference does GQA itself
+                           enable_gqa, sinks, deterministic=False):  # noqa: ARG001 - the
+    # reference does GQA itself, and has one form
     """flash_tile.api._sdpa by the reference: a sink column in the softmax."""
     assert dropout_p == 0.0 and sinks.dtype == torch.float32
     window = (-1, 0) if is_causal else (-1, -1)
@@ -231,7 +234,8 @@ def test_packed_sequences_reach_the_varlen_kernel_on_cpu(kind, name, varlen_call
         alone = [model(input_ids=s[None]).logits[0] for s in seqs]
     torch.testing.assert_close(ours, torch.cat(alone), rtol=1e-5, atol=1e-5)
     assert len(calls) == 2  # one call a layer
-    assert all(c[9] and c[10] == ((7, -1) if kind == "mistral" else (-1, -1)) for c in calls)
+    # transformers' flash-attn path passes (w - 1, w - 1); causal makes the right side 0
+    assert all(c[9] and c[10] == ((7, 7) if kind == "mistral" else (-1, -1)) for c in calls)
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
@@ -343,6 +347,76 @@ def test_masked_decode_steps_reach_the_kvcache_kernel_on_cpu(kind, cache, monkey
     assert seen and all(m.dtype == torch.bool and m.shape[1:3] == (1, 1) for m in seen)
     if kind == "llama":  # Mistral's caches keep one window, which the 20-token prompt fills
         assert any(not bool(m.all()) for m in seen)
+
+
+def test_a_non_causal_sliding_window_sees_both_sides(varlen_calls):
+    """A bidirectional model's sliding window (ModernBERT's local layers) as transformers'
+    flash-attn path runs it: key j within w - 1 rows of query i on either side, in its
+    sequence; the symmetric mask transformers builds beside the packing passes the check."""
+    calls = varlen_calls
+    q, k, v = (torch.randn(1, 4, 12, 16, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    seq = torch.tensor([0] * 5 + [1] * 7)
+    rows = torch.arange(12)
+    allowed = (seq[:, None] == seq[None, :]) & ((rows[:, None] - rows[None, :]).abs() < 3)
+    packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7,
+                  sliding_window=3)
+    for mask in (None, allowed[None, None]):
+        out, _ = flash_tile_hf.attention_forward(torch.nn.Module(), q, k, v, mask,
+                                                 is_causal=False, **packed)
+        ref = _torch_sdpa(q, k, v, attn_mask=allowed[None, None]).transpose(1, 2)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 2 and all(not c[9] and c[10] == (2, 2) for c in calls)
+
+
+def test_a_step_that_needs_gradients_does_not_take_the_decode_kernel(monkeypatch):
+    """One query row whose inputs need gradients (training with a batch of one-token rows, or
+    sinks that learn) takes the differentiable path: the decode kernel has no backward. The
+    same step under no_grad runs the decode kernel."""
+    decode_calls = []
+
+    def recording_kvcache(*args, **kwargs):
+        decode_calls.append(kwargs)
+        return _torch_kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(flash_tile, "scaled_dot_product_attention", _torch_sdpa)
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", recording_kvcache)
+    q = torch.randn(2, 4, 1, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 9, 16, dtype=torch.bfloat16) for _ in range(2))
+    out, _ = flash_tile_hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
+    out.float().sum().backward()
+    assert not decode_calls and q.grad is not None and bool(q.grad.abs().sum() > 0)
+    with torch.no_grad():
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True)
+    assert len(decode_calls) == 1
+
+
+@pytest.mark.parametrize("keyword,env,expected", [(None, None, False), (True, None, True),
+                                                  (None, "1", True), (False, "1", False)])
+def test_deterministic_as_transformers_asks_for_it(monkeypatch, varlen_calls, keyword, env,
+                                                   expected):
+    """The model's ``deterministic`` keyword, or FLASH_ATTENTION_DETERMINISTIC=1 where it
+    passes none (transformers' flash-attn path), reaches the packed and the masked paths."""
+    sdpa_calls = []
+
+    def recording_sdpa(query, key, value, sinks, deterministic, **kwargs):
+        sdpa_calls.append(deterministic)
+        return _torch_sdpa(query, key, value, **kwargs)
+
+    if env is None:
+        monkeypatch.delenv("FLASH_ATTENTION_DETERMINISTIC", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_DETERMINISTIC", env)
+    monkeypatch.setattr(flash_tile.api, "_sdpa", recording_sdpa)
+    q = torch.randn(1, 4, 10, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    extra = {} if keyword is None else {"deterministic": keyword}
+    flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=cu,
+                                    cu_seq_lens_k=cu, max_length_q=6, max_length_k=6, **extra)
+    mask = torch.rand(1, 1, 10, 10) > 0.3
+    flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, mask, **extra)
+    assert [c[13] for c in varlen_calls] == [expected]
+    assert sdpa_calls == ([True] if expected else [])  # else flash_tile's public SDPA
 
 
 def test_unsupported_requests_raise():

@@ -22,7 +22,9 @@ transformers; without reading its position ids it would run causal attention acr
 sequences.) Left- or right-padded batches whose mask is causal attention over each row's
 tokens (the common case) run as packed sequences too, the padding's outputs 0; other masks
 take the masked path. Attention dropout (``dropout``, which models pass only while
-training) runs in the kernels. A decode step (one query row) runs ``flash_attn_with_kvcache``'s
+training) runs in the kernels; a model's ``deterministic`` keyword (or, as transformers'
+flash-attn path reads it, ``FLASH_ATTENTION_DETERMINISTIC=1``) picks the deterministic
+backward. A decode step (one query row, nothing to differentiate) runs ``flash_attn_with_kvcache``'s
 decode kernel on the cache transformers passes in, with its boolean [B, 1, 1, Lk] mask (a
 static cache's unwritten slots, a left-padded batch's pad, a sliding window) read by the
 kernel on the device: no sync, so it runs the same way under torch.compile.
@@ -44,6 +46,7 @@ wrapper and stays as the name that does not depend on it. A model class that lis
 """
 
 import functools
+import os
 import weakref
 from collections.abc import Callable
 
@@ -74,22 +77,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # cast, so their gradient flows back to the parameter).
     sinks = kwargs.get("s_aux")
     sinks = None if sinks is None else sinks.float()
+    deterministic = _deterministic(kwargs.get("deterministic"))
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     packing = _packing(query, key, attention_mask, bool(is_causal), kwargs)
     if packing is not None:
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
-                               sinks, packing), None
+                               sinks, packing, deterministic), None
     padding = _padding(query, key, attention_mask, bool(is_causal), kwargs.get("sliding_window"))
     if padding is not None:
         return _unpadded_forward(query, key, value, dropout, scaling, softcap, sinks,
-                                 kwargs.get("sliding_window"), *padding), None
+                                 kwargs.get("sliding_window"), *padding, deterministic), None
     q_len = query.shape[2]
     if q_len == 1 and dropout == 0.0 and _decode_mask(attention_mask, key.shape[2]) and \
-            query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16):
+            query.dtype == key.dtype == value.dtype in (torch.float16, torch.bfloat16) and \
+            not _needs_grad(query, key, value, sinks):
         # A decode step: the decode kernel, which packs the GQA group into one tile and
         # splits long caches over the SMs, the mask (if any) hiding keys on the device. Mixed
         # dtypes (fp32 weights under autocast) take the SDPA path below, which casts as torch
-        # does.
+        # does; so does a step that needs gradients (the decode kernel has no backward).
         out = flash_tile.flash_attn_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             cache_seqlens=key.shape[2], softmax_scale=scaling, softcap=softcap or 0.0,
@@ -105,15 +110,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                       "supported by flash_tile")
         out = flash_tile.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), dropout, scaling, is_causal,
-                                         softcap=softcap, sinks=sinks)
+                                         softcap=softcap, deterministic=deterministic,
+                                         sinks=sinks)
         return out, None
     sdpa_args = dict(attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal,
                      scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    if sinks is None:
+    if sinks is None and not deterministic:
         out = flash_tile.scaled_dot_product_attention(query, key, value, **sdpa_args)
-    else:  # torch's SDPA has no sinks: its body in flash_tile takes them
-        out = flash_tile.api._sdpa(query, key, value, **sdpa_args, sinks=sinks)
+    else:  # torch's SDPA has neither: its body in flash_tile takes them
+        out = flash_tile.api._sdpa(query, key, value, **sdpa_args, sinks=sinks,
+                                   deterministic=deterministic)
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
+
+
+def _deterministic(requested: bool | None) -> bool:
+    """The backward's form as transformers' flash-attn path asks for it: the model's
+    ``deterministic`` keyword, or where it gives none ``FLASH_ATTENTION_DETERMINISTIC=1``
+    (``torch.use_deterministic_algorithms(True)`` has the same effect in flash_tile)."""
+    if requested is not None:
+        return bool(requested)
+    return os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call: grad mode on and a tensor that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _decode_mask(attention_mask: torch.Tensor | None, k_len: int) -> bool:
@@ -237,7 +258,11 @@ def _visible(rows: torch.Tensor, total: int, is_causal: bool, sliding: int | Non
         return True
     keys = torch.arange(total, device=rows.device)[None, :]
     band = keys <= rows[:, None] if is_causal else torch.ones_like(keys, dtype=torch.bool)
-    return band & (keys > rows[:, None] - sliding) if sliding else band
+    if not sliding:
+        return band
+    # transformers' windows: the w most recent keys; without causality |i - j| < w.
+    band = band & (keys > rows[:, None] - sliding)
+    return band if is_causal else band & (keys < rows[:, None] + sliding)
 
 
 def _mask_allows(mask: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, is_causal: bool,
@@ -297,7 +322,7 @@ def _padding(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tenso
 def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       dropout: float, scaling: float | None, softcap: float | None,
                       sinks: torch.Tensor | None, sliding: int | None, indices: torch.Tensor,
-                      cu: torch.Tensor, longest: int) -> torch.Tensor:
+                      cu: torch.Tensor, longest: int, deterministic: bool) -> torch.Tensor:
     """A padded batch (``_padding``) as packed sequences: each row's tokens gathered, run
     through ``flash_attn_varlen_func`` (causal, the sliding window as ``_packed_forward``),
     and scattered back, the padding's rows 0 (as flash-attn's path leaves them). Returns
@@ -307,8 +332,8 @@ def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                .index_select(0, indices) for t in (query, key, value))
     window = (sliding - 1, -1) if sliding else (-1, -1)
     out = flash_tile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout,
-                                            scaling, True, window, softcap or 0.0,
-                                            sinks=sinks)
+                                            scaling, True, window, softcap or 0.0, None,
+                                            deterministic, sinks=sinks)
     full = out.new_zeros(batch * length, heads, out.shape[-1]).index_copy(0, indices, out)
     return full.view(batch, length, heads, out.shape[-1])
 
@@ -316,22 +341,23 @@ def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     dropout: float, scaling: float | None, is_causal: bool,
                     softcap: float | None, sinks: torch.Tensor | None,
-                    packing: dict) -> torch.Tensor:
+                    packing: dict, deterministic: bool) -> torch.Tensor:
     """Packed sequences (padding-free training, ``DataCollatorWithFlattening``): query
     [1, H, total_q, D] and key/value [1, H_kv, total_k, D] holding the sequences one after
     another, ``packing`` from ``_packing`` (cu_seqlens int32 [B + 1] and the longest
     sequences), through ``flash_attn_varlen_func`` (causal bottom-right per sequence;
-    ``sliding_window`` w sees the w most recent keys, as transformers' masks). Returns
+    ``sliding_window`` w sees the w most recent keys, as transformers' masks, and without
+    causality the keys within w - 1 rows either side, as its flash-attn path). Returns
     [1, total_q, H, Dv]."""
     sliding = packing["sliding"]
-    window = (sliding - 1, -1) if sliding else (-1, -1)
+    window = (sliding - 1, sliding - 1) if sliding else (-1, -1)  # causal: right is 0
     # ints as the collator gives them; a tensor bound is read back (one sync), as flash-attn
     # does with it.
     out = flash_tile.flash_attn_varlen_func(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
         packing["cu_q"].to(torch.int32), packing["cu_k"].to(torch.int32),
         int(packing["max_q"]), int(packing["max_k"]), dropout, scaling, is_causal, window,
-        softcap or 0.0, sinks=sinks)
+        softcap or 0.0, None, deterministic, sinks=sinks)
     return out[None]
 
 
