@@ -315,8 +315,9 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
           deterministic=False):
     """``scaled_dot_product_attention``'s body, with ``flash_attn_func``'s ``sinks`` [H]
     and ``deterministic`` (which torch's function has not): for integrations (Transformers'
-    gpt-oss, a model asking for deterministic attention) that pass a mask with them. A plain inference call on [B, H, L, D] tensors of a seen
-    signature runs its plan (``flash_tile._plans``)."""
+    gpt-oss, a model asking for deterministic attention) that pass a mask with them. A plain
+    inference call on [B, H, L, D] tensors of a seen signature runs its plan
+    (``flash_tile._plans``)."""
     plan_key = None
     if attn_mask is None and dropout_p == 0.0 and sinks is None and query.dim() == 4:
         plan_key = _plans.key("sdpa", (query, key, value), (is_causal, scale, enable_gqa))
