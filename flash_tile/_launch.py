@@ -362,7 +362,11 @@ def current_stream(device: torch.device):
 
 def launch_on(device: torch.device, grid: tuple, kernel, args: tuple, **attributes) -> None:
     """``ct.launch`` on ``device``'s current stream, under a device guard only where another
-    device is current (the guard costs ~2 us of host time a launch, a planned call's tenth)."""
+    device is current (the guard costs ~2 us of host time a launch, a planned call's tenth).
+    A grid with no programs (a call with no query rows) launches nothing: CUDA refuses an
+    empty grid."""
+    if 0 in grid:
+        return
     stream = current_stream(device)
     if device.type == "cuda" and device.index == torch.cuda.current_device():
         ct.launch(stream, grid, kernel, args, **attributes)

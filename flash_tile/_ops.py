@@ -192,6 +192,10 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """The backward op's body: choose the variant, allocate, launch; (dq, dk, dv, dsinks).
     ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``) keeps to the two-pass
     kernels, bitwise reproducible; else the one-pass form where it is the default."""
+    if q.numel() == 0:  # no query rows (Lq, B or H of 0): no gradient reaches k, v or sinks
+        dq, dk, dv = _backward_outputs(q, k, v)
+        return dq, dk.zero_(), dv.zero_(), (_no_sinks(q.device) if sinks is None else
+                                            torch.zeros_like(sinks))
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
@@ -232,8 +236,9 @@ def _setup_context(ctx, inputs, output):
 
 def _saved_lse(lse: torch.Tensor) -> torch.Tensor:
     """The forward's saved LSE, which the backward recomputes P from: an op called without
-    ``return_lse`` saved an empty one and has no backward."""
-    if lse.numel() == 0:
+    ``return_lse`` saved the 1-D empty one (an LSE of no rows keeps its rank) and has no
+    backward."""
+    if lse.dim() == 1:
         raise RuntimeError("flash_tile: the forward ran without its LSE, so it has no backward; "
                            "call it through flash_tile's public functions")
     return lse

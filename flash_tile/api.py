@@ -221,7 +221,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     ``deterministic``).
 
     Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
-    an output of 0 and an LSE of +inf, as in flash-attn (without sinks).
+    an output of 0 and an LSE of +inf, as in flash-attn (without sinks). Lq = 0 gives empty
+    outputs and zero gradients for k and v, with nothing launched; Lk = 0 raises.
 
     Returns:
         out [B, Lq, H, Dv] (contiguous, q's dtype; bfloat16 for FP8 inputs); with
@@ -301,7 +302,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         enable_gqa: allow fewer key/value heads than query heads (H a multiple of H_kv).
 
     Returns:
-        [..., H, Lq, Dv] in query's dtype. Under ``torch.autocast`` float32 inputs are cast to
+        [..., H, Lq, Dv] in query's dtype (empty for Lq = 0, as torch's; Lk = 0 raises). Under ``torch.autocast`` float32 inputs are cast to
         the autocast dtype first, as torch does. Gradients flow to query, key and value (not
         to attn_mask) through flash_tile's backward kernels: the one-pass form where it is
         the default or the autotuner's pick, or under
@@ -346,8 +347,10 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         q, k, v = query[:, None], key[:, None], value[:, None]  # [B, L, D]: one head each
         mask = None if attn_mask is None else attn_mask[:, None]
     else:
-        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-        mask = None if attn_mask is None else attn_mask.reshape(-1, *attn_mask.shape[-3:])
+        # the leading dims' product, not -1: a reshape of no elements cannot infer it
+        q, k, v = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
+        mask = None if attn_mask is None else attn_mask.reshape(
+            math.prod(attn_mask.shape[:-3]), *attn_mask.shape[-3:])
     scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
     device = _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
     if sinks is not None:

@@ -303,3 +303,20 @@ def test_torch_compile_fullgraph():
         assert ((got - want).norm() / want.norm()).item() < 0.05, i
     losses = _train(_flash, 20, compile_model=True)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "scaled_dot_product_attention"])
+def test_no_query_rows(entry):
+    """Lq = 0 (legal in torch's SDPA and flash-attn): an empty output, no launch, and zero
+    gradients for k and v (poisoned with NaN first, so a gradient left unwritten fails)."""
+    q, k, v = _inputs((2, 4, 2, 0, 37, 64, 64), torch.bfloat16)
+    if entry == "scaled_dot_product_attention":
+        q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert out.shape == (2, 4, 0, 64)
+    else:
+        out, lse = flash_tile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+    assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())

@@ -355,3 +355,20 @@ def test_current_stream_is_made_once_per_raw_handle(monkeypatch):
     assert len(_launch._streams) == 1  # full: started over with the new stream
     current["handle"] = 11
     assert _launch.current_stream(gpu0) is not first and made[-1] == (0, 11)
+
+
+def test_a_grid_of_no_programs_launches_nothing(monkeypatch):
+    """``launch_on`` skips a grid with a zero dimension (a call with no query rows): CUDA
+    refuses an empty grid, and there is nothing to run."""
+    from flash_tile import _launch
+
+    launches = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: launches.append(args))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "current_device", lambda: 0)
+    device = torch.device("cuda", 0)
+    _launch.launch_on(device, (0, 4, 2), None, ())
+    _launch.launch_on(device, (3, 4, 0), None, ())
+    assert not launches
+    _launch.launch_on(device, (1, 1, 1), None, ())
+    assert len(launches) == 1

@@ -320,3 +320,31 @@ def test_return_attn_probs_gives_flash_attn_2s_triple(monkeypatch, op_launches, 
     assert s_dmask.numel() == 0 and s_dmask.dtype == q.dtype
     (launch,) = op_launches
     assert launch[4].data_ptr() == lse.data_ptr()  # the LSE the kernel stores
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "sdpa", "sdpa, no batch"])
+def test_no_query_rows_give_empty_outputs_and_zero_gradients(monkeypatch, op_launches, entry):
+    """Lq = 0 (or a batch of 0), legal in torch's SDPA: empty outputs of the right shapes, and
+    a backward that launches nothing and gives k and v zero gradients. CPU tensors, the
+    launches recorded instead of run (the forward's grid of no programs is ``launch_on``'s
+    to skip: ``test_launch.py``)."""
+    import flash_tile
+    from flash_tile import _validate
+
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    if entry == "flash_attn_func":
+        q, k = torch.randn(2, 0, 4, 64), torch.randn(2, 5, 2, 64)
+    else:
+        batch = (0, 3) if entry == "sdpa, no batch" else (2,)
+        q, k = torch.randn(*batch, 4, 0, 64), torch.randn(*batch, 2, 5, 64)
+    q, k = (t.bfloat16().requires_grad_() for t in (q, k))
+    v = k.detach().clone().requires_grad_()
+    if entry == "flash_attn_func":
+        out = flash_tile.flash_attn_func(q, k, v, causal=True)
+    else:
+        out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == q.shape and out.numel() == 0
+    out.sum().backward()
+    assert len(op_launches) == 1  # the forward's, with no programs; no backward launch
+    assert q.grad.shape == q.shape
+    assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())
