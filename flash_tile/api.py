@@ -302,8 +302,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         enable_gqa: allow fewer key/value heads than query heads (H a multiple of H_kv).
 
     Returns:
-        [..., H, Lq, Dv] in query's dtype (empty for Lq = 0, as torch's; Lk = 0 raises). Under ``torch.autocast`` float32 inputs are cast to
-        the autocast dtype first, as torch does. Gradients flow to query, key and value (not
+        [..., H, Lq, Dv] in query's dtype (empty for Lq = 0, as torch's; Lk = 0 raises).
+        Under ``torch.autocast`` float32 inputs are cast to the autocast dtype first, as
+        torch does. Gradients flow to query, key and value (not
         to attn_mask) through flash_tile's backward kernels: the one-pass form where it is
         the default or the autotuner's pick, or under
         ``torch.use_deterministic_algorithms(True)`` the two-pass form, bitwise reproducible
