@@ -31,7 +31,7 @@ from tqdm import tqdm
 import flash_tile
 from flash_tile import _ops, autotune, variants
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_TOKENS, GRID_WIDTH, cuda_time_ms,
-                                flops, grid_shape, interleaved_ms)
+                                flops, grid_shape, interleaved_ms, spin)
 from flash_tile._validate import driver_version, package_version
 from flash_tile.reference import check_error
 
@@ -61,7 +61,7 @@ def device_ms(fn, iters: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
+    spin(SLEEP_CYCLES)
     start.record()
     for _ in range(iters):
         fn()

@@ -21,6 +21,12 @@ def flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int, causal:
     return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
 
 
+def spin(cycles: int) -> None:
+    """Keep the current stream's GPU busy for about ``cycles`` clock cycles (a kernel that
+    spins), so that launches issued meanwhile queue up and then run back to back."""
+    torch.cuda._sleep(cycles)
+
+
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median milliseconds of ``fn()`` on the current stream, by CUDA events, after warm-up."""
     for _ in range(warmup):
@@ -88,7 +94,7 @@ def paired_ms(a: Callable[[], object], b: Callable[[], object], rounds: int, pai
         torch.cuda.synchronize()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in order]
-        torch.cuda._sleep(sleep_cycles)
+        spin(sleep_cycles)
         for which, (start, end) in zip(order, events):
             start.record()
             fns[which]()

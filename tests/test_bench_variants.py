@@ -21,8 +21,13 @@ def bench_variants(monkeypatch):
     return bench_variants
 
 
-def _origin(kernel) -> pathlib.Path:
-    return pathlib.Path(kernel._pyfunc.__code__.co_filename).resolve()
+def _origin(name: str, kernel) -> pathlib.Path:
+    """The file of the baseline module whose entry point ``name`` is ``kernel``."""
+    for module in ("attention_fwd", "attention_bwd"):
+        module = sys.modules[f"flash_tile_baseline_kernels.{module}"]
+        if getattr(module, name, None) is kernel:
+            return pathlib.Path(module.__file__).resolve()
+    raise AssertionError(f"{name} is no baseline module's")
 
 
 def test_baseline_kernels_load_from_their_own_directory(bench_variants, tmp_path):
@@ -32,24 +37,35 @@ def test_baseline_kernels_load_from_their_own_directory(bench_variants, tmp_path
     assert sorted(loaded) == sorted(bench_variants.KERNELS)
     for name, kernel in loaded.items():
         assert kernel is not getattr(_launch, name), name
-        assert _origin(kernel).parent == base.resolve(), name
+        assert _origin(name, kernel).parent == base.resolve(), name
     # Its helpers are its own too: a change to _tiles.py in the baseline stays there.
     assert sys.modules["flash_tile_baseline_kernels._tiles"].__file__.startswith(str(base))
 
 
-def test_launching_swaps_the_launchers_kernels_and_restores_them(bench_variants, tmp_path):
+def test_launching_swaps_the_launchers_kernels_and_restores_them(bench_variants, tmp_path,
+                                                                monkeypatch):
+    """Inside the block the launcher hints (and so launches) the baseline's entry points,
+    after it its own again, also when the block raises."""
     base = tmp_path / "kernels"
     shutil.copytree(KERNELS, base, ignore=shutil.ignore_patterns("__pycache__"))
     loaded = bench_variants.load_kernels(str(base))
+    ours = {name: getattr(_launch, name) for name in loaded}
+    hinted = []
+    with_hints = _launch._with_hints
+    monkeypatch.setattr(_launch, "_with_hints", lambda kernel, hints: (
+        hinted.append(kernel), with_hints(kernel, hints))[1])
     config = variants.default_backward_config((9, 0), 64)
-    ours = _launch.hinted_backward_kernels(config)
+    assert not config.one_pass  # the two passes: (dQ, dK/dV), each hinted
     with bench_variants.launching(loaded):
-        inside = _launch.hinted_backward_kernels(config)
-        assert [_origin(k).parent for k in inside] == [base.resolve()] * 2
-        assert _origin(_launch.hinted_kernel(config)).parent == base.resolve()
-    after = _launch.hinted_backward_kernels(config)
-    assert [_origin(k) for k in after] == [_origin(k) for k in ours]
-    assert all(_origin(k).parent == KERNELS.resolve() for k in after)
+        _launch.hinted_backward_kernels(config)
+        _launch.hinted_kernel(config)
+        assert all(getattr(_launch, name) is kernel for name, kernel in loaded.items())
+    assert hinted == [loaded["attention_bwd_dq"], loaded["attention_bwd_dkdv"],
+                      loaded["attention_fwd"]]
+    hinted.clear()
+    _launch.hinted_backward_kernels(config)
+    assert hinted == [ours["attention_bwd_dq"], ours["attention_bwd_dkdv"]]
+    assert all(getattr(_launch, name) is kernel for name, kernel in ours.items())
     with pytest.raises(RuntimeError), bench_variants.launching(loaded):
         raise RuntimeError("a failing launch inside the block")
-    assert _launch.attention_bwd_dq is not loaded["attention_bwd_dq"]
+    assert all(getattr(_launch, name) is kernel for name, kernel in ours.items())

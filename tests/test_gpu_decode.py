@@ -145,6 +145,14 @@ def test_every_split_count_agrees(num_splits, page_size):
          causal=True, page_size=page_size)
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_one_sequence_of_a_long_cache(page_size):
+    """Batch 1 against a 16k cache (GQA 32/8), the case the chosen split count is for: the
+    heuristic splits it over the SMs (``num_splits=0``)."""
+    _run(batch=1, heads=32, kv_heads=8, capacity=16384, seqlens=[16383], page_size=page_size,
+         causal=True)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_sinks(num_splits, page_size):

@@ -235,13 +235,3 @@ def test_keys_major_copy_is_v_transposed(shape, layout):
     v_t = _launch.keys_major(v4)
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(2) % 16 == 0
     assert torch.equal(v_t.view(torch.uint8), v4.transpose(2, 3).view(torch.uint8))
-
-
-def test_fp8_errors_before_launch():
-    q8 = torch.randn(1, 64, 2, 64, device="cuda").to(E4M3)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        flash_tile.flash_attn_func(q8.clone().requires_grad_(), q8, q8)
-    with pytest.raises(NotImplementedError, match="no dropout"):
-        flash_tile.flash_attn_func(q8, q8, q8, dropout_p=0.1)
-    with pytest.raises(ValueError, match="q_descale must have shape"):
-        flash_tile.flash_attn_func(q8, q8, q8, q_descale=torch.ones(2, 2, device="cuda"))

@@ -138,10 +138,11 @@ def test_sinks_gradient_is_deterministic():
     k, v = (torch.randn(2, 512, 1, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
     dout = torch.randn_like(q)
+    sink_logits = torch.randn(8, generator=gen, device="cuda")
 
     def run():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        sinks = torch.zeros(8, device="cuda", requires_grad=True)
+        sinks = sink_logits.clone().requires_grad_()
         flash_tile.flash_attn_func(*leaves, causal=True, sinks=sinks).backward(dout)
         return [t.grad for t in leaves] + [sinks.grad]
 
