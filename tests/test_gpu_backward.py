@@ -320,3 +320,62 @@ def test_no_query_rows(entry):
     out.sum().backward()
     assert q.grad.shape == q.shape
     assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())
+
+
+@pytest.mark.parametrize("form", ["qkvpacked", "kvpacked"])
+@pytest.mark.parametrize("batch,q_len,k_len,window,softcap", [
+    (2, 1, 1, (-1, -1), 0.0), (2, 17, 17, (-1, -1), 0.0), (1, 113, 203, (32, -1), 20.0)],
+    ids=["L1", "L17", "L113-203-window-softcap"])
+def test_packed_forms(form, batch, q_len, k_len, window, softcap, monkeypatch):
+    """The packed forms read their packs in place (the first launch gets the pack's own
+    memory) and give the pack's gradient, against the fp32 reference with the 3x rule.
+    qkvpacked: [B, L, 3, H, D] (Lq = Lk, so only the equal-length cases); kvpacked: q
+    [B, Lq, H, D] and [B, Lk, 2, H_kv, D], GQA 2."""
+    from flash_tile import _launch
+
+    if form == "qkvpacked" and q_len != k_len:
+        pytest.skip("qkvpacked takes one length")
+    first = []  # the data pointers of the first launch's q, k and v (the forward's)
+    launch = _launch.ct.launch
+    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args, **a: (
+        None if first else first.extend(t.data_ptr() for t in args[:3]),
+        launch(stream, grid, kernel, args, **a)))
+    heads, kv_heads, dim = 4, (4 if form == "qkvpacked" else 2), 64
+    q = torch.randn(batch, q_len, heads, dim, device="cuda", dtype=torch.bfloat16)
+    pack = torch.randn(batch, k_len, 3 if form == "qkvpacked" else 2, kv_heads, dim,
+                       device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(batch, q_len, heads, dim, device="cuda", dtype=torch.bfloat16)
+    kwargs = dict(causal=True, window_size=window, softcap=softcap)
+
+    def ours(q, pack):
+        if form == "qkvpacked":
+            return flash_tile.flash_attn_qkvpacked_func(pack, **kwargs)
+        return flash_tile.flash_attn_kvpacked_func(q, pack, **kwargs)
+
+    def dense(q, pack):  # the pack unbound, [B, L, H, D] in and out
+        parts = pack.unbind(2)
+        q, k, v = parts if form == "qkvpacked" else (q, *parts)
+        out = attention_dense(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                              k_len - q_len, (window[0], 0), softcap)
+        return out.transpose(1, 2)
+
+    def grads(fn, q, pack):
+        q, pack = (t.detach().clone().requires_grad_() for t in (q, pack))
+        out = fn(q, pack)
+        out.backward(dout.to(out.dtype))
+        grad_q = q.grad if form == "kvpacked" else torch.zeros(0)
+        return out.detach(), grad_q, pack.grad, (q.data_ptr(), pack.data_ptr())
+
+    got = grads(ours, q, pack)
+    q_ptr, pack_ptr = got[3]
+    slot = kv_heads * dim * pack.element_size()  # bytes from one part of a row to the next
+    expected = ((pack_ptr, pack_ptr + slot, pack_ptr + 2 * slot) if form == "qkvpacked" else
+                (q_ptr, pack_ptr, pack_ptr + slot))
+    assert tuple(first) == expected
+    ref = grads(dense, q.float(), pack.float())
+    low = grads(dense, q, pack)
+    for name, g, r, p, factor in zip(("out", "dq", "dpack"), got[:3], ref[:3], low[:3],
+                                     (2, 3, 3)):
+        if g.numel():
+            report = check_error(g, r, p, factor)
+            assert report["ok"], f"{form} {name}: {report}"
