@@ -83,9 +83,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, *, seqused_k=None,
-                           return_lse=False, sinks=None, q_descale=None, k_descale=None,
-                           v_descale=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           seqused_k=None, return_lse=False, sinks=None, q_descale=None,
+                           k_descale=None, v_descale=None):
     """Attention over packed sequences; a drop-in for flash-attn 2.8's
     ``flash_attn_varlen_func``, forward and backward (and FA3's FP8 forward).
 
@@ -117,6 +117,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             gradients.
         return_attn_probs: (out, lse, S_dmask) with S_dmask empty, as ``flash_attn_func``'s
             (flash-attn 2's form; dropout_p > 0 then raises NotImplementedError).
+        block_table: must be None: flash-attn 2.8's paged K/V for this function is not
+            supported (NotImplementedError); paged caches run through
+            ``flash_attn_with_kvcache`` (q [B, Lq, H, D] against pages, Lq > 1 included).
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
@@ -144,6 +147,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     exactly zero, a NaN or inf there makes 0 * NaN = NaN in the sequence's output and
     gradients (the decode kernel zeroes such rows; the varlen kernels do not yet).
     """
+    if block_table is not None:
+        raise NotImplementedError("block_table: paged K/V in flash_attn_varlen_func is not "
+                                  "supported; run paged caches through "
+                                  "flash_attn_with_kvcache (q [B, Lq, H, D], any Lq)")
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, seqused_k, return_lse, sinks,

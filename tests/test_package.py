@@ -1,9 +1,12 @@
 """Packaging and house rules that a CPU can check."""
 
 import ast
+import inspect
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 import flash_tile
 import flash_tile.kernels
@@ -60,3 +63,38 @@ def test_public_api():
     for name in functions:
         doc = getattr(flash_tile, name).__doc__
         assert "causal" in doc and "[B" in doc, name
+
+
+# flash-attn 2.8's positional parameters and defaults (flash_attn/flash_attn_interface.py),
+# which a drop-in must take in the same order; flash_tile's own additions are keyword-only.
+_COMMON = (("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+           ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+           ("deterministic", False), ("return_attn_probs", False))
+FLASH_ATTN_2_8 = {
+    "flash_attn_func": ("q", "k", "v", *_COMMON),
+    "flash_attn_qkvpacked_func": ("qkv", *_COMMON),
+    "flash_attn_kvpacked_func": ("q", "kv", *_COMMON),
+    "flash_attn_varlen_func": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                               "max_seqlen_k", *_COMMON, ("block_table", None)),
+    "flash_attn_varlen_qkvpacked_func": ("qkv", "cu_seqlens", "max_seqlen", *_COMMON),
+    "flash_attn_varlen_kvpacked_func": ("q", "kv", "cu_seqlens_q", "cu_seqlens_k",
+                                        "max_seqlen_q", "max_seqlen_k", *_COMMON),
+    "flash_attn_with_kvcache": (
+        "q", "k_cache", "v_cache", ("k", None), ("v", None), ("rotary_cos", None),
+        ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None),
+        ("cache_leftpad", None), ("block_table", None), ("softmax_scale", None),
+        ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0),
+        ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+        ("return_softmax_lse", False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN_2_8))
+def test_flash_attn_positional_parameters(name):
+    """Each flash-attn entry point takes flash-attn 2.8's positional parameters in its order
+    with its defaults; anything more is keyword-only."""
+    params = inspect.signature(getattr(flash_tile, name)).parameters.values()
+    positional = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    got = [p.name if p.default is p.empty else (p.name, p.default) for p in positional]
+    assert got == list(FLASH_ATTN_2_8[name])
+    assert all(p.kind is p.KEYWORD_ONLY for p in params if p not in positional)
