@@ -288,11 +288,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query: [..., H, Lq, D] float16 or bfloat16 CUDA tensor with at least 3 dims: [B, H, L, D]
             as usual, [B, L, D] (one head), or more leading batch dims; D from 1 to 256.
         key: [..., H_kv, Lk, D] and value: [..., H_kv, Lk, Dv] with the same batch dims as query
-            (no broadcasting). H_kv < H needs ``enable_gqa=True``, as in torch.
+            (no broadcasting: torch's math path also broadcasts a batch or H_kv of 1, which
+            raises here). H_kv < H needs ``enable_gqa=True``, as in torch.
         attn_mask: boolean (True = attend) or additive mask in query's dtype, broadcastable to
             [..., H, Lq, Lk]; broadcast dims are read in place (stride 0), not expanded in
             memory (except that more than one leading batch dim is flattened). Rows that
-            attend to nothing return 0, as torch does.
+            attend to nothing (every key False or -inf) return 0, as torch does. The kernels
+            take additive masks in base 2 (times log2(e)), where bfloat16's lowest finite
+            value (-3.39e38) becomes -inf: a row masked everywhere by it returns 0 too, where
+            torch's softmax over equal scores returns the mean of the values.
         dropout_p: dropout probability in [0, 1), applied on every call as torch's function
             does; seeded from torch's default generator (see ``flash_attn_func``).
         is_causal: causal mask aligned to the top-left corner, as torch defines it: query i
