@@ -164,6 +164,12 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward op's body: choose the variant, allocate, launch. ``deterministic`` is the
     backward's (kept in the autograd context for it); the forward always is."""
+    if k.shape[2] == 0:  # no keys: every row as one that sees none; nothing to launch
+        out, lse = _forward_outputs(q, v, return_lse)
+        if return_lse:
+            lse.copy_(torch.full_like(lse, torch.inf) if sinks is None else
+                      sinks[None, :, None].expand_as(lse))
+        return out.zero_(), lse
     window = (window_left, window_right)
     run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
                          return_lse, Dropout(dropout_p, dropout_seed), sinks)
@@ -196,6 +202,12 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = _backward_outputs(q, k, v)
         return dq, dk.zero_(), dv.zero_(), (_no_sinks(q.device) if sinks is None else
                                             torch.zeros_like(sinks))
+    if k.shape[2] == 0:  # no keys: out is 0 whatever q; a sink is each row's one term, so
+        # dsinks[h] = -sum(p_sink * (dO . O - dLSE)) = the sum of head h's dLSE
+        dq, dk, dv = _backward_outputs(q, k, v)
+        dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
+                  if dlse is None else dlse.float().sum((0, 2)))
+        return dq.zero_(), dk, dv, dsinks
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)

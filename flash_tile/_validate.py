@@ -262,12 +262,14 @@ def check_sinks(sinks, heads: int, device: torch.device) -> torch.Tensor:
     return sinks.contiguous()
 
 
-def check_lengths(k_len: int, v_len: int) -> None:
-    """k and v have the same, nonzero, number of keys."""
+def check_lengths(k_len: int, v_len: int, empty_ok: bool = False) -> None:
+    """k and v have the same number of keys, nonzero unless ``empty_ok`` (the dense bf16/fp16
+    entry points: every row then sees no key, as a fully masked row)."""
     if k_len != v_len:
         raise ValueError(f"k and v must have the same sequence length, got {k_len} and {v_len}")
-    if k_len == 0:
-        raise ValueError("k and v have sequence length 0: softmax over no keys is undefined")
+    if k_len == 0 and not empty_ok:
+        raise ValueError("k and v have sequence length 0, which this entry point does not "
+                         "take")
 
 
 def check_attn_mask(attn_mask: torch.Tensor, dtype: torch.dtype,

@@ -57,12 +57,13 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_bhld(q, k, v, scale, gqa_allowed=True):
-    """Checks of [B, H, L, D] views common to every entry point; returns the softmax scale."""
+def _check_bhld(q, k, v, scale, gqa_allowed=True, empty_keys=False):
+    """Checks of [B, H, L, D] views common to every entry point (Lk = 0 only with
+    ``empty_keys``); returns the softmax scale."""
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"q, k and v must have the same batch size, got {q.shape[0]}, "
                          f"{k.shape[0]} and {v.shape[0]}")
-    _validate.check_lengths(k.shape[2], v.shape[2])
+    _validate.check_lengths(k.shape[2], v.shape[2], empty_keys)
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1], gqa_allowed)
     _validate.check_head_dims(q.shape[3], k.shape[3], v.shape[3])
     return _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[3]))
@@ -123,7 +124,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, BLHD, names)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views
-    scale = _check_bhld(q, k, v, softmax_scale)
+    scale = _check_bhld(q, k, v, softmax_scale, empty_keys=not fp8)
     left, right = _validate.check_window(window_size)
     if causal:
         right = 0  # causal is a window whose right edge is the diagonal, as in flash-attn
@@ -144,7 +145,8 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
-    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
+            k.shape[2]:  # no keys: the op's body, which launches nothing
         out, lse, plan = _plans.forward(q, k, v, scale, softcap, k.shape[2] - q.shape[2],
                                         left, right, bool(return_lse))
         _plans.keep(plan_key, plan)
@@ -222,7 +224,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     Rows that see no key (bottom-right causal with Lq > Lk, or a window outside [0, Lk)) get
     an output of 0 and an LSE of +inf, as in flash-attn (without sinks). Lq = 0 gives empty
-    outputs and zero gradients for k and v, with nothing launched; Lk = 0 raises.
+    outputs and zero gradients for k and v, Lk = 0 (bf16/fp16) every row as one that sees
+    no key and a zero dq; neither launches anything.
 
     Returns:
         out [B, Lq, H, Dv] (contiguous, q's dtype; bfloat16 for FP8 inputs); with
@@ -306,7 +309,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         enable_gqa: allow fewer key/value heads than query heads (H a multiple of H_kv).
 
     Returns:
-        [..., H, Lq, Dv] in query's dtype (empty for Lq = 0, as torch's; Lk = 0 raises).
+        [..., H, Lq, Dv] in query's dtype (empty for Lq = 0 and zeros for Lk = 0, as
+        torch's).
         Under ``torch.autocast`` float32 inputs are cast to the autocast dtype first, as
         torch does. Gradients flow to query, key and value (not
         to attn_mask) through flash_tile's backward kernels: the one-pass form where it is
@@ -356,14 +360,15 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         q, k, v = (t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in (query, key, value))
         mask = None if attn_mask is None else attn_mask.reshape(
             math.prod(attn_mask.shape[:-3]), *attn_mask.shape[-3:])
-    scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa)
+    scale = _check_bhld(q, k, v, scale, gqa_allowed=enable_gqa, empty_keys=True)
     device = _validate.check_device(q, k, v, *(() if mask is None else (mask,)))
     if sinks is not None:
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, attn_mask=mask), sinks)
 
     right = 0 if is_causal else -1
-    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
+            k.shape[2]:
         out, _, plan = _plans.forward(q, k, v, scale, 0.0, 0, -1, right, False)
         _plans.keep(plan_key, plan)
         return out.transpose(1, 2)

@@ -379,3 +379,16 @@ def test_packed_forms(form, batch, q_len, k_len, window, softcap, monkeypatch):
         if g.numel():
             report = check_error(g, r, p, factor)
             assert report["ok"], f"{form} {name}: {report}"
+
+
+def test_no_keys():
+    """Lk = 0: out 0 and an LSE of +inf (flash-attn's), zeros from the SDPA drop-in (torch's),
+    a zero dq, all without a launch (the outputs are NaN-poisoned first)."""
+    q, k, v = _inputs((2, 4, 2, 33, 0, 64, 64), torch.bfloat16)
+    out, lse = flash_tile.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert bool((out == 0).all()) and bool((lse == torch.inf).all())
+    out.sum().backward()
+    assert bool((q.grad == 0).all())
+    sdpa = flash_tile.scaled_dot_product_attention(*(t.detach().transpose(1, 2)
+                                                     for t in (q, k, v)), enable_gqa=True)
+    assert sdpa.shape == (2, 4, 33, 64) and bool((sdpa == 0).all())

@@ -348,3 +348,34 @@ def test_no_query_rows_give_empty_outputs_and_zero_gradients(monkeypatch, op_lau
     assert len(op_launches) == 1  # the forward's, with no programs; no backward launch
     assert q.grad.shape == q.shape
     assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_no_keys_give_rows_that_see_none(monkeypatch, op_launches, sinks):
+    """Lk = 0 (torch's SDPA returns zeros, flash-attn zeros and an LSE of +inf): out 0, the
+    LSE +inf or the row's sink, nothing launched; the backward gives dq 0 and, with sinks,
+    dsinks[h] = the sum of head h's dLSE (the sink is each row's one term). CPU tensors."""
+    import flash_tile
+    from flash_tile import _validate
+
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    q = torch.randn(2, 17, 4, 64).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 0, 2, 64).bfloat16().requires_grad_() for _ in range(2))
+    logits = torch.randn(4).requires_grad_() if sinks else None
+    out, lse = flash_tile.flash_attn_func(q, k, v, causal=True, return_lse=True, sinks=logits)
+    assert bool((out == 0).all()) and out.shape == (2, 17, 4, 64)
+    want = logits.detach()[None, :, None].expand(2, 4, 17) if sinks else torch.full(
+        (2, 4, 17), torch.inf)
+    assert torch.equal(lse.detach(), want)
+    dlse = torch.randn(2, 4, 17)
+    torch.autograd.backward((out, lse), (torch.randn_like(out), dlse))
+    assert not op_launches  # neither the forward nor the backward launched
+    assert bool((q.grad == 0).all()) and k.grad.shape == k.shape
+    if sinks:
+        torch.testing.assert_close(logits.grad, dlse.sum((0, 2)))
+    sdpa = flash_tile.scaled_dot_product_attention(q.detach().transpose(1, 2),
+                                                   k.detach().transpose(1, 2),
+                                                   v.detach().transpose(1, 2), enable_gqa=True)
+    assert torch.equal(sdpa, torch.nn.functional.scaled_dot_product_attention(
+        q.detach().transpose(1, 2).float(), k.detach().transpose(1, 2).float(),
+        v.detach().transpose(1, 2).float(), enable_gqa=True).bfloat16())

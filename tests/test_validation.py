@@ -140,8 +140,11 @@ def test_packed_shapes():
 def test_lengths():
     with pytest.raises(ValueError, match="same sequence length"):
         flash_tile.flash_attn_func(_blhd(), _blhd(length=16), _blhd(length=17))
+    # The packed entry points need keys (a dense call with none is every row without keys).
+    q, k = torch.randn(8, 4, 64).half(), torch.randn(0, 4, 64).half()
+    cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="length 0"):
-        flash_tile.flash_attn_func(_blhd(), _blhd(length=0), _blhd(length=0))
+        flash_tile.flash_attn_varlen_func(q, k, k, cu, cu * 0, 8, 1)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
