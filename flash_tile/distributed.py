@@ -15,16 +15,19 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   NCCL the wait is a stream dependency, so the transfer runs beside the kernels). Each
   (query chunk, key chunk) pair whose causal or window band meets is one kernel call with its
   band placed by the chunks' global positions (``diag_offset``) and returns its output and
-  LSE; a query chunk's partial outputs merge through their LSEs in fp32 (one call's result up
-  to the rounding of each partial to q's dtype and the order of the sums). Under a causal
-  mask the zigzag order gives every rank two chunk pairs a step. The backward walks the ring
-  again (``_ring_backward``, as ring-flash-attn's): each pair's backward kernel takes the merged
+  LSE; a query chunk's partial outputs merge through their LSEs in fp32 after each step, into
+  a running output and LSE (one call's result up to the rounding of each partial to q's
+  dtype and the order of the sums). Under a causal mask the zigzag order gives every rank
+  two chunk pairs a step. The backward walks the ring again (``flash_tile._ring``, as
+  ring-flash-attn's): each pair's backward kernel takes the merged
   output and LSE, so its P is the whole row's; dQ sums locally in fp32, and each shard's
   dK/dV sum, in fp32, follows the shard one step behind, so after W steps it reaches its
   owner. The K/V transfer runs beside a step's kernels and the sums' transfer beside the
-  next step's. A rank holds two K/V shards (the one in use, the one arriving) and up to three
-  fp32 dK/dV sums (this step's, the one arriving, the one still being sent), plus the saved
-  shard, output and LSE.
+  next step's. A rank holds two K/V shards (the one in use, the one arriving), in the forward
+  one step's partial outputs and the running merge, and in the backward up to three fp32
+  dK/dV sums (this step's, the one arriving, the one still being sent), plus the saved
+  shard, output and LSE. The shard's LSE (``return_lse``) is the merged one, and its
+  gradient reaches each pair's backward.
 - ``"all_gather"``: Llama 3's form. The keys and values are all-gathered (``_GatherShards``,
   differentiable: in the backward their gradients come back to their owners by a
   reduce-scatter, or an all-reduce where the backend has none, as gloo) and each local query
@@ -54,15 +57,13 @@ in the environment where they are unset (NCCL reads them when a communicator is 
 import it before the process group's first collective).
 """
 
-import dataclasses
-import math
 import os
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from flash_tile import _validate
+from flash_tile._ring import LocalAttention, _DenseRing, _RingAttention, _VarlenRing
 from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
                              varlen_attention)
 from flash_tile.api import (BLHD, PACKED, _autocast, _check_bhld, _check_layout, _check_packed,
@@ -95,7 +96,9 @@ class _GatherShards(torch.autograd.Function):
             mine = torch.empty_like(parts[rank])
             dist.reduce_scatter(mine, parts, group=ctx.group)
             return mine, None
-        total = grad.contiguous()  # gloo has no reduce-scatter: sum everything, keep ours
+        # gloo has no reduce-scatter: sum everything, keep ours (in a copy: autograd's
+        # gradient may be handed to other functions too)
+        total = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(total, group=ctx.group)
         return total.chunk(world, dim=1)[rank], None
 
@@ -106,66 +109,16 @@ def gather_shards(x: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherShards.apply(x, group)
 
 
-def _exchange(sends, receives, group, step):
-    """Start sending ``sends`` to the rank ``step`` places on in the ring and receiving
-    ``receives`` from the rank ``step`` places back; the works to wait on."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    peer_to, peer_from = ((dist.get_global_rank(group or dist.group.WORLD, (rank + d) % world))
-                          for d in (step, -step))
-    ops = [dist.P2POp(dist.isend, t, peer_to, group) for t in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer_from, group) for t in receives]
-    return dist.batch_isend_irecv(ops)
-
-
-def _pass_on(tensors, group):
-    """Start sending ``tensors`` to the next rank; (what the previous rank sends, the
-    transfer to ``_wait`` for before reading it: its works and the tensors in flight, kept
-    alive until then)."""
-    sends = [t.contiguous() for t in tensors]
-    receives = [torch.empty_like(t) for t in sends]
-    return receives, (_exchange(sends, receives, group, 1), sends)
-
-
-def _wait(transfer):
-    for work in transfer[0]:
-        work.wait()
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalAttention:
-    """The local attention the distributed forms run, a forward and its backward without
-    autograd, so that the ring can hand the backward the merged output and LSE.
-
-    Dense (``ring_flash_attn_func``), on [B, H, L, D] views (K/V with fewer heads under GQA),
-    query row i seeing key j iff i + diag_offset - left <= j <= i + diag_offset + right:
-    ``forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed)`` -> (out [B, H,
-    Lq, Dv] in q's dtype, LSE [B, H, Lq] fp32 at least, natural log, +inf where a row sees no
-    key); ``backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
-    seed)`` -> (dq, dk, dv), P recomputed from the given LSE (the whole row's, not the call's),
-    Delta from the given output.
-
-    Varlen (``ring_flash_attn_varlen_func``), on packed [total, H, D] sequences with the same
-    offsets for queries and keys: ``forward(q, k, v, cu_seqlens, max_seqlen, causal, scale,
-    softcap, dropout_p, seed)`` -> (out [total, H, Dv], LSE [H, total]) and
-    ``backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap,
-    dropout_p, seed)`` -> (dq, dk, dv).
-
-    The seam through which the CPU tests run the float64 reference twins."""
-
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
 def _kernel_forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
     return attention_forward(q, k, v, None, None, scale, softcap, diag_offset, window[0],
                              window[1], True, dropout_p, seed)
 
 
 def _kernel_backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
-                     seed):
+                     seed, dlse=None):
     # The op's body, as attention_forward runs it in eager mode (the custom op's dispatch costs
     # host time a call, and the ring makes up to 4 W of them).
-    return _backward_impl(dout, q, k, v, out, lse, None, None, None, scale, softcap,
+    return _backward_impl(dout, q, k, v, out, lse, dlse, None, None, scale, softcap,
                           diag_offset, window[0], window[1], dropout_p, seed)[:3]
 
 
@@ -177,9 +130,9 @@ def _varlen_kernel_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softc
 
 
 def _varlen_kernel_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale,
-                            softcap, dropout_p, seed):
+                            softcap, dropout_p, seed, dlse=None):
     del max_seqlen
-    return _varlen_backward_impl(dout, q, k, v, out, lse, None, cu_seqlens, cu_seqlens, None,
+    return _varlen_backward_impl(dout, q, k, v, out, lse, dlse, cu_seqlens, cu_seqlens, None,
                                  scale, softcap, -1, 0 if causal else -1, dropout_p, seed)[:3]
 
 
@@ -188,181 +141,24 @@ kernel_attention = LocalAttention(_kernel_forward, _kernel_backward)
 varlen_kernel_attention = LocalAttention(_varlen_kernel_forward, _varlen_kernel_backward)
 
 
-def _band_meets(diag_offset, length, window):
-    """Whether some query row i of a [length] chunk sees some key j of a [length] chunk, row i
-    seeing j iff i + diag_offset - left <= j <= i + diag_offset + right (-1: unbounded)."""
-    left, right = window
-    lowest = 0 if right < 0 else max(0, -diag_offset - right)  # first row with a key <= end
-    highest = length - 1 if left < 0 else min(length - 1, length - 1 - diag_offset + left)
-    return lowest <= highest
-
-
-def _merge(parts, like):
-    """(out [..., Dv] in ``like``'s dtype, LSE [...] in fp32 at least) from partial (out,
-    lse) pairs over disjoint keys, weighted by exp(lse_part - lse); an LSE of +inf (no key
-    seen) weighs nothing, and a row no part saw gets zeros and +inf. No parts: ``like``
-    [..., Dv] holds the shape."""
-    wide = torch.promote_types(like.dtype, torch.float32)
-    if not parts:
-        return torch.zeros_like(like), torch.full(like.shape[:-1], math.inf, dtype=wide,
-                                                  device=like.device)
-    lses = torch.stack([torch.where(torch.isposinf(lse), -math.inf, lse).to(wide)
-                        for _, lse in parts])
-    top = lses.amax(dim=0)
-    top = torch.where(top == -math.inf, 0.0, top)  # rows that saw no key at all
-    weights = torch.exp(lses - top)  # [n, ...]
-    total = weights.sum(dim=0)
-    out = sum(w[..., None] * o.to(wide) for w, (o, _) in zip(weights, parts))
-    out = out / torch.where(total == 0.0, 1.0, total)[..., None]
-    lse = torch.where(total == 0.0, math.inf, top + torch.log(total))
-    return out.to(like.dtype), lse
-
-
-class _Ring:
-    """One rank's ring over zigzag shards split in two halves (an early and a late chunk):
-    which (query half, key half) pairs meet when the K/V shard of rank ``owner`` is here,
-    and the local calls on them, with the halves' output and LSE laid out alike (the LSE as
-    the output without its last dimension; ``lse_for_backward`` lays a merged one out as the
-    local backward takes it). Subclasses: ``_DenseRing``, ``_VarlenRing``."""
-
-    def __init__(self, group, local, scale, softcap, dropout_p):
-        self.group, self.local = group, local
-        self.scale, self.softcap, self.dropout_p = scale, softcap, dropout_p
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.positions = (self.rank, 2 * self.world - 1 - self.rank)
-        self.seeds = {}  # (step, query half, key half) -> the forward's dropout seed
-
-    def owner_positions(self, owner):
-        return owner, 2 * self.world - 1 - owner
-
-
-def _walk(ring, shard):
-    """The ring's W steps: yields (step, the K/V shard held, its halves, the (query half, key
-    half, band) pairs that meet on it), the shard on its way to the next rank while the
-    caller's step runs, and waited for before the next."""
-    for step in range(ring.world):
-        last = step + 1 == ring.world
-        if not last:
-            following, transfer = _pass_on(shard, ring.group)
-        yield (step, shard, [ring.halves(t) for t in shard],
-               ring.pairs((ring.rank - step) % ring.world))
-        if not last:
-            _wait(transfer)
-            shard = following
-
-
-def _ring_forward(ring, q, k, v):
-    """The ring's forward (module docstring): this rank's (out, LSE) per query half."""
-    queries = ring.halves(q)
-    parts = ([], [])
-    for step, _, (keys, values), pairs in _walk(ring, (k, v)):
-        for i, j, band in pairs:
-            seed = ring.seeds[step, i, j] = _rank_seed(ring.dropout_p)
-            parts[i].append(ring.attend(queries[i], keys[j], values[j], band, seed))
-    like = [q_half.new_empty((*q_half.shape[:-1], v.shape[-1])) for q_half in queries]
-    return [_merge(p, x) for p, x in zip(parts, like)]
-
-
-def _ring_backward(ring, dout, q, k, v, outs, lses):
-    """The ring's backward: each step's pairs take the merged output and LSE (so P is the
-    whole row's), dQ sums locally in fp32, and each K/V shard's dK/dV sum in fp32 travels
-    one step behind the shard, so that after W steps it reaches its owner. The K/V transfer
-    runs beside a step's calls; the sums' beside the next step's."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    queries, douts = ring.halves(q), ring.halves(dout)
-    dq = [torch.zeros_like(x, dtype=wide) for x in queries]
-    incoming = None
-    for step, shard, (keys, values), pairs in _walk(ring, (k, v)):
-        part = [torch.zeros_like(t, dtype=wide) for t in shard]  # dK, dV of this shard
-        dk, dv = ring.halves(part[0]), ring.halves(part[1])
-        for i, j, band in pairs:
-            got = ring.attend_backward(douts[i], queries[i], keys[j], values[j], outs[i],
-                                       lses[i], band, ring.seeds[step, i, j])
-            for acc, g in zip((dq[i], dk[j], dv[j]), got):
-                acc += g
-        if incoming is not None:  # the sums of the ranks before, one step behind the shard
-            _wait(incoming[1])
-            for mine, before in zip(part, incoming[0]):
-                mine += before
-        if ring.world > 1:  # on to the next rank, which holds this shard at the next step
-            incoming = _pass_on(part, ring.group)
-    if incoming is not None:  # the last step's sums, sent on to their owner (the next rank)
-        _wait(incoming[1])
-        part = incoming[0]
-    return ring.join(dq).to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype)
-
-
-class _RingAttention(torch.autograd.Function):
-    """The ring's output shard, differentiable in q, k and v (``_ring_backward``)."""
-
-    @staticmethod
-    def forward(ctx, ring, q, k, v):
-        outs, lses = zip(*_ring_forward(ring, q, k, v))
-        ctx.ring = ring
-        ctx.save_for_backward(q, k, v, *outs, *lses)
-        return ring.join(outs)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, *rest = ctx.saved_tensors
-        # The LSEs in the local backward's layout, once for every step that reads them (here,
-        # not in the forward: a call without a backward would copy them for nothing).
-        lses = [ctx.ring.lse_for_backward(x) for x in rest[2:]]
-        dq, dk, dv = _ring_backward(ctx.ring, dout, q, k, v, rest[:2], lses)
-        return None, dq, dk, dv
-
-
 class _LocalCall(torch.autograd.Function):
-    """A dense ``LocalAttention``'s output, differentiable in q, k and v: (local, band,
-    q, k, v), band = (diag_offset, window, scale, softcap, dropout_p, seed)."""
+    """A dense ``LocalAttention``'s (out, LSE), differentiable in q, k and v through either:
+    (local, band, q, k, v), band = (diag_offset, window, scale, softcap, dropout_p, seed)."""
 
     @staticmethod
     def forward(ctx, local, band, q, k, v):
         out, lse = local.forward(q, k, v, *band)
         ctx.local, ctx.band = local, band
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        ctx.set_materialize_grads(False)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (None, None, *ctx.local.backward(dout, q, k, v, out, lse, *ctx.band))
-
-
-class _DenseRing(_Ring):
-    """The ring over [B, L_local, H, D] shards: a query chunk against a key chunk at their
-    global places, the band placed by ``diag_offset``."""
-
-    def __init__(self, group, local, scale, softcap, dropout_p, chunk, window):
-        super().__init__(group, local, scale, softcap, dropout_p)
-        self.chunk, self.window = chunk, window
-
-    def halves(self, t):
-        return t.split(self.chunk, dim=1)
-
-    def join(self, halves):
-        return torch.cat(halves, dim=1)
-
-    def pairs(self, owner):
-        return [(i, j, (qp - kp) * self.chunk) for i, qp in enumerate(self.positions)
-                for j, kp in enumerate(self.owner_positions(owner))
-                if _band_meets((qp - kp) * self.chunk, self.chunk, self.window)]
-
-    def attend(self, q, k, v, diag_offset, seed):
-        out, lse = self.local.forward(*(t.transpose(1, 2) for t in (q, k, v)), diag_offset,
-                                      self.window, self.scale, self.softcap, self.dropout_p,
-                                      seed)
-        return out.transpose(1, 2), lse.transpose(1, 2)
-
-    @staticmethod
-    def lse_for_backward(lse):
-        return lse.transpose(1, 2).contiguous()  # [B, H, chunk], as the forward returns it
-
-    def attend_backward(self, dout, q, k, v, out, lse, diag_offset, seed):
-        grads = self.local.backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse,
-                                    diag_offset, self.window, self.scale, self.softcap,
-                                    self.dropout_p, seed)
-        return [g.transpose(1, 2) for g in grads]
+        dout = torch.zeros_like(out) if dout is None else dout
+        return (None, None, *ctx.local.backward(dout, q, k, v, out, lse, *ctx.band,
+                                                None if dlse is None else dlse.contiguous()))
 
 
 def zigzag_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = 1) -> torch.Tensor:
@@ -390,17 +186,18 @@ def _rank_seed(dropout_p: float) -> int:
     return (seed + 1_000_003 * dist.get_rank()) % (2**31 - 1) if seed else 0
 
 
-def _offsets(cu_seqlens, world_size: int, total: int | None = None) -> list[int]:
-    """``cu_seqlens`` (a list or a 1-D integer tensor) as a host list, checked: it starts at
-    0, ends at ``total`` where given, and every sequence's length is a multiple of 2W."""
+def _offsets(cu_seqlens, total: int, multiple: int, why: str) -> list[int]:
+    """``cu_seqlens`` (a list or a 1-D integer tensor) as a host list, checked: it runs from 0
+    to ``total``, and every sequence's length is a multiple of ``multiple`` (``why`` names
+    it in the error)."""
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
-    if not cu or cu[0] != 0 or (total is not None and cu[-1] != total):
+    if not cu or cu[0] != 0 or cu[-1] != total:
         raise ValueError(f"cu_seqlens must run from 0 to the packed length {total}, got "
                          f"{cu[:1]} .. {cu[-1:]}")
     for b, (start, end) in enumerate(zip(cu, cu[1:])):
-        if end < start or (end - start) % (2 * world_size):
+        if end < start or (end - start) % multiple:
             raise ValueError(f"sequence {b} has length {end - start}: each must be a "
-                             f"multiple of 2 * world_size = {2 * world_size}")
+                             f"multiple of {why}")
     return cu
 
 
@@ -420,7 +217,8 @@ def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int,
     (int [B + 1], a list or a tensor): for each sequence, chunks rank and 2W - 1 - rank of
     its 2W equal chunks, one after the other, the sequences in order. Every length must be a
     multiple of 2W; the shard's offsets are cu_seqlens // W."""
-    cu = _offsets(cu_seqlens, world_size, x.shape[0])
+    cu = _offsets(cu_seqlens, x.shape[0], 2 * world_size,
+                  f"2 * world_size = {2 * world_size}")
     local = [c // world_size for c in cu]
     rows = torch.empty(local[-1], dtype=torch.long)
     halves = _chunk_rows(local, 2, 0), _chunk_rows(local, 2, 1)
@@ -429,59 +227,22 @@ def zigzag_shard_varlen(x: torch.Tensor, cu_seqlens, rank: int,
     return x.index_select(0, rows.to(x.device))
 
 
-class _VarlenRing(_Ring):
-    """The ring over packed zigzag shards whose rows ``_ring_varlen`` reordered: every
-    sequence's early half first, then every late half; one varlen call a (query half, key
-    half) pair over every sequence at once."""
-
-    def __init__(self, group, local, scale, softcap, dropout_p, cu, max_seqlen, causal,
-                 device):
-        super().__init__(group, local, scale, softcap, dropout_p)
-        self.causal, self.early_rows = causal, (cu[-1] - cu[0]) // 2
-        # Each half of the reordered rows packs every sequence's half, at offsets cu // 2.
-        self.half_cu = torch.tensor([c // 2 for c in cu], dtype=torch.int32, device=device)
-        self.half_max = max(1, max_seqlen // 2)
-
-    def halves(self, t):  # slices, not split: an empty batch still has two (empty) halves
-        return t[:self.early_rows], t[self.early_rows:]
-
-    def join(self, halves):
-        return torch.cat(halves)
-
-    def pairs(self, owner):
-        # Skipped: a key chunk wholly after the query chunk; causal: the same chunk.
-        return [(i, j, self.causal and kp == qp) for i, qp in enumerate(self.positions)
-                for j, kp in enumerate(self.owner_positions(owner))
-                if not (self.causal and kp > qp)]
-
-    def attend(self, q, k, v, causal, seed):
-        out, lse = self.local.forward(q, k, v, self.half_cu, self.half_max, causal,
-                                      self.scale, self.softcap, self.dropout_p, seed)
-        return out, lse.transpose(0, 1)  # the LSE as out's [total, H]
-
-    @staticmethod
-    def lse_for_backward(lse):
-        return lse.transpose(0, 1).contiguous()  # [H, total], as the forward returns it
-
-    def attend_backward(self, dout, q, k, v, out, lse, causal, seed):
-        return self.local.backward(dout, q, k, v, out, lse, self.half_cu, self.half_max,
-                                   causal, self.scale, self.softcap, self.dropout_p, seed)
-
-
 def _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p, local):
     """The ring on packed zigzag shards (``ring_flash_attn_varlen_func``): the shards' rows
     reordered once, every sequence's early half first and then every late half (the same
-    order on every rank, so the K/V passed around the ring need no reordering)."""
-    ring = _VarlenRing(group, local, scale, softcap, dropout_p, cu, max_seqlen, causal,
-                       q.device)
+    order on every rank, so the K/V passed around the ring need no reordering); (out
+    [total, H, Dv], LSE [H, total]) in the shards' order."""
+    ring = _VarlenRing(group, local, _rank_seed, scale, softcap, dropout_p, cu, max_seqlen,
+                       causal, q.device)
     order = torch.cat([_chunk_rows(cu, 2, i) for i in (0, 1)]).to(q.device)
-    out = _RingAttention.apply(ring, *(t.index_select(0, order) for t in (q, k, v)))
-    return out.new_empty(out.shape).index_copy(0, order, out)
+    out, lse = _RingAttention.apply(ring, *(t.index_select(0, order) for t in (q, k, v)))
+    return (out.new_empty(out.shape).index_copy(0, order, out),
+            lse.new_empty(lse.shape).index_copy(0, order, lse).transpose(0, 1))
 
 
 def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, causal=False,
                                 softmax_scale=None, softcap=0.0, dropout_p=0.0, *,
-                                attention=varlen_kernel_attention):
+                                return_lse=False, attention=varlen_kernel_attention):
     """Packed variable-length sequences sharded across ``group`` (default: the world), in
     flash-attn's varlen layout, forward and backward, by the ring (module docstring).
 
@@ -497,29 +258,33 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
         causal: each sequence's own causal mask (queries and keys of a sequence are equally
             many, so bottom-right and top-left agree); no window, ALiBi or sinks here.
         softmax_scale, softcap, dropout_p: as ``flash_attn_varlen_func``.
+        return_lse: also return the shard's rows' LSE over their whole sequences' keys,
+            [H, total_local] as ``flash_attn_varlen_func``'s, differentiable.
         attention: the local attention, a ``LocalAttention`` (``varlen_kernel_attention``:
             flash_tile's kernels); the seam through which tests run the float64 twins.
 
     Returns:
-        This rank's shard of the output, [total_local, H, Dv] in q's dtype; gradients reach q,
-        k and v of every rank (dK/dV back around the ring to their owners).
+        This rank's shard of the output, [total_local, H, Dv] in q's dtype (with
+        ``return_lse`` the tuple (out, lse)); gradients reach q, k and v of every rank
+        (dK/dV back around the ring to their owners).
     """
     _check_layout(PACKED, q, k, v)
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"q, k and v must hold the same packed rows, got {q.shape[0]}, "
                          f"{k.shape[0]} and {v.shape[0]}")
-    cu = _offsets(cu_seqlens, 1, q.shape[0])  # each local length even: two halves
+    cu = _offsets(cu_seqlens, q.shape[0], 2, "2 (a shard holds two halves of each)")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
     scale = _check_packed(q, k, v, softmax_scale)
-    if q.is_cuda:
+    if attention is varlen_kernel_attention or q.is_cuda:  # the kernels' inputs
         q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
         _validate.check_dtypes(q, k, v)
         _validate.check_device(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
     softcap = _validate.check_softcap(softcap)
-    return _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
-                        attention)
+    out, lse = _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
+                            attention)
+    return (out, lse) if return_lse else out
 
 
 COMMUNICATIONS = ("ring", "all_gather")
@@ -527,7 +292,7 @@ COMMUNICATIONS = ("ring", "all_gather")
 
 def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
                          window_size=(-1, -1), softcap=0.0, dropout_p=0.0, *,
-                         communication="ring", attention=kernel_attention):
+                         return_lse=False, communication="ring", attention=kernel_attention):
     """Attention over a sequence sharded across ``group`` (default: the world), in
     flash-attn's layout, forward and backward.
 
@@ -542,6 +307,9 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
             positions.
         softmax_scale, softcap, dropout_p: as ``flash_attn_func`` (dropout's pattern depends
             on the shard's local positions, so it differs from an unsharded call's).
+        return_lse: also return the shard's rows' LSE over the whole sequence's keys,
+            [B, H, L_local], fp32 (fp64 for fp64 inputs), differentiable, as
+            ``flash_attn_func``'s.
         communication: ``"ring"`` (K/V shards passed around the ring, overlapped with the
             kernels) or ``"all_gather"`` (the whole K/V gathered on every rank, one kernel
             call a query chunk); the module docstring has both.
@@ -549,10 +317,11 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
             flash_tile's kernels); the seam through which tests run the float64 twins.
 
     Returns:
-        This rank's shard of the output, [B, L_local, H, Dv] in q's dtype. Gradients reach
-        q, k and v of every rank (dK/dV summed back to their owners); the local backward is
-        ``flash_attn_func``'s default form, so under ``torch.use_deterministic_algorithms(True)``
-        the two-pass one (bitwise reproducible locally).
+        This rank's shard of the output, [B, L_local, H, Dv] in q's dtype (with
+        ``return_lse`` the tuple (out, lse)). Gradients reach q, k and v of every rank (dK/dV
+        summed back to their owners); the local backward is ``flash_attn_func``'s default
+        form, so under ``torch.use_deterministic_algorithms(True)`` the two-pass one (bitwise
+        reproducible locally).
     """
     _check_layout(BLHD, q, k, v)
     if q.shape[1] != k.shape[1] or k.shape[1] % 2:
@@ -562,7 +331,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
                          f"{communication!r}")
     scale = _check_bhld(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale)
-    if q.is_cuda:
+    if attention is kernel_attention or q.is_cuda:  # the kernels' inputs
         q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
         _validate.check_dtypes(q, k, v)
         _validate.check_device(q, k, v)
@@ -572,20 +341,25 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         right = 0
     softcap = _validate.check_softcap(softcap)
     if communication == "ring":
-        ring = _DenseRing(group, attention, scale, softcap, dropout_p, q.shape[1] // 2,
-                          (left, right))
-        return _RingAttention.apply(ring, q, k, v)
+        ring = _DenseRing(group, attention, _rank_seed, scale, softcap, dropout_p,
+                          q.shape[1] // 2, (left, right))
+        out, lse = _RingAttention.apply(ring, q, k, v)
+        return (out, lse.transpose(1, 2)) if return_lse else out  # lse [B, H, L_local]
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this rank is not a member of the process group it was given")
     chunk = q.shape[1] // 2
     # The whole K and V in sequence order, [B, H_kv, L, D] views for the local calls.
     k_all, v_all = (zigzag_unshard(list(gather_shards(t, group).chunk(world, dim=1)))
                     .transpose(1, 2) for t in (k, v))
-    outs = []
+    outs, lses = [], []
     for piece, position in zip(q.split(chunk, dim=1), (rank, 2 * world - 1 - rank)):
         # Global rows [position * chunk, ...) against keys [0, L): offset by the first row.
-        out = _LocalCall.apply(attention, (position * chunk, (left, right), scale, softcap,
-                                           dropout_p, _rank_seed(dropout_p)),
-                               piece.transpose(1, 2), k_all, v_all)
+        out, lse = _LocalCall.apply(attention, (position * chunk, (left, right), scale,
+                                                softcap, dropout_p, _rank_seed(dropout_p)),
+                                    piece.transpose(1, 2), k_all, v_all)
         outs.append(out.transpose(1, 2))
-    return torch.cat(outs, dim=1)
+        lses.append(lse)
+    out = torch.cat(outs, dim=1)
+    return (out, torch.cat(lses, dim=2)) if return_lse else out

@@ -376,11 +376,13 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                           tile_m: int = 64, tile_n: int = 64, dropout_p: float = 0.0,
                           dropout_seed: int = 0, sinks: torch.Tensor | None = None,
-                          seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                          seqused_k: torch.Tensor | None = None,
+                          dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The backward's VARLEN switch in float64: each packed sequence through
     ``attention_tiles_backward`` on its own rows (bottom-right band, its own dropout bits:
     the hash sees the sequence's index as the batch and its own rows and columns). Packed
-    layouts as ``varlen_tiles`` (out, dout [total_q, H, Dv], lse [H, total_q]); returns
+    layouts as ``varlen_tiles`` (out, dout [total_q, H, Dv], lse and dlse, the LSE's
+    gradient or None, [H, total_q]); returns
     (dq, dk, dv) in float64, zero for keys no query sees (and past ``seqused_k``), and with
     ``sinks`` dsinks [H]
     summed over the sequences (rows without keys add nothing: their output is 0)."""
@@ -397,8 +399,8 @@ def varlen_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out_b, dout_b = (t[rows][None].transpose(1, 2) for t in (out, dout))
         grads = attention_tiles_backward(
             *seq, out_b, lse[None, :, rows], dout_b, scale, diag_offset, window, softcap, slopes,
-            tile_m=tile_m, tile_n=tile_n, dropout_p=dropout_p, dropout_seed=dropout_seed,
-            dropout_batch=b, sinks=sinks)
+            tile_m=tile_m, tile_n=tile_n, dlse=None if dlse is None else dlse[None, :, rows],
+            dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_batch=b, sinks=sinks)
         keys = slice(cu_k[b], cu_k[b] + seq[1].shape[2])
         for grad, packed, where in zip(grads, (dq, dk, dv), (rows, keys, keys)):
             packed[where] = grad[0].transpose(0, 1)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flash_tile import _ops, distributed, reference
+from flash_tile import _ops, _ring, distributed, reference
 
 # (causal, window, softcap, heads, kv_heads). The narrow windows leave whole steps of the
 # ring with no chunk pair on some ranks (at 4 ranks chunks are 8 rows).
@@ -33,44 +33,56 @@ def _forward(q, k, v, diag_offset, window, scale, softcap, dropout_p, seed):
                                      return_lse=True)
 
 
-def _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p, seed):
+def _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p, seed,
+              dlse=None):
     """The dense seam's float64 backward: the backward kernels' twin, P recomputed from the
-    LSE it is given (the merged one)."""
+    LSE it is given (the merged one), Delta shifted by the LSE's gradient."""
     return reference.attention_tiles_backward(q, k, v, out, lse, dout, scale, diag_offset,
-                                              window, softcap)
+                                              window, softcap, dlse=dlse)
 
 
 REFERENCE = distributed.LocalAttention(_forward, _backward)
 
 
 def _inputs(heads, kv_heads):
+    """q, k, v, dout [B, L, H, D] and dlse [B, H, L] in float64."""
     gen = torch.Generator().manual_seed(7)
 
     def randn(h):
         return torch.randn(BATCH, LENGTH, h, DIM, generator=gen, dtype=torch.float64)
 
-    return randn(heads), randn(kv_heads), randn(kv_heads), randn(heads)
+    return (randn(heads), randn(kv_heads), randn(kv_heads), randn(heads),
+            torch.randn(BATCH, heads, LENGTH, generator=gen, dtype=torch.float64))
 
 
 def _worker(rank, world, path, communication):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        for causal, window, softcap, heads, kv_heads in CASES:
-            q, k, v, dout = _inputs(heads, kv_heads)
-            # The unsharded reference on every rank, by autograd.
+        for (causal, window, softcap, heads, kv_heads), lse_loss in itertools.product(
+                CASES, (False, True)):
+            q, k, v, dout, dlse = _inputs(heads, kv_heads)
+            # The unsharded reference on every rank, by autograd; a loss on the LSE as well
+            # (ring attention's merges make one) or on the output alone.
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             eff = (window[0], 0) if causal else window
-            ref = reference.attention_dense(*(t.transpose(1, 2) for t in leaves), None, 0, eff,
-                                            softcap).transpose(1, 2)
-            ref.backward(dout)
+            ref, ref_lse = reference.attention_dense(*(t.transpose(1, 2) for t in leaves),
+                                                     None, 0, eff, softcap, return_lse=True)
+            ref = ref.transpose(1, 2)
+            torch.autograd.backward((ref, ref_lse) if lse_loss else ref,
+                                    (dout, dlse) if lse_loss else dout)
             # This rank's shards through the sharded function.
             shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
                       for t in (q, k, v)]
-            out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
-                                                   softcap=softcap, attention=REFERENCE,
-                                                   communication=communication)
-            out.backward(distributed.zigzag_shard(dout, rank, world))
+            out, lse = distributed.ring_flash_attn_func(
+                *shards, causal=causal, window_size=window, softcap=softcap, return_lse=True,
+                attention=REFERENCE, communication=communication)
+            dout_shard = distributed.zigzag_shard(dout, rank, world)
+            dlse_shard = distributed.zigzag_shard(dlse, rank, world, dim=2)
+            torch.autograd.backward((out, lse) if lse_loss else out,
+                                    (dout_shard, dlse_shard) if lse_loss else dout_shard)
             torch.testing.assert_close(out, distributed.zigzag_shard(ref.detach(), rank, world))
+            torch.testing.assert_close(lse, distributed.zigzag_shard(ref_lse.detach(), rank,
+                                                                     world, dim=2))
             for got, leaf in zip(shards, leaves):
                 torch.testing.assert_close(got.grad, distributed.zigzag_shard(leaf.grad, rank,
                                                                               world))
@@ -109,10 +121,11 @@ def _varlen_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale, softcap, dro
 
 
 def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, causal, scale, softcap,
-                     dropout_p, seed):
+                     dropout_p, seed, dlse=None):
     """The varlen seam's float64 backward: the varlen backward kernels' twin."""
     return reference.varlen_tiles_backward(q, k, v, out, lse, dout, cu_seqlens, cu_seqlens,
-                                           scale, (-1, 0) if causal else (-1, -1), softcap)
+                                           scale, (-1, 0) if causal else (-1, -1), softcap,
+                                           dlse=dlse)
 
 
 VARLEN_REFERENCE = distributed.LocalAttention(_varlen_forward, _varlen_backward)
@@ -127,19 +140,27 @@ def _varlen_worker(rank, world, path):
             total = int(cu[-1])
             q, k, v, dout = (torch.randn(total, h, DIM, generator=gen, dtype=torch.float64)
                              for h in (heads, kv_heads, kv_heads, heads))
+            dlse = torch.randn(heads, total, generator=gen, dtype=torch.float64)
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref, _ = _varlen_forward(*leaves, cu, max(VARLEN_LENGTHS), causal, DIM ** -0.5,
-                                       softcap, 0.0)
-            ref.backward(dout)
+            ref, ref_lse = _varlen_forward(*leaves, cu, max(VARLEN_LENGTHS), causal,
+                                           DIM ** -0.5, softcap, 0.0)
+            torch.autograd.backward((ref, ref_lse), (dout, dlse))
             shards = [distributed.zigzag_shard_varlen(t, cu, rank, world).clone()
                       .requires_grad_() for t in (q, k, v)]
             local_cu = cu // world
-            out = distributed.ring_flash_attn_varlen_func(
+            out, lse = distributed.ring_flash_attn_varlen_func(
                 *shards, local_cu, max(VARLEN_LENGTHS) // world, causal=causal,
-                softcap=softcap, attention=VARLEN_REFERENCE)
-            out.backward(distributed.zigzag_shard_varlen(dout, cu, rank, world))
+                softcap=softcap, return_lse=True, attention=VARLEN_REFERENCE)
+
+            def shard(x):  # [H, total] by rows
+                return distributed.zigzag_shard_varlen(x.transpose(0, 1), cu, rank,
+                                                       world).transpose(0, 1)
+
+            torch.autograd.backward((out, lse), (
+                distributed.zigzag_shard_varlen(dout, cu, rank, world), shard(dlse)))
             torch.testing.assert_close(
                 out, distributed.zigzag_shard_varlen(ref.detach(), cu, rank, world))
+            torch.testing.assert_close(lse, shard(ref_lse.detach()))
             for got, leaf in zip(shards, leaves):
                 torch.testing.assert_close(
                     got.grad, distributed.zigzag_shard_varlen(leaf.grad, cu, rank, world))
@@ -162,7 +183,7 @@ def test_varlen_shards_and_their_checks():
     with pytest.raises(ValueError, match="from 0 to the packed length 48"):
         distributed.zigzag_shard_varlen(x, [0, 16, 40], 0, 2)
     q = torch.randn(10, 2, 16)
-    with pytest.raises(ValueError, match="multiple of 2 \\* world_size = 2"):
+    with pytest.raises(ValueError, match="multiple of 2 \\(a shard holds two halves"):
         distributed.ring_flash_attn_varlen_func(q, q, q, torch.tensor([0, 3, 10]), 7)
     with pytest.raises(ValueError, match="same packed rows"):
         distributed.ring_flash_attn_varlen_func(q, q[:8], q[:8], torch.tensor([0, 10]), 10)
@@ -183,7 +204,7 @@ def test_band_meets_where_a_key_is_visible():
         for offset in range(-10, 11):
             for window in [(-1, -1), (-1, 0), (0, 0), (2, -1), (0, 3), (3, 1)]:
                 expected = bool(reference.visible_keys(length, length, offset, window).any())
-                assert distributed._band_meets(offset, length, window) == expected
+                assert _ring._band_meets(offset, length, window) == expected
 
 
 def test_bad_communication_is_refused_before_any_transfer():
@@ -223,7 +244,7 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
     float64 twins, which read every argument by the op body's own parameter name."""
     def bound(body, args):
         arguments = inspect.signature(body).bind(*args).arguments
-        assert arguments.get("alibi_slopes") is None and arguments.get("dlse") is None
+        assert arguments.get("alibi_slopes") is None
         assert arguments.get("return_lse", True) and arguments["dropout_p"] == 0.0
         assert arguments["dropout_seed"] == SEED  # a swap with dropout_p would fail above
         return arguments, (arguments["window_left"], arguments["window_right"])
@@ -237,7 +258,7 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
         a, window = bound(_ops._backward_impl, args)
         return (*reference.attention_tiles_backward(
             a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], a["scale"],
-            a["diag_offset"], window, a["softcap"]), None)
+            a["diag_offset"], window, a["softcap"], dlse=a["dlse"]), None)
 
     def varlen_forward(*args):
         a, window = bound(_ops._varlen_forward_impl, args)
@@ -249,7 +270,7 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
         a, window = bound(_ops._varlen_backward_impl, args)
         return (*reference.varlen_tiles_backward(
             a["q"], a["k"], a["v"], a["out"], a["lse"], a["dout"], a["cu_seqlens_q"],
-            a["cu_seqlens_k"], a["scale"], window, a["softcap"]), None)
+            a["cu_seqlens_k"], a["scale"], window, a["softcap"], dlse=a["dlse"]), None)
 
     for name, fake in (("attention_forward", forward), ("_backward_impl", backward),
                        ("varlen_attention", varlen_forward),
@@ -262,21 +283,25 @@ def test_kernel_seams_hand_the_ops_their_arguments_in_order(monkeypatch):
     out, lse = distributed.kernel_attention.forward(q, k, v, *band, SEED)
     want_out, want_lse = _forward(q, k, v, *band, SEED)
     torch.testing.assert_close((out, lse), (want_out, want_lse))
-    for got, want in zip(distributed.kernel_attention.backward(dout, q, k, v, out, lse, *band,
-                                                               SEED),
-                         _backward(dout, q, k, v, out, lse, *band, SEED)):
-        torch.testing.assert_close(got, want)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    for given in (None, dlse):  # the LSE's gradient reaches the op as its dlse
+        for got, want in zip(distributed.kernel_attention.backward(dout, q, k, v, out, lse,
+                                                                   *band, SEED, given),
+                             _backward(dout, q, k, v, out, lse, *band, SEED, given)):
+            torch.testing.assert_close(got, want)
 
     cu = torch.tensor([0, 7, 7, 24], dtype=torch.int32)
     packed = [t[0].transpose(0, 1) for t in (q, k[:, :, :24], v[:, :, :24], dout)]
     band = (cu, 17, True, 0.3, 2.0, 0.0)  # cu_seqlens, max_seqlen, causal, scale, softcap, p
     out, lse = distributed.varlen_kernel_attention.forward(*packed[:3], *band, SEED)
     torch.testing.assert_close((out, lse), _varlen_forward(*packed[:3], *band, SEED))
-    for got, want in zip(
-            distributed.varlen_kernel_attention.backward(packed[3], *packed[:3], out, lse, *band,
-                                                         SEED),
-            _varlen_backward(packed[3], *packed[:3], out, lse, *band, SEED)):
-        torch.testing.assert_close(got, want)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=torch.float64)
+    for given in (None, dlse):
+        for got, want in zip(
+                distributed.varlen_kernel_attention.backward(packed[3], *packed[:3], out, lse,
+                                                             *band, SEED, given),
+                _varlen_backward(packed[3], *packed[:3], out, lse, *band, SEED, given)):
+            torch.testing.assert_close(got, want)
 
 
 def _seed_worker(rank, world, path):
@@ -292,13 +317,13 @@ def _seed_worker(rank, world, path):
             return _forward(q, k, v, diag_offset, window, scale, softcap, 0.0, seed)
 
         def backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, dropout_p,
-                     seed):
+                     seed, dlse):
             calls["backward"].append((pair(q, k, diag_offset), seed))
             return _backward(dout, q, k, v, out, lse, diag_offset, window, scale, softcap, 0.0,
-                             seed)
+                             seed, dlse)
 
         q, k, v, dout = (distributed.zigzag_shard(t, rank, world).requires_grad_()
-                         for t in _inputs(2, 2))
+                         for t in _inputs(2, 2)[:4])
         # Every rank draws the same seeds (ranks seeded alike); _rank_seed folds the rank in.
         draws = itertools.count(1)
         distributed._dropout_seed = lambda p: next(draws)
@@ -321,6 +346,33 @@ def test_ring_backward_reuses_each_pairs_dropout_seed(tmp_path):
     ring's backward hands each pair's backward the seed its forward drew (the dropout
     pattern is a function of it)."""
     mp.spawn(_seed_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
+
+
+def _group_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        # gather_shards leaves the gradient autograd hands it alone: another function of
+        # the same output gets it unsummed.
+        x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+        w = torch.zeros(2, 4 * world, 3, dtype=torch.float64, requires_grad=True)
+        (distributed.gather_shards(x) + w).sum().backward()
+        assert torch.equal(w.grad, torch.ones_like(w)) and torch.equal(
+            x.grad, torch.full_like(x, world))
+        # A rank outside the group it is given is told so, before any transfer.
+        first = dist.new_group([0])
+        q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+        for communication in distributed.COMMUNICATIONS:
+            if rank == 0:
+                continue
+            with pytest.raises(ValueError, match="not a member"):
+                distributed.ring_flash_attn_func(q, q, q, group=first, attention=REFERENCE,
+                                                 communication=communication)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_gradients_and_groups(tmp_path):
+    mp.spawn(_group_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
 
 
 def test_multicast_stays_off():
@@ -349,15 +401,22 @@ def _gpu_worker(rank, world, path, length, causal, communication, window=(-1, -1
         gen = torch.Generator(device="cuda").manual_seed(length)
         q, k, v, dout = (torch.randn(1, length, h, 128, generator=gen, device="cuda",
                                      dtype=torch.bfloat16) for h in (16, 4, 4, 16))
+        dlse = torch.randn(1, 16, length, generator=gen, device="cuda")
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        whole = flash_tile.flash_attn_func(*leaves, causal=causal, window_size=window)
-        whole.backward(dout)
+        whole, whole_lse = flash_tile.flash_attn_func(*leaves, causal=causal,
+                                                      window_size=window, return_lse=True)
+        torch.autograd.backward((whole, whole_lse), (dout, dlse))
         shards = [distributed.zigzag_shard(t, rank, world).clone().requires_grad_()
                   for t in (q, k, v)]
-        out = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
-                                               communication=communication)
-        out.backward(distributed.zigzag_shard(dout, rank, world))
+        out, lse = distributed.ring_flash_attn_func(*shards, causal=causal, window_size=window,
+                                                    return_lse=True,
+                                                    communication=communication)
+        torch.autograd.backward((out, lse), (distributed.zigzag_shard(dout, rank, world),
+                                             distributed.zigzag_shard(dlse, rank, world, 2)))
         _assert_bf16_close(out, distributed.zigzag_shard(whole.detach(), rank, world), 2e-2)
+        # fp32 both: the merge of the pairs' LSEs against the one call's
+        torch.testing.assert_close(lse, distributed.zigzag_shard(whole_lse.detach(), rank,
+                                                                 world, 2), rtol=1e-4, atol=1e-4)
         for got, leaf in zip(shards, leaves):
             _assert_bf16_close(got.grad, distributed.zigzag_shard(leaf.grad, rank, world), 5e-2)
     finally:
