@@ -228,6 +228,13 @@ def test_bad_shapes_are_refused_before_any_transfer():
         distributed.ring_flash_attn_func(q, q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1))
     with pytest.raises(ValueError, match="head dim"):
         distributed.ring_flash_attn_func(q, q[..., :8], q)
+    # CPU tensors for the kernels: refused as flash_attn_func refuses them (no process group
+    # exists here: a transfer would raise something else)
+    with pytest.raises(ValueError, match="CUDA"):
+        distributed.ring_flash_attn_func(*(t.bfloat16() for t in (kv, kv, kv)))
+    with pytest.raises(ValueError, match="CUDA"):
+        distributed.ring_flash_attn_varlen_func(*(torch.randn(8, 2, 16).bfloat16()
+                                                  for _ in range(3)), torch.tensor([0, 8]), 8)
     packed, cu = torch.randn(8, 6, 16), torch.tensor([0, 8])
     with pytest.raises(ValueError, match="multiple"):
         distributed.ring_flash_attn_varlen_func(packed, packed[:, :4], packed[:, :4], cu, 8)
