@@ -17,13 +17,19 @@ from flash_tile._ops import attention_forward
 from flash_tile._ops_fp8 import fp8_attention
 
 
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cast float32 inputs to the autocast dtype where autocast is on, as torch does for SDPA."""
+    """Cast floating inputs to the autocast dtype where autocast is on, as torch does for
+    SDPA (float32, and float16 or bfloat16 of the other kind; not float64, which torch's
+    autocast leaves, nor FP8, which the FP8 entry points take as it is)."""
     device_type = tensors[0].device.type
     if device_type != "cuda" or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in tensors)
+    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_CASTS and t.dtype != dtype else t
+                 for t in tensors)
 
 
 BLHD = "[batch, seqlen, heads, head_dim]"  # flash_attn_func's layout

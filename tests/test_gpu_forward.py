@@ -248,6 +248,19 @@ def test_runs_on_current_stream_under_no_grad_and_autocast(monkeypatch):
     _check(again, ref, expected, "the default stream after a side stream")
 
 
+def test_autocast_casts_as_torch_does():
+    """Under fp16 autocast, bf16 and fp32 inputs (mixed) are cast to fp16, as torch's SDPA
+    casts them: the output's dtype is torch's, its values within the rule."""
+    q = _randn(2, 4, 130, 64, dtype=torch.bfloat16)
+    k, v = _randn(2, 4, 130, 64, dtype=torch.float32), _randn(2, 4, 130, 64, dtype=torch.bfloat16)
+    with torch.autocast("cuda", torch.float16):
+        out = flash_tile.scaled_dot_product_attention(q, k, v, is_causal=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == want.dtype == torch.float16
+    half = [t.half() for t in (q, k, v)]
+    _check(out, *_references(*half, window=(-1, 0)), "fp16 autocast of bf16 and fp32")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU (cuda:1)")
 def test_second_device():
     q, k, v = (torch.randn(1, 2, 130, 64, device="cuda:1", dtype=torch.float16)

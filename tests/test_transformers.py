@@ -381,6 +381,28 @@ def test_a_non_causal_sliding_window_sees_both_sides(varlen_calls):
     assert len(calls) == 2 and all(not c[9] and c[10] == (2, 2) for c in calls)
 
 
+@pytest.mark.parametrize("is_causal,q_len", [(False, 3), (True, 5), (True, 1)])
+def test_a_2d_mask_is_a_key_padding_mask(monkeypatch, varlen_calls, is_causal, q_len):
+    """flash-attn's [B, Lk] padding mask, as models that branch on "flash" in the name pass
+    it (gpt_bigcode's cross-attention), hides the padded keys (and, causal, the later ones,
+    bottom-right); read as an SDPA mask it would broadcast as [Lq, Lk] (here B = 3 rows).
+    Rows that see no key (a padded query's) are not compared: the packed path leaves them
+    0, as flash-attn's."""
+    monkeypatch.setattr(flash_tile, "flash_attn_with_kvcache", _torch_kvcache)
+    q = torch.randn(3, 4, q_len, 16, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 5, 16, dtype=torch.float64) for _ in range(2))
+    pad = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    out, _ = flash_tile_hf.attention_forward(torch.nn.Module(), q, k, v, pad,
+                                             is_causal=is_causal)
+    allowed = pad.bool()[:, None, None, :].expand(3, 1, q_len, 5)
+    if is_causal:
+        allowed = allowed & torch.ones(q_len, 5, dtype=torch.bool).tril(5 - q_len)
+    want = _torch_sdpa(q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+    seen = allowed[:, 0].any(-1)  # [B, Lq]
+    torch.testing.assert_close(out[seen], want[seen], rtol=1e-12, atol=1e-12)
+    assert len(varlen_calls) == (1 if is_causal and q_len > 1 else 0)  # the padded batch
+
+
 def test_a_step_that_needs_gradients_does_not_take_the_decode_kernel(monkeypatch):
     """One query row whose inputs need gradients (training with a batch of one-token rows, or
     sinks that learn) takes the differentiable path: the decode kernel has no backward. The

@@ -21,7 +21,8 @@ sync a forward), never ignored. (A packed row whose model keeps a cache gets no 
 transformers; without reading its position ids it would run causal attention across its
 sequences.) Left- or right-padded batches whose mask is causal attention over each row's
 tokens (the common case) run as packed sequences too, the padding's outputs 0; other masks
-take the masked path. Attention dropout (``dropout``, which models pass only while
+take the masked path. A 2-D mask is flash-attn's [B, Lk] key padding mask, which models
+that branch on "flash" in the name pass (gpt_bigcode's cross-attention). Attention dropout (``dropout``, which models pass only while
 training) runs in the kernels; a model's ``deterministic`` keyword (or, as transformers'
 flash-attn path reads it, ``FLASH_ATTENTION_DETERMINISTIC=1``) picks the deterministic
 backward. A decode step (one query row, nothing to differentiate) runs ``flash_attn_with_kvcache``'s
@@ -79,6 +80,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sinks = None if sinks is None else sinks.float()
     deterministic = _deterministic(kwargs.get("deterministic"))
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        attention_mask = _key_padding_mask(attention_mask, query.shape[2], bool(is_causal))
     packing = _packing(query, key, attention_mask, bool(is_causal), kwargs)
     if packing is not None:
         return _packed_forward(query, key, value, dropout, scaling, bool(is_causal), softcap,
@@ -121,6 +124,19 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = flash_tile.api._sdpa(query, key, value, **sdpa_args, sinks=sinks,
                                    deterministic=deterministic)
     return out.transpose(1, 2), None  # [B, Lq, H, Dv]: contiguous, as flash_tile lays it out
+
+
+def _key_padding_mask(mask: torch.Tensor, q_len: int, is_causal: bool) -> torch.Tensor:
+    """The boolean [B, 1, Lq, Lk] mask of flash-attn's [B, Lk] padding mask (nonzero: a
+    token), which models that branch on "flash" in the implementation's name pass (e.g.
+    gpt_bigcode's cross-attention): its keys, and causal (bottom-right, as flash-attn)
+    where the call is, since the mask then replaces the kernel's causal switch."""
+    keep = mask.bool()[:, None, None, :]
+    if not is_causal or q_len == 1:
+        return keep
+    k_len = mask.shape[1]
+    band = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril(k_len - q_len)
+    return keep & band
 
 
 def _deterministic(requested: bool | None) -> bool:
