@@ -132,11 +132,17 @@ def _ring_forward(ring, q, k, v):
     wide = torch.promote_types(q.dtype, torch.float32)
     queries = ring.halves(q)
     merged = [None, None]
-    for step, _, (keys, values), pairs in _walk(ring, (k, v)):
+    for step, shard, (keys, values), pairs in _walk(ring, (k, v)):
         parts = ([], [])
         for i, j, band in pairs:
             seed = ring.seeds[step, i, j] = ring.draw_seed(ring.dropout_p)
-            parts[i].append(ring.attend(queries[i], keys[j], values[j], band, seed))
+            got = ring.attend(q if i is None else queries[i], *(
+                shard if j is None else (keys[j], values[j])), band, seed)
+            if i is None:  # the whole query shard: its output and LSE by halves
+                for half, part in enumerate(zip(*(ring.halves(t) for t in got))):
+                    parts[half].append(part)
+            else:
+                parts[i].append(got)
         for i in (0, 1):
             if parts[i]:
                 merged[i] = _merge(parts[i] if merged[i] is None else [merged[i], *parts[i]],
@@ -152,15 +158,24 @@ def _ring_backward(ring, dout, q, k, v, outs, lses, dlses):
     one step behind the shard, so that after W steps it reaches its owner. The K/V transfer
     runs beside a step's calls; the sums' beside the next step's."""
     wide = torch.promote_types(q.dtype, torch.float32)
-    queries, douts = ring.halves(q), ring.halves(dout)
-    dq = [torch.zeros_like(x, dtype=wide) for x in queries]
+    # Each query half's tensors, and (index None, made where a call first needs them) the
+    # whole shard's.
+    rows = {i: (d, x, outs[i], lses[i], dlses[i])
+            for i, (d, x) in enumerate(zip(ring.halves(dout), ring.halves(q)))}
+    dq_all = torch.zeros_like(q, dtype=wide)
+    dq = {None: dq_all, **dict(enumerate(ring.halves(dq_all)))}
     incoming = None
     for step, shard, (keys, values), pairs in _walk(ring, (k, v)):
         part = [torch.zeros_like(t, dtype=wide) for t in shard]  # dK, dV of this shard
-        dk, dv = ring.halves(part[0]), ring.halves(part[1])
+        dk = {None: part[0], **dict(enumerate(ring.halves(part[0])))}
+        dv = {None: part[1], **dict(enumerate(ring.halves(part[1])))}
         for i, j, band in pairs:
-            got = ring.attend_backward(douts[i], queries[i], keys[j], values[j], outs[i],
-                                       lses[i], band, ring.seeds[step, i, j], dlses[i])
+            if i not in rows:
+                rows[None] = (dout, q, ring.join(outs), ring.join_for_backward(lses),
+                              None if dlses[0] is None else ring.join_for_backward(dlses))
+            d, x, out, lse, dlse = rows[i]
+            got = ring.attend_backward(d, x, *(shard if j is None else (keys[j], values[j])),
+                                       out, lse, band, ring.seeds[step, i, j], dlse)
             for acc, g in zip((dq[i], dk[j], dv[j]), got):
                 acc += g
         if incoming is not None:  # the sums of the ranks before, one step behind the shard
@@ -172,7 +187,7 @@ def _ring_backward(ring, dout, q, k, v, outs, lses, dlses):
     if incoming is not None:  # the last step's sums, sent on to their owner (the next rank)
         _wait(incoming[1])
         part = incoming[0]
-    return ring.join(dq).to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype)
+    return dq_all.to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -205,7 +220,9 @@ class _RingAttention(torch.autograd.Function):
 
 class _DenseRing(_Ring):
     """The ring over [B, L_local, H, D] shards: a query chunk against a key chunk at their
-    global places, the band placed by ``diag_offset``."""
+    global places, the band placed by ``diag_offset``; a band (diag_offset, window) a call.
+    Without a window (causal or not) a step's pairs join into fewer, larger calls (``pairs``
+    names a whole shard by the half None)."""
 
     def __init__(self, group, local, draw_seed, scale, softcap, dropout_p, chunk, window):
         super().__init__(group, local, draw_seed, scale, softcap, dropout_p)
@@ -217,25 +234,44 @@ class _DenseRing(_Ring):
     def join(self, halves):
         return torch.cat(halves, dim=1)
 
+    @staticmethod
+    def join_for_backward(lses):
+        return torch.cat(lses, dim=2)  # the halves' [B, H, chunk] LSEs, as one call's
+
     def pairs(self, owner):
-        return [(i, j, (qp - kp) * self.chunk) for i, qp in enumerate(self.positions)
+        """The calls of the step that holds ``owner``'s shard: (query half, key half, band),
+        a half None for the whole shard. Without a window every row of a whole-shard call
+        sees what its chunk pairs would: non-causal, everything (one call); causal, on the
+        diagonal step the early chunks' triangle and the late queries against the whole
+        shard (the shard's keys in order, their early chunk all before the late queries),
+        on the others the whole query shard against the early keys (an owner before this
+        rank) or the late queries against the whole key shard (an owner after it), all
+        visible."""
+        everything = (0, (-1, -1))
+        if self.window == (-1, -1):
+            return [(None, None, everything)]
+        if self.window == (-1, 0):
+            if owner == self.rank:
+                return [(0, 0, (0, self.window)), (1, None, (self.chunk, self.window))]
+            return [(None, 0, everything) if owner < self.rank else (1, None, everything)]
+        return [(i, j, ((qp - kp) * self.chunk, self.window))
+                for i, qp in enumerate(self.positions)
                 for j, kp in enumerate(self.owner_positions(owner))
                 if _band_meets((qp - kp) * self.chunk, self.chunk, self.window)]
 
-    def attend(self, q, k, v, diag_offset, seed):
-        out, lse = self.local.forward(*(t.transpose(1, 2) for t in (q, k, v)), diag_offset,
-                                      self.window, self.scale, self.softcap, self.dropout_p,
-                                      seed)
+    def attend(self, q, k, v, band, seed):
+        out, lse = self.local.forward(*(t.transpose(1, 2) for t in (q, k, v)), *band,
+                                      self.scale, self.softcap, self.dropout_p, seed)
         return out.transpose(1, 2), lse.transpose(1, 2)
 
     @staticmethod
     def lse_for_backward(lse):
         return lse.transpose(1, 2).contiguous()  # [B, H, chunk], as the forward returns it
 
-    def attend_backward(self, dout, q, k, v, out, lse, diag_offset, seed, dlse):
+    def attend_backward(self, dout, q, k, v, out, lse, band, seed, dlse):
         grads = self.local.backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse,
-                                    diag_offset, self.window, self.scale, self.softcap,
-                                    self.dropout_p, seed, dlse)
+                                    *band, self.scale, self.softcap, self.dropout_p, seed,
+                                    dlse)
         return [g.transpose(1, 2) for g in grads]
 
 

@@ -334,24 +334,31 @@ def _seed_worker(rank, world, path):
         # Every rank draws the same seeds (ranks seeded alike); _rank_seed folds the rank in.
         draws = itertools.count(1)
         distributed._dropout_seed = lambda p: next(draws)
-        out = distributed.ring_flash_attn_func(
-            q, k, v, dropout_p=0.25, attention=distributed.LocalAttention(forward, backward))
-        out.backward(dout.detach())
-        seeds = [seed for _, seed in calls["forward"]]
-        assert len(calls["forward"]) == 4 * world and len(set(seeds)) == len(seeds)
-        assert len({p for p, _ in calls["forward"]}) == 4 * world  # the pairs told apart
-        assert sorted(calls["backward"]) == sorted(calls["forward"])
-        everyone = [None] * world
-        dist.all_gather_object(everyone, seeds)
-        assert len({s for rank_seeds in everyone for s in rank_seeds}) == 4 * world * world
+        # A window wide enough that every chunk pair meets (4 calls a step), then causal
+        # (its pairs joined: 2 calls on the diagonal step, 1 on the others).
+        for arguments, count in ((dict(window_size=(40, 40)), 4 * world),
+                                 (dict(causal=True), world + 1)):
+            calls["forward"].clear()
+            calls["backward"].clear()
+            out = distributed.ring_flash_attn_func(
+                q, k, v, dropout_p=0.25, attention=distributed.LocalAttention(forward, backward),
+                **arguments)
+            out.backward(dout.detach())
+            seeds = [seed for _, seed in calls["forward"]]
+            assert len(calls["forward"]) == count and len(set(seeds)) == len(seeds)
+            assert len({p for p, _ in calls["forward"]}) == count  # the calls told apart
+            assert sorted(calls["backward"]) == sorted(calls["forward"])
+            everyone = [None] * world
+            dist.all_gather_object(everyone, seeds)
+            assert len({s for rank_seeds in everyone for s in rank_seeds}) == count * world
     finally:
         dist.destroy_process_group()
 
 
 def test_ring_backward_reuses_each_pairs_dropout_seed(tmp_path):
-    """Under dropout every (query chunk, key chunk) call draws a seed of its own, and the
-    ring's backward hands each pair's backward the seed its forward drew (the dropout
-    pattern is a function of it)."""
+    """Under dropout every local call (a chunk pair, or pairs joined in one call) draws a
+    seed of its own, and the ring's backward hands each call's backward the seed its forward
+    drew (the dropout pattern is a function of it)."""
     mp.spawn(_seed_worker, args=(2, str(tmp_path / "rendezvous")), nprocs=2, join=True)
 
 
