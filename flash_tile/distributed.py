@@ -13,12 +13,14 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   K/V shard of rank (rank - s) mod W, while that shard goes on to the next rank by batched
   ``isend``/``irecv`` (started before the step's kernels and waited for after them; under
   NCCL the wait is a stream dependency, so the transfer runs beside the kernels). Each
-  (query chunk, key chunk) pair whose causal or window band meets is one kernel call with its
-  band placed by the chunks' global positions (``diag_offset``) and returns its output and
-  LSE; a query chunk's partial outputs merge through their LSEs in fp32 after each step, into
-  a running output and LSE (one call's result up to the rounding of each partial to q's
-  dtype and the order of the sums). Under a causal mask the zigzag order gives every rank
-  two chunk pairs a step. The backward walks the ring again (``flash_tile._ring``, as
+  (query chunk, key chunk) pair whose causal or window band meets is attended with its band
+  placed by the chunks' global positions (``diag_offset``), one kernel call a pair under a
+  window; without one a step's pairs join into fewer calls on whole shards (non-causal: one
+  call a step; causal: two on the diagonal step, one on the others, the zigzag order giving
+  every rank the same work). Each call returns its output and LSE; a query chunk's partial
+  outputs merge through their LSEs in fp32 after each step, into a running output and LSE
+  (one call's result up to the rounding of each partial to q's dtype and the order of the
+  sums). The backward walks the ring again (``flash_tile._ring``, as
   ring-flash-attn's): each pair's backward kernel takes the merged
   output and LSE, so its P is the whole row's; dQ sums locally in fp32, and each shard's
   dK/dV sum, in fp32, follows the shard one step behind, so after W steps it reaches its
