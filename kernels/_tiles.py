@@ -1,5 +1,6 @@
-"""Tile helpers shared by the forward and backward kernels: which tiles a band mask lets
-through, the mask, bias and dropout of one tile pair, and the constants both sides agree on.
+"""Tile helpers shared by the forward, backward and decode kernels: which tiles a band mask
+lets through, the mask, bias and dropout of one tile pair, and the constants they agree on
+(the decode takes the score scaling, the mask's tile test and LN_2 from here).
 
 Masks are written for two index vectors that broadcast against each other: ``offs_q`` holds
 query rows and ``offs_k`` key columns, as [M, 1] and [1, N] for a score tile S, or as [1, M]
@@ -18,16 +19,16 @@ finaliser, bijective on 32 bits) chained twice; per score two of its multiply ro
     x    = (row ^ uint32(j) * COL_MULT) * MIX_MULT_1                     (mod 2**32)
     keep = (x ^ x >> 16) * MIX_MULT_2  >=  threshold                     (unsigned compare)
 
+with threshold = min(round(p * 2**32), 2**32 - 1) (``dropout_threshold``, computed on the
+host and passed as the int32 of the same bits); ``flash_tile.reference.dropout_keep`` is its
+torch twin.
+
 The per-score part is lowbias32 without its outer xor-shifts: the row state is mixed already,
 and the last xor-shift changes only the low 16 bits, which decide a compare against the
 threshold only where the 16 bits above them tie with it. It takes 7 integer instructions a
 score where the whole finaliser and a 31-bit compare took 12 (sm_90 SASS), and the forward's
 D = 64 loop is bound by issue (docs/kernel-internals.md). One multiply alone is not enough: the
 keep bits of neighbouring scores then correlate visibly (tests/test_reference.py checks).
-
-with threshold = min(round(p * 2**32), 2**32 - 1) (``dropout_threshold``, computed on the
-host and passed as the int32 of the same bits); ``flash_tile.reference.dropout_keep`` is its
-torch twin.
 
 The helpers of both kernels pass what is the same for every tile pair of a launch as tuples
 (cuTile unpacks them at compile time, so they cost nothing):

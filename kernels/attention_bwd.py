@@ -4,7 +4,7 @@ Maths (FlashAttention-2, Dao 2023, Alg. 2). With the forward's final scores s_ij
 ``attention_fwd``), p_ij = exp(s_ij - lse_i) and o_i = sum_j p_ij v_j, the gradients of a loss
 with output gradient dO are
 
-    Delta_i = sum_d dO_id O_id - dLSE_i                (fp32 [B, H, Lq], by the dQ pass)
+    Delta_i = sum_d dO_id O_id - dLSE_i     (fp32 [B, H, Lq], by the dQ pass or the preprocess)
     dV_j    = sum_i p_ij dO_i
     dS_ij   = p_ij (dO_i . v_j - Delta_i)              (gradient of the final scores)
     dX_ij   = dS_ij * ds_ij/dx_ij                      (x_ij = q_i . k_j, the raw product)
@@ -53,13 +53,14 @@ launch.
 
 Layout. Q, dQ [B, H, Lq, D]; K, dK [B, H_kv, Lk, D]; V, dV [B, H_kv, Lk, Dv]; Out, dOut
 [B, H, Lq, Dv]; Lse (natural log), dLse and Delta [B, H, Lq] fp32; Slopes [B, H]; Mask
-[B, H, Lq, Lk]. Any strides, as in the forward. Under VARLEN the arrays are packed as the
+[B, H, Lq, Lk]; the one pass's dQacc [B, H, Lq, D] fp32. Any strides, as in the forward.
+Under VARLEN the arrays are packed as the
 forward's (batch 1, the sequences one after another, CuSeqQ and CuSeqK their offsets) and
 both passes work per sequence as the forward does: bounds from the offsets, row-granular tile
 views, stores clipped to the sequence, diag_offset = k_len - q_len, early exit past the
 sequence's end. A query tile of the dK/dV pass that runs past its sequence holds the next
 one's rows: they get lse = +inf and Delta = 0, so their p, dS and contributions are 0, and
-their dQ adds are clipped to the sequence as its stores are. dQacc [B, H, Lq, D] fp32.
+their dQ adds are clipped to the sequence as its stores are.
 
 Sinks (SINKS). With the forward's LSE including the sink, P, Delta and every formula above are
 unchanged; the sink's own gradient is dsink_h = sum_i dL/dsink = -sum_i p_i,sink Delta_i with

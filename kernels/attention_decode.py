@@ -218,6 +218,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
         k_t = k_t.astype(q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
     offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    # K stands in for log2_scores' Mask, never read: the decode's FEATURES carry NO_MASK
+    # there, its own [B, 1, Lq, L] mask applies below through its packed rows' view.
     s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
                                FEATURES, False, True)
     if ATTN_MASK:

@@ -33,7 +33,8 @@ Layout. Q [B, H, Lq, D], K [B, H_kv, Lk, D], V [B, H_kv, Lk, Dv], Out [B, H, Lq,
 Lse [B, H, Lq] fp32, Slopes [B, H] fp32, Mask [B, H, Lq, Lk] bool or uint8 (nonzero =
 attend) or float (stride-0 broadcast dims are read in place). Any strides: the torch side
 passes flash-attn's [B, L, H, D] tensors as transposed views. K is loaded as a
-[TILE_D, TILE_N] tile through a permuted load, so no transpose of K is stored. H is a
+[TILE_D, TILE_N] tile through a permuted load (under VARLEN a loaded [TILE_N, TILE_D] tile
+of the sequence's rows is permuted), so no transpose of K is stored. H is a
 multiple of H_kv (GQA/MQA): query head h reads key/value head h // (H / H_kv), in place. D
 and Dv need not be powers of two: the tiles are TILE_D >= D and TILE_DV >= Dv wide and
 zero-padded by the loads, so the padding adds 0 to every dot product and the padded output
