@@ -537,8 +537,9 @@ def check_decode_index(q: torch.Tensor, v_head_dim: int, *tensors: torch.Tensor)
 
 
 def check_num_splits(num_splits) -> int:
-    """num_splits: 0 (choose) or a positive split count, as an int."""
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: chosen for the GPU), got "
+    """num_splits: a split count, or (0 or less, as flash-attn reads it) 0: chosen for the
+    GPU; an int."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise ValueError(f"num_splits must be an int (0 or less: chosen for the GPU), got "
                          f"{num_splits!r}")
-    return num_splits
+    return max(num_splits, 0)

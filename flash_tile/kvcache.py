@@ -106,11 +106,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             i + k_len - Lq - left <= j <= i + k_len - Lq + right (causal: right = 0).
         softcap: > 0 caps the scaled scores with softcap * tanh(s / softcap).
         alibi_slopes: [H] or [B, H] float32, bias -slope * |i + k_len - Lq - j|.
-        num_splits: 0 picks the number of key splits from B, H_kv, Lq and the cache's
-            capacity so that the GPU's SMs fill (``_launch_decode.decode_splits``); 1 disables
-            splitting; a count is capped at the key tiles, at 64 and where the split
-            partials (fp32 [S, B, Lq, H, Dv]) would reach 2**31 elements; any count gives the
-            same result within rounding.
+        num_splits: 0 (or less) picks the number of key splits from B, H_kv, Lq and the
+            cache's capacity so that the GPU's SMs fill (``_launch_decode.decode_splits``);
+            1 disables splitting; a count is capped at the key tiles, at 64 and where the
+            split partials (fp32 [S, B, Lq, H, Dv]) would reach 2**31 elements; any count
+            gives the same result within rounding.
         return_softmax_lse: also return the LSE.
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the LSE includes them; a
             row that sees no key gets 0 and the sink as its LSE).
@@ -138,11 +138,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     Not checked (checking would need a device sync): that every block_table entry a sequence
     uses is a valid page, that cache_batch_idx entries are valid rows, and that the entries
-    of a cache_seqlens tensor plus L_new fit the capacity (an int is checked); a cache_leftpad
-    entry past its sequence's end leaves the sequence no key (out 0, LSE +inf). Violating them
-    reads or writes outside the cache (an illegal-address error, or another sequence's
-    keys). Forward only: no gradients; inputs are not cast under ``torch.autocast`` (a cache
-    is written in place, so it cannot be a cast copy). Caches of 2**31 elements or more run
+    of a cache_seqlens tensor plus L_new fit the capacity (an int is checked), and that
+    sequences that append do not share the rows they write (repeated cache_batch_idx entries,
+    or pages two block_table rows name: their appends race, as in flash-attn); a
+    cache_leftpad entry past its sequence's end leaves the sequence no key (out 0, LSE +inf,
+    or the sink's logit with sinks). Violating them reads or writes outside the cache (an
+    illegal-address error, or another sequence's keys). Forward only: no gradients; inputs
+    are not cast under ``torch.autocast`` (a cache is written in place, so it cannot be a
+    cast copy). q, k and v with a strided last dim are copied (as flash-attn does); the
+    caches must have a unit last stride. Caches of 2**31 elements or more run
     in launches of as many sequences as 32-bit offsets reach (contiguous caches without
     cache_batch_idx) or are indexed in 64 bits (the rest); q or new k/v that large raise
     NotImplementedError.
@@ -174,8 +178,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          f"shapes {tuple(q.shape)}, {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
     batch, q_len, heads, head_dim = q.shape
-    if q_len == 0:
-        raise ValueError("q has seqlen 0: give at least one query row")
+    if q_len == 0 or batch == 0:
+        raise ValueError(f"q has shape {tuple(q.shape)}: give at least one sequence and one "
+                         "query row, as flash-attn")
     new = (k, v) if k is not None or v is not None else ()
     if new and (k is None or v is None):
         raise ValueError("pass both k and v (the new keys and values), or neither")
@@ -200,9 +205,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _validate.check_device(q, alibi_slopes)
     if sinks is not None:
         sinks = _validate.check_sinks(sinks, heads, device)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit last stride (as flash-attn requires)")
+            raise ValueError(f"{name} must have a unit last stride (as flash-attn requires: "
+                             "it is written in place)")
+    if q.stride(-1) != 1 or any(t.stride(-1) != 1 for t in new):
+        # copied, as flash-attn's wrapper does; such a call takes the full path every time
+        # (a plan keeps no copy)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if new:
+            k, v = new = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in new)
+        plan_key = None
     if block_table is not None:
         _validate.check_block_table(block_table, batch, k_cache.shape[1], cache_batch_idx,
                                     device)
@@ -219,7 +232,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if new:
         new_len = _validate.check_new_kv(k, v, batch, k_cache, v_cache, capacity,
                                          cache_seqlens is not None)
-    seqlens = _seqlens(cache_seqlens, batch, capacity, new_len, device)
     num_splits = _validate.check_num_splits(num_splits)
     if cache_leftpad is not None:
         cache_leftpad = _validate.check_index_tensor(cache_leftpad, "cache_leftpad", (batch,),
@@ -234,6 +246,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # q rows past the new ones sit at positions past the appended keys
         _validate.check_rotary(rotary_cos, rotary_sin, q, capacity + q_step * max(
             q_len - new_len, 0), bool(new))
+    seqlens = _seqlens(cache_seqlens, batch, capacity, new_len, device)  # an int: a fill
 
     if plan_key is not None:
         decode = _plans.kvcache(q, k_cache, v_cache, cache_batch_idx, block_table, softcap,

@@ -96,6 +96,9 @@ SM90_TWO_GROUPS = TileConfig(tile_m=128, tile_n=128, num_worker_warps=8)
 # 0.772-0.953x but spill (below). At D=128 the accumulator alone is 64 registers a thread and
 # tileiras keeps 128 whatever the hint: no third CTA fits.
 SM90_THREE_CTAS = TileConfig(tile_m=64, tile_n=64, occupancy=3)
+# 128x64 with two CTAs per SM: the D<=64 default the H200 tuning runs of 2026-11-30 chose
+# (9a2ba51; the runs in docs/experiments/evidence/2026-11-30-tuning-h200-*.json), a tuning
+# candidate at D<=128 since the two-group tile and then three CTAs took D<=64 over.
 SM90_NARROW = TileConfig(tile_m=128, tile_n=64, occupancy=2)
 # D=256: 128x64 with 8 worker warps, the two-group split again (no spills; it spills without
 # the hint): it won all 10 bf16 classes (L 1k-16k), 9.5-17% ahead of 64x128 (3.30 against

@@ -412,6 +412,21 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     with pytest.raises(RuntimeError, match="9.0 or newer"):
         flash_tile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens)
 
+    # q and new rows with a strided last dim are copied, as flash-attn's wrapper does (the
+    # caches are written in place: theirs must be unit-stride); no batch raises.
+    calls.clear()
+    strided = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k_new, v_new)]
+    assert all(t.stride(-1) != 1 for t in strided)
+    flash_tile.flash_attn_with_kvcache(strided[0], k_cache, v_cache, *strided[1:],
+                                       cache_seqlens=lens, cache_batch_idx=idx)
+    (_, append), (_, decode) = calls
+    assert all(t.stride(-1) == 1 for t in (append[0], append[1], decode[0]))
+    assert torch.equal(append[0], k_new) and torch.equal(decode[0], q)
+    with pytest.raises(ValueError, match="unit last stride"):
+        flash_tile.flash_attn_with_kvcache(q, strided[1], strided[1], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        flash_tile.flash_attn_with_kvcache(q[:0], k_cache, v_cache, cache_seqlens=lens[:0])
+
 
 @pytest.mark.parametrize("causal,window,q_step", [(True, (-1, -1), 1), (False, (-1, -1), 0),
                                                   (False, (5, -1), 1), (False, (100, 100), 0)])
