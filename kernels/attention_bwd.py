@@ -98,10 +98,9 @@ def _probs(s, rows, offs_k, lse_log2, Mask, tile_q, tile_k, band, TILE_Q: ConstI
     return ct.exp2(s - lse_log2, flush_to_zero=True), dscore
 
 
-def _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M: ConstInt,
+def _delta(Out, do, dLse, Delta, batch, head, q_start, q_len, tile_m, TILE_M: ConstInt,
            TILE_DV: ConstInt, LSE_GRAD: ConstBool, VARLEN: ConstBool):
     """Delta of query tile tile_m, stored for the dK/dV pass and returned as [TILE_M, 1]."""
-    q_start, q_len, _ = seq
     o = load_seq_rows(Out, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
     delta = ct.sum(o.astype(ct.float32) * do.astype(ct.float32), axis=-1)  # [TILE_M]
     if LSE_GRAD:
@@ -134,11 +133,12 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq,
                offs_k, band, drop, TILES, MASKED: ConstBool, FEATURES):
     """Query tile i of one query head against this program's key tile; the new (dk, dv), and
     under DQ_ACCUM the pair's share of dQ added into dQacc. TILES = (TILE_M, TILE_N, TILE_D,
-    TILE_DV, VARLEN, DQ_ACCUM), seq = (q_start, q_len, k_start, the key tile); the rest as in
+    TILE_DV, VARLEN, DQ_ACCUM), seq = (q_start, q_len, the key tile); the rest as in
     ``_tiles``."""
     TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM = TILES
-    DROPOUT = FEATURES[6]
-    q_start, q_len, _, tile_n = seq
+    _, _, _, SOFTCAP, _, _, DROPOUT = FEATURES
+    _, threshold, keep_scale = drop
+    q_start, q_len, tile_n = seq
     q = load_seq_rows(Q, batch, head, q_start, i, TILE_M, TILE_D, VARLEN)
     do = load_seq_rows(dOut, batch, head, q_start, i, TILE_M, TILE_DV, VARLEN)
     lse = load_seq_vector(Lse, batch, head, q_start, i, TILE_M, POS_INF, VARLEN)
@@ -159,12 +159,12 @@ def _dkdv_step(k, v, Q, dOut, Lse, Delta, dQacc, Slopes, Mask, batch, head, seq,
     dp_t = ct.mma(v, ct.transpose(do), ct.zeros((TILE_N, TILE_M), dtype=ct.float32))
     pz_t = p_t
     if DROPOUT:  # the forward's keep bits, recomputed; dV and dP see the dropped P
-        keep_t = dropout_keep(rows[4], offs_k, drop[1])  # [TILE_N, TILE_M]
-        pz_t = ct.where(keep_t, p_t * drop[2], 0.0)
-        dp_t = ct.where(keep_t, dp_t * drop[2], 0.0)
+        keep_t = dropout_keep(rows[4], offs_k, threshold)  # [TILE_N, TILE_M]
+        pz_t = ct.where(keep_t, p_t * keep_scale, 0.0)
+        dp_t = ct.where(keep_t, dp_t * keep_scale, 0.0)
     dv = ct.mma(pz_t.astype(do.dtype), do, dv)  # [TILE_N, TILE_DV]
     dx_t = p_t * (dp_t - delta.reshape((1, TILE_M)))  # [TILE_N, TILE_M]
-    if FEATURES[3]:  # SOFTCAP: ds/dx varies per score; else it is the scale, applied to dK
+    if SOFTCAP:  # ds/dx varies per score; else it is the scale, applied to dK
         dx_t = dx_t * dscore
     dx_t = dx_t.astype(q.dtype)
     dk = ct.mma(dx_t, q, dk)  # [TILE_N, TILE_D]
@@ -234,7 +234,7 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, C
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
         if n_start >= k_len:  # the flattened grid's idle program, or keys past seqused_k
             return
-    seq = (q_start, q_len, k_start, tile_n)
+    seq = (q_start, q_len, tile_n)
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
     TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN, DQ_ACCUM)
@@ -276,6 +276,8 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m,
     """Key tile j against this program's query tile; returns the new dq. Under VARLEN the
     sequence's keys start at row ``k_start`` of K and V."""
     TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN = TILES
+    _, _, _, SOFTCAP, _, _, DROPOUT = FEATURES
+    _, threshold, keep_scale = drop
     batch = rows[0]
     k = load_seq_rows(K, batch, kv_head, k_start, j, TILE_N, TILE_D, VARLEN)
     v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN)
@@ -284,11 +286,11 @@ def _dq_step(q, do, lse_log2, delta, K, V, Mask, rows, kv_head, k_start, tile_m,
     p, dscore = _probs(s, rows, offs_k, lse_log2, Mask, tile_m, j, band, TILE_M, TILE_N, MASKED,
                        FEATURES, False)  # [TILE_M, TILE_N]
     dp = ct.mma(do, ct.transpose(v), ct.zeros((TILE_M, TILE_N), dtype=ct.float32))
-    if FEATURES[6]:  # DROPOUT: dP of the dropped P; dS keeps the undropped P
-        keep = dropout_keep(rows[4], offs_k, drop[1])  # [TILE_M, TILE_N]
-        dp = ct.where(keep, dp * drop[2], 0.0)
+    if DROPOUT:  # dP of the dropped P; dS keeps the undropped P
+        keep = dropout_keep(rows[4], offs_k, threshold)  # [TILE_M, TILE_N]
+        dp = ct.where(keep, dp * keep_scale, 0.0)
     dx = p * (dp - delta)  # [TILE_M, TILE_N]
-    if FEATURES[3]:  # SOFTCAP: ds/dx varies per score; else it is the scale, applied to dQ
+    if SOFTCAP:  # ds/dx varies per score; else it is the scale, applied to dQ
         dx = dx * dscore
     return ct.mma(dx.astype(k.dtype), k, dq)  # [TILE_M, TILE_D]
 
@@ -314,7 +316,6 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
     head = ct.bid(1)
     kv_head = head // (Q.shape[1] // K.shape[1])
     m_start = tile_m * TILE_M
-    seq = (q_start, q_len, k_start)
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
     TILES = (TILE_M, TILE_N, TILE_D, TILE_DV, VARLEN)
@@ -323,8 +324,8 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
     do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
     lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
     lse_log2 = lse.reshape((TILE_M, 1)) * LOG2_E
-    delta = _delta(Out, do, dLse, Delta, batch, head, seq, tile_m, TILE_M, TILE_DV, LSE_GRAD,
-                   VARLEN)
+    delta = _delta(Out, do, dLse, Delta, batch, head, q_start, q_len, tile_m, TILE_M, TILE_DV,
+                   LSE_GRAD, VARLEN)
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
     dq = ct.zeros((TILE_M, TILE_D), dtype=ct.float32)
@@ -369,7 +370,7 @@ def _preprocess_impl(Out, dOut, Lse, dLse, Delta, CuSeqQ, Sinks, dSinks, TILE_M:
             return
     head = ct.bid(1)
     do = load_seq_rows(dOut, batch, head, q_start, tile_m, TILE_M, TILE_DV, VARLEN)
-    delta = _delta(Out, do, dLse, Delta, batch, head, (q_start, q_len, 0), tile_m, TILE_M,
+    delta = _delta(Out, do, dLse, Delta, batch, head, q_start, q_len, tile_m, TILE_M,
                    TILE_DV, LSE_GRAD, VARLEN)
     if SINKS:
         lse = load_seq_vector(Lse, batch, head, q_start, tile_m, TILE_M, POS_INF, VARLEN)
