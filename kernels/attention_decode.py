@@ -101,7 +101,7 @@ def _page_rows(kv, j, TILE_N: ConstInt):
     """Under GATHER: for the keys of key tile j, their page (from the block table) and their
     row in it, [TILE_N] each. Keys at or past k_len take page 0 (every cache has it): the
     table's entries past a sequence's pages need not be valid, and those keys are masked."""
-    BlockTable, batch, page_size, k_len = kv[2], kv[4], kv[6], kv[8]
+    _, _, BlockTable, _, batch, _, page_size, _, k_len = kv
     keys = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)
     page = ct.gather(BlockTable, (batch, keys // page_size), mask=keys < k_len)
     return page, keys % page_size
@@ -122,7 +122,7 @@ def _page_load(A, kv, start, PAGE_N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstB
     them) as one tile load of the page the block table names. A start past the sequence's
     last key reads that key's page instead: the table's entries past a sequence's pages need
     not be valid, and those keys are masked."""
-    BlockTable, batch, kv_head, page_size, k_len = kv[2], kv[4], kv[5], kv[6], kv[8]
+    _, _, BlockTable, _, batch, kv_head, page_size, _, k_len = kv
     start = min(start, k_len - 1)
     page = ct.load(BlockTable, (batch, start // page_size), shape=()).item()
     return _tile_load(A, page, kv_head, (start % page_size) // PAGE_N, PAGE_N, COLS,
@@ -152,6 +152,7 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
     - GATHER (pages of other sizes): the TILE_N rows gathered from their pages (``pages``,
       ``_page_rows``'), 16 bytes a thread (cp.async on sm_80+), the columns past A's width
       read as 0."""
+    _, _, _, cache_row, _, kv_head, _, _, _ = kv
     if GATHER:
         page, row = pages
         col = ct.arange(COLS, dtype=ct.int32)
@@ -159,10 +160,10 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
             page, row, col = page[None, :], row[None, :], col[:, None]
         else:
             page, row, col = page[:, None], row[:, None], col[None, :]
-        return ct.gather(A, (page, kv[5], row, col), mask=col < A.shape[3],
+        return ct.gather(A, (page, kv_head, row, col), mask=col < A.shape[3],
                          check_bounds=False)
     if not PAGED:
-        return _tile_load(A, kv[3], kv[5], j, TILE_N, COLS, KEYS_LAST)
+        return _tile_load(A, cache_row, kv_head, j, TILE_N, COLS, KEYS_LAST)
     return _joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
 
 
@@ -207,7 +208,7 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     the tile that k_len (or the pad) cuts: the branch is the same for the whole CTA (j is a
     scalar), and the select in every step cost 8-24% of the GB/s on the H200 (2026-12-02,
     occupancy 2, B 1-128, L 4k-128k)."""
-    K, V, k_lo = kv[0], kv[1], kv[7]
+    K, V, _, _, batch, _, _, k_lo, _ = kv
     TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER = TILES
     TILE_M = TILE_LQ * TILE_G
     pages = None
@@ -223,7 +224,7 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
                                FEATURES, False, True)
     if ATTN_MASK:
-        s = ct.where(_mask_rows(Mask, kv[4], tile_q, j, TILE_LQ, TILE_G, TILE_N), s, -math.inf)
+        s = ct.where(_mask_rows(Mask, batch, tile_q, j, TILE_LQ, TILE_G, TILE_N), s, -math.inf)
     cut = (j + 1) * TILE_N > band[0]
     if LEFTPAD:
         padded = j * TILE_N < k_lo
@@ -307,6 +308,8 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
             m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
             l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
+    # What every key tile's loads read: the caches, where the sequence's keys are (its cache
+    # row, or its pages), and its bounds.
     kv = (K, V, BlockTable, cache_row, batch, kv_head, page_size, k_lo, k_len)
     for j in range(n_start, n_end):
         m_i, l_i, acc = _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES,
