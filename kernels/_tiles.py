@@ -1,6 +1,6 @@
 """Tile helpers shared by the forward, backward and decode kernels: which tiles a band mask
 lets through, the mask, bias and dropout of one tile pair, and the constants they agree on
-(the decode takes the score scaling, the mask's tile test and LN_2 from here).
+(the forward and the decode share the online-softmax step).
 
 Masks are written for two index vectors that broadcast against each other: ``offs_q`` holds
 query rows and ``offs_k`` key columns, as [M, 1] and [1, N] for a score tile S, or as [1, M]
@@ -395,3 +395,19 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
     if MASKED:
         s = ct.where(visible(offs_q, offs_k, band, s.shape, FEATURES), s, -math.inf)
     return s, factor, dscore
+
+
+def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool):
+    """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor
+    (``log2_scores``): (m_new, p, alpha, l_i), the new row max, the tile's exp2 weights, the
+    rescale of what came before and the new row sum. The max is taken before the factor is
+    applied (it is positive). Under GUARD a row may have seen nothing yet (m = -inf): 0 is
+    subtracted there instead, so that exp2(-inf - -inf) does not make NaN; tiles without a
+    band or attention mask always have a finite max."""
+    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * factor)  # [ROWS, 1]
+    m_sub = m_new
+    if GUARD:
+        m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
+    p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
+    alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
+    return m_new, p, alpha, l_i * alpha + ct.sum(p, axis=-1, keepdims=True)

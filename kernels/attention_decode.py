@@ -85,7 +85,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, keep_tile, log2_scores
+from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, keep_tile,
+                     log2_scores, softmax_step)
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -218,10 +219,10 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
         k_t = k_t.astype(q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
-    offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
+    offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     # K stands in for log2_scores' Mask, never read: the decode's FEATURES carry NO_MASK
     # there, its own [B, 1, Lq, L] mask applies below through its packed rows' view.
-    s, factor, _ = log2_scores(s, rows, offs_n, K, tile_q, j, band, TILE_M, TILE_N, True,
+    s, factor, _ = log2_scores(s, rows, offs_k, K, tile_q, j, band, TILE_M, TILE_N, True,
                                FEATURES, False, True)
     if ATTN_MASK:
         s = ct.where(_mask_rows(Mask, batch, tile_q, j, TILE_LQ, TILE_G, TILE_N), s, -math.inf)
@@ -229,19 +230,15 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     if LEFTPAD:
         padded = j * TILE_N < k_lo
         if padded:
-            s = ct.where(offs_n >= k_lo, s, -math.inf)
+            s = ct.where(offs_k >= k_lo, s, -math.inf)
         cut = cut | padded
-    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * factor)
-    m_sub = ct.where(m_new == -math.inf, 0.0, m_new)  # rows that saw nothing yet
-    p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
-    alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
-    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True)  # every tile is masked
     v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
     if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
         v = v.astype(q.dtype)
     if cut:
-        offs_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
-        v = ct.where((offs_v < band[0]) & (offs_v >= k_lo), v, 0.0).astype(v.dtype)
+        rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # V's keys
+        v = ct.where((rows_v < band[0]) & (rows_v >= k_lo), v, 0.0).astype(v.dtype)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc
 

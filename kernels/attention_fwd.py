@@ -94,9 +94,9 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale,
-                     dropout_keep, heaviest_first, load_keys_major, load_seq_rows, log2_scores,
-                     program_tile, query_rows, sequence_bounds, store_seq_rows,
+from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale, dropout_keep,
+                     heaviest_first, load_keys_major, load_seq_rows, log2_scores,
+                     program_tile, query_rows, sequence_bounds, softmax_step, store_seq_rows,
                      tile_runs)
 
 
@@ -121,29 +121,19 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     # fresh registers and adds those to the zeros, one FADD a score (128 a thread a tile).
     s = ct.mma(q, k_t.reshape((TILE_D, TILE_N)), s, use_fast_acc=FP8)  # raw scores q . k
 
-    # The scores in log2 units; plain ones still owe score_scale, applied after the row max.
-    offs_n = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
-    s, score_scale, _ = log2_scores(s, rows, offs_n, Mask, tile_m, j, band, q.shape[0], TILE_N,
-                                    MASKED, FEATURES, False, True)
-
-    # The max is taken before scaling: the scale is positive.
-    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * score_scale)  # [TILE_M, 1]
-    m_sub = m_new
-    if MASKED or ATTN_MASK != NO_MASK:
-        # A row with nothing visible yet keeps m = -inf; subtract 0 there instead so that
-        # exp2(-inf - -inf) does not make NaN. Tiles with neither a window/causal/ragged mask
-        # nor an attention mask always have a finite max.
-        m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
-    p = ct.exp2(s * score_scale - m_sub, flush_to_zero=True)  # [TILE_M, TILE_N]
-    alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)  # [TILE_M, 1]
-    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    # The scores in log2 units; plain ones still owe the factor, applied after the row max.
+    offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
+    s, factor, _ = log2_scores(s, rows, offs_k, Mask, tile_m, j, band, q.shape[0], TILE_N,
+                               MASKED, FEATURES, False, True)
+    # Only a band or an attention mask can leave a row with nothing visible yet.
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, MASKED or ATTN_MASK != NO_MASK)
 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     else:
         v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
-        p = ct.where(dropout_keep(drop_rows, offs_n, drop[1]), p, 0.0)
+        p = ct.where(dropout_keep(drop_rows, offs_k, drop[1]), p, 0.0)
     # FP8 (both e4m3): P in [0, 1] rounds to e4m3 as it is (FA3's choice), and V^T's keys
     # are the contiguous axis. The tensor core adds into acc itself, as FA3 does (its fp32
     # accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
