@@ -535,12 +535,15 @@ class DecodeConfig:
     num_worker_warps: int | None = None
     ctas_per_sm: int = 2
     min_tiles_per_split: int = 1
-    max_splits: int = 64
+    max_splits: int = 64  # a bound, not a measured best: the combine reads every split
     paged_tile_n: int = 64
     min_page_load: int = 16
     max_page_loads: int = 4
     gather_tile_n: int = 64
-    pdl: bool = False  # programmatic dependent launch of the decode and the combine (sm_90+)
+    # Programmatic dependent launch of the decode and the combine (sm_90+): 1.01-1.24x the
+    # GB/s of the chosen split counts at B 1-8, 0.995-1.017x at B = 32 [H200, 2026-12-02,
+    # 34866c3; docs/experiments/evidence/2026-12-02-decode-pdl-h200-34866c3.md].
+    pdl: bool = False
 
     def hints(self) -> dict:
         hints = {"occupancy": self.occupancy, "num_worker_warps": self.num_worker_warps}
