@@ -16,7 +16,8 @@ bytes in W - 1 steps beside its kernels.
     python bench/bench_context_parallel.py            # bench/results/context-parallel-<gpu>x2.*
     python bench/bench_context_parallel.py --communication all_gather --out /tmp/cp-gather
 
-Needs W GPUs on one host. NVLink multicast stays off (flash_tile.distributed sets
+The kernels run their shipped tiles (``FLASH_TILE_AUTOTUNE=0`` unless the environment says
+otherwise). Needs W GPUs on one host. NVLink multicast stays off (flash_tile.distributed sets
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 Writes <out>.json (rows with ``seqlen``, ``tflops`` {"1gpu", "2gpu"} and
 ``fwd_bwd_tflops`` likewise, ``speedup_vs_1gpu``, ``fwd_bwd_speedup_vs_1gpu``, ``gather_ms``,
@@ -29,6 +30,11 @@ import math
 import os
 import statistics
 import tempfile
+
+# The shipped tiles, untuned: tuning each new class on its first call would take minutes of
+# each rank's time (the ring's chunk shapes and the whole sequence's), and its picks would
+# differ between the two sides.
+os.environ.setdefault("FLASH_TILE_AUTOTUNE", "0")
 
 import torch
 import torch.distributed as dist
@@ -88,7 +94,11 @@ def _worker(rank, world, path, lengths, communication, results):
                                   _median_ms(lambda k=k: distributed.gather_shards(k))],
                                  device=f"cuda:{rank}")
             dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            hidden = torch.tensor([_hidden(forward), _hidden(fwd_bwd)], device=f"cuda:{rank}")
+            shares = []
+            for step in (forward, fwd_bwd):
+                dist.barrier()  # the ranks start each profile together
+                shares.append(_hidden(step))
+            hidden = torch.tensor(shares, device=f"cuda:{rank}")
             dist.all_reduce(hidden, op=dist.ReduceOp.MIN)  # the least hidden rank's share
             if rank == 0:  # one GPU on the whole sequence, and rank 0's rows against it
                 one_fwd, one_fwd_bwd = _steps(
@@ -116,19 +126,32 @@ def bench(lengths, world, communication):
             (fwd_ms, fwd_bwd_ms, gather_ms, one_fwd, one_fwd_bwd, err, hidden_fwd,
              hidden_fwd_bwd) = results[length]
             f = flops(1, HEADS, length, length, HEAD_DIM, True)
+            sharded = _sharded_key(world)
             rows.append({
                 "seqlen": length, "gpus": world, "communication": communication,
                 "max_abs_diff_vs_1gpu": err,
                 "tflops": {"1gpu": round(f / one_fwd / 1e9, 1),
-                           f"{world}gpu": round(f / fwd_ms / 1e9, 1)},
+                           sharded: round(f / fwd_ms / 1e9, 1)},
                 "fwd_bwd_tflops": {"1gpu": round(3.5 * f / one_fwd_bwd / 1e9, 1),
-                                   f"{world}gpu": round(3.5 * f / fwd_bwd_ms / 1e9, 1)},
+                                   sharded: round(3.5 * f / fwd_bwd_ms / 1e9, 1)},
                 "speedup_vs_1gpu": round(one_fwd / fwd_ms, 3),
                 "fwd_bwd_speedup_vs_1gpu": round(one_fwd_bwd / fwd_bwd_ms, 3),
                 "gather_ms": round(gather_ms, 3),
-                "communication_hidden": {"fwd": round(hidden_fwd, 3),
-                                         "fwd_bwd": round(hidden_fwd_bwd, 3)}})
+                "communication_hidden": {"fwd": _share(hidden_fwd),
+                                         "fwd_bwd": _share(hidden_fwd_bwd)}})
     return rows
+
+
+def _sharded_key(world: int) -> str:
+    """The sharded run's key in the rows' dicts: "2gpu" beside "1gpu" (one rank, a smoke
+    run on one GPU: "1gpu_ring")."""
+    return f"{world}gpu" if world > 1 else "1gpu_ring"
+
+
+def _share(value: float) -> float | None:
+    """A hidden share for the JSON: None where the profile showed no NCCL kernel (NaN is not
+    JSON)."""
+    return None if math.isnan(value) else round(value, 3)
 
 
 def table(rows):
@@ -137,13 +160,14 @@ def table(rows):
             "target (>= 1.8x at L >= 64k)"]
     lines = []
     for r in rows:
-        w = f"{r['gpus']}gpu"
+        w = _sharded_key(r["gpus"])
         met = r["seqlen"] < 65536 or min(r["speedup_vs_1gpu"],
                                           r["fwd_bwd_speedup_vs_1gpu"]) >= 1.8
         lines.append([r["seqlen"], r["gpus"], r["tflops"]["1gpu"], r["tflops"][w],
                       f"{r['speedup_vs_1gpu']:.2f}x", r["fwd_bwd_tflops"]["1gpu"],
                       r["fwd_bwd_tflops"][w], f"{r['fwd_bwd_speedup_vs_1gpu']:.2f}x",
-                      "{fwd:.0%} / {fwd_bwd:.0%}".format(**r["communication_hidden"]),
+                      " / ".join("n/a" if x is None else f"{x:.0%}"
+                                 for x in r["communication_hidden"].values()),
                       r["gather_ms"], "met" if met else "missed"])
     return (f"Causal, bf16, D = {HEAD_DIM}, GQA {HEADS}/{KV_HEADS}, batch 1, "
             f"communication {rows[0]['communication']}; the slowest rank's median GPU "
@@ -170,8 +194,10 @@ def main():
     args.out = args.out or results_path("context-parallel") + f"x{args.gpus}"
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     info = machine_info()
-    rows = bench(args.lengths, args.gpus, args.communication)
-    save_json(args.out, info, rows=rows)
+    rows = []
+    for length in args.lengths:  # a process group a length: a run cut short keeps its rows
+        rows += bench([length], args.gpus, args.communication)
+        save_json(args.out, info, rows=rows)
     write_report(args.out, f"Context parallelism, {args.gpus} GPUs against one", info,
                  table(rows))
     plot(rows, args.out + ".png")

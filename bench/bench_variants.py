@@ -60,8 +60,11 @@ ROUNDS, WARMUP, ITERS = 5, 3, 10
 
 
 def load_kernels(directory: str) -> dict:
-    """The entry points of another ``kernels/`` directory, loaded as a package of its own (its
-    own ``_tiles`` included) beside ``flash_tile.kernels``."""
+    """The entry points of another ``kernels/`` directory (or of the tree holding one, as
+    bench_launch's ``--baseline`` takes it), loaded as a package of its own (its own
+    ``_tiles`` included) beside ``flash_tile.kernels``."""
+    if os.path.isfile(os.path.join(directory, "kernels", "__init__.py")):
+        directory = os.path.join(directory, "kernels")
     name = "flash_tile_baseline_kernels"
     for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[loaded]  # a directory loaded before: its modules must not be reused
@@ -104,8 +107,9 @@ def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
     for config in configs:
         name = autotune.describe(config)
         ours, theirs = with_kernels(own, config), with_kernels(baseline, config)
-        diffs[name] = max((a.float() - b.float()).abs().max().item()
-                          for a, b in zip(ours, theirs))
+        # (the backward's outputs end with an empty dsinks without sinks)
+        diffs[name] = max(((a.float() - b.float()).abs().max().item()
+                           for a, b in zip(ours, theirs) if a.numel()), default=0.0)
         fns[name] = functools.partial(with_kernels, own, config)
         fns[f"{name} (baseline)"] = functools.partial(with_kernels, baseline, config)
     timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
@@ -177,7 +181,8 @@ def main():
     parser.add_argument("--dtype", default="bf16", choices=[*DTYPES, "fp8"])
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
     parser.add_argument("--baseline", metavar="DIR",
-                        help="another kernels/ directory to time each variant against")
+                        help="another kernels/ directory, or a tree holding one, to time "
+                             "each variant against")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
     parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",

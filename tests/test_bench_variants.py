@@ -69,3 +69,12 @@ def test_launching_swaps_the_launchers_kernels_and_restores_them(bench_variants,
     with pytest.raises(RuntimeError), bench_variants.launching(loaded):
         raise RuntimeError("a failing launch inside the block")
     assert all(getattr(_launch, name) is kernel for name, kernel in ours.items())
+
+
+def test_a_baseline_tree_or_its_kernels_folder_loads(bench_variants, tmp_path):
+    """DIR may be the baseline's kernels/ folder or the tree that holds it (what
+    bench_launch's --baseline takes): the same entry points either way."""
+    shutil.copytree(KERNELS, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    from_tree = sorted(bench_variants.load_kernels(str(tmp_path)))
+    assert from_tree == sorted(bench_variants.load_kernels(str(tmp_path / "kernels")))
+    assert from_tree == sorted(bench_variants.KERNELS)

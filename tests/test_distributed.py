@@ -475,17 +475,25 @@ def _gpu_varlen_worker(rank, world, path, causal):
         gen = torch.Generator(device="cuda").manual_seed(5)
         q, k, v, dout = (torch.randn(int(cu[-1]), h, 128, generator=gen, device="cuda",
                                      dtype=torch.bfloat16) for h in (16, 4, 4, 16))
+        dlse = torch.randn(16, int(cu[-1]), generator=gen, device="cuda")
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        whole = flash_tile.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths),
-                                                  causal=causal)
-        whole.backward(dout)
+        whole, whole_lse = flash_tile.flash_attn_varlen_func(
+            *leaves, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=True)
+        torch.autograd.backward((whole, whole_lse), (dout, dlse))
         shards = [distributed.zigzag_shard_varlen(t, cu, rank, world).clone().requires_grad_()
                   for t in (q, k, v)]
-        out = distributed.ring_flash_attn_varlen_func(*shards, cu // world,
-                                                      max(lengths) // world, causal=causal)
-        out.backward(distributed.zigzag_shard_varlen(dout, cu, rank, world))
+
+        def by_rows(x):  # a [H, total] LSE's rows of this rank's shard
+            return distributed.zigzag_shard_varlen(x.transpose(0, 1), cu, rank,
+                                                   world).transpose(0, 1)
+
+        out, lse = distributed.ring_flash_attn_varlen_func(
+            *shards, cu // world, max(lengths) // world, causal=causal, return_lse=True)
+        torch.autograd.backward((out, lse), (
+            distributed.zigzag_shard_varlen(dout, cu, rank, world), by_rows(dlse)))
         _assert_bf16_close(out, distributed.zigzag_shard_varlen(whole.detach(), cu, rank,
                                                                  world), 2e-2)
+        torch.testing.assert_close(lse, by_rows(whole_lse.detach()), rtol=1e-4, atol=1e-4)
         for got, leaf in zip(shards, leaves):
             _assert_bf16_close(got.grad, distributed.zigzag_shard_varlen(leaf.grad, cu, rank,
                                                                          world), 5e-2)
