@@ -151,11 +151,13 @@ def kernel_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @functools.cache
-def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
+def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, even_n: bool,
                  window: tuple[int, int], softcap: bool, alibi: bool, attn_mask: int,
                  store_lse: bool, dropout: bool, sinks: bool = False,
                  fp8: bool = False) -> ForwardSpec:
-    """The kernel instance ``config`` gives for these dims, key length and features.
+    """The kernel instance ``config`` gives for these dims and features; ``even_n`` whether
+    the key length is a multiple of the config's tile_n (the key length itself is not part of
+    the key: a packed batch's total changes every step, and this cache would grow with it).
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
     ``attn_mask`` is the ATTN_MASK switch (``mask_kind``); ``fp8`` the FP8 switch, whose
@@ -166,7 +168,7 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, k_len: int,
     least = 32 if fp8 else 16
     return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim, least),
                        tile_width(v_head_dim, least), left >= 0, right >= 0,
-                       k_len % config.tile_n == 0, softcap, alibi, attn_mask, store_lse,
+                       even_n, softcap, alibi, attn_mask, store_lse,
                        dropout, config.latency_k, config.latency_v, sinks=sinks, fp8=fp8)
 
 
@@ -386,9 +388,10 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
     v_head_dim = v.shape[2] if descale is not None else v.shape[3]  # FP8: v is V^T
-    spec = forward_spec(config, head_dim, v_head_dim, k.shape[2], window, softcap > 0.0,
-                        alibi_slopes is not None, mask_kind(attn_mask), lse is not None,
-                        dropout.p > 0.0, sinks is not None, descale is not None)
+    spec = forward_spec(config, head_dim, v_head_dim, k.shape[2] % config.tile_n == 0, window,
+                        softcap > 0.0, alibi_slopes is not None, mask_kind(attn_mask),
+                        lse is not None, dropout.p > 0.0, sinks is not None,
+                        descale is not None)
     attn_mask = kernel_mask(attn_mask)
     int64_index = needs_int64_index(q, k, v, out, *(t for t in (lse, attn_mask)
                                                      if t is not None))
@@ -513,9 +516,10 @@ def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kv_heads, k_len = k.shape[1], k.shape[2]
     delta = delta_workspace(batch, heads, q_len, q.device)
     dq_config = config.dq_kernel()
-    spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len, window, softcap > 0.0,
-                                  alibi_slopes is not None, mask_kind(attn_mask), True,
-                                  dropout.p > 0.0, sinks is not None)
+    spec, dq_spec = (forward_spec(c, head_dim, v.shape[3], k_len % c.tile_n == 0, window,
+                                  softcap > 0.0, alibi_slopes is not None,
+                                  mask_kind(attn_mask), True, dropout.p > 0.0,
+                                  sinks is not None)
                      for c in (config, dq_config))
     if varlen is None:
         q_grid = forward_grid(q_len, heads, batch, dq_config)

@@ -144,14 +144,15 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
         plain = variants.is_plain(*fields[-4:])  # softcap, ALiBi, mask name, dropout
         configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
                                       plain, deterministic)
-        config = configs[0]
+        config, final = configs[0], choice_is_final(q, k)
         empty = q.numel() == 0 or k.numel() == 0
         if autotune.enabled() and len(configs) > 1 and not empty:
             key = autotune.problem_key(backward, capability, *fields,
                                        deterministic=deterministic, varlen=varlen)
-            config = autotune.choose(key, q.device, configs, run, written)
-        # Untuned (empty, or under capture): the next call of the class asks again.
-        if choice_is_final(q, k):
+            chosen = autotune.choose(key, q.device, configs, run, written)
+            config, final = (configs[0], False) if chosen is None else (chosen, final)
+        # Untuned (empty, under capture, NaN inputs): the next call of the class asks again.
+        if final:
             autotune.decided[problem] = config
     return config
 

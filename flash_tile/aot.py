@@ -87,8 +87,8 @@ def _signature_parts(dtype, head_dim, v_head_dim, window, softcap, alibi, attn_m
     kind = MASK_KINDS[attn_mask]
     if DTYPES[dtype] == ct.float8_e4m3fn and not fp8:
         raise ValueError("float8_e4m3fn inputs compile only the FP8 forward: pass fp8=True")
-    spec = forward_spec(config, head_dim, v_head_dim, k_len, window, softcap, alibi, kind,
-                        store_lse, dropout, fp8=fp8)
+    spec = forward_spec(config, head_dim, v_head_dim, k_len % config.tile_n == 0, window,
+                        softcap, alibi, kind, store_lse, dropout, fp8=fp8)
     length = k_len if rows_aligned else 1
     qk = _array(DTYPES[dtype], 4, head_dim, index, length)
     vo = _array(DTYPES[dtype], 4, v_head_dim, index, length)

@@ -22,13 +22,16 @@ CUDA graph is being captured never tune (timing needs synchronisation): they use
 winner or the default.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -141,12 +144,20 @@ def tune(configs: Sequence[variants.TileConfig],
     time_ms = time_ms or (lambda fn: cuda_time_ms(fn, _WARMUP, _ITERS))
     log = log or (lambda line: None)
     written = written or (lambda outputs: outputs)
-    reference = [t.clone() for t in written(run(configs[0]))]
+    outputs = run(configs[0])
+    reference = [t.clone() for t in written(outputs)]
+    if any(t.is_floating_point() and bool(t.isnan().any()) for t in reference):
+        raise NotTunable("the default variant's result holds NaN (NaN or inf inputs): "
+                         "nothing to check the candidates against")
+    _spoil(outputs)
     results, checked = {}, []
     for config in progress(configs):
         name = describe(config)
         try:
-            if _agree(written(run(config)), reference):
+            outputs = run(config)
+            agrees = _agree(written(outputs), reference)
+            _spoil(outputs)
+            if agrees:
                 checked.append(config)
                 log(f"  {name}: checked")
             else:
@@ -171,6 +182,20 @@ def tune(configs: Sequence[variants.TileConfig],
         raise RuntimeError("flash_tile autotune: no variant ran correctly, not even the "
                            f"default: {results}")
     return best, results
+
+
+class NotTunable(RuntimeError):
+    """This call's problem cannot be tuned on (``tune``): its default is launched, and a later
+    call of the class tunes."""
+
+
+def _spoil(outputs: Sequence[torch.Tensor]) -> None:
+    """Fill a checked run's outputs with NaN before they are freed: the caching allocator
+    tends to hand the next candidate the same blocks, where a variant that skips a tile would
+    otherwise find the last run's right values and pass the check."""
+    for t in outputs:
+        if t.is_floating_point():
+            t.fill_(math.nan)
 
 
 def _failed(results: dict, name: str, error: Exception, log: Callable[[str], None]) -> None:
@@ -198,17 +223,21 @@ def describe(config: variants.TileConfig) -> str:
 
 
 class Cache:
-    """Winners on disk, one JSON file per machine identity, read once per process."""
+    """Winners on disk, one JSON file per machine identity, read once per process; in memory
+    only where the file cannot be found or written (a warning says so, once)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | None):
         self.path = path
         self.entries, self._configs = self._read(), {}
 
     def _read(self) -> dict:
+        if self.path is None:
+            return {}
         try:
-            return json.loads(self.path.read_text()).get("entries", {})
+            entries = json.loads(self.path.read_text()).get("entries", {})
         except (OSError, ValueError, AttributeError):
             return {}  # missing or unreadable: tune again and overwrite it
+        return entries if isinstance(entries, dict) else {}
 
     def get(self, key: str) -> variants.TileConfig | None:
         if key in self._configs:  # every lookup after the first (calls hit _ops' dict first)
@@ -228,12 +257,24 @@ class Cache:
         self.entries = {**self._read(), **self.entries,
                         key: {"config": dataclasses.asdict(config), "results": results}}
         self._configs[key] = config
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so that a process reading it never sees half a file.
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False,
-                                         suffix=".tmp") as f:
-            json.dump({"entries": self.entries}, f, indent=1, sort_keys=True)
-        os.replace(f.name, self.path)
+        if self.path is None:
+            return
+        temporary = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Write then rename, so that a process reading it never sees half a file.
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False,
+                                             suffix=".tmp") as f:
+                temporary = f.name
+                json.dump({"entries": self.entries}, f, indent=1, sort_keys=True)
+            os.replace(temporary, self.path)
+        except OSError as e:  # a read-only or missing directory: keep the winners in memory
+            if temporary is not None:
+                Path(temporary).unlink(missing_ok=True)
+            warnings.warn(f"flash_tile autotune: cannot write {self.path} ({e}); tuning "
+                          f"results stay in this process (set {ENV_CACHE_DIR})",
+                          RuntimeWarning, stacklevel=2)
+            self.path = None
 
 
 def code_digest() -> str:
@@ -273,11 +314,20 @@ def cache_path(device: torch.device) -> Path:
     return Path(root) / f"autotune-{_machine_slug(device_properties(device)[1])}.json"
 
 
+def _cache_path_or_none(device: torch.device) -> Path | None:
+    """``cache_path``, or None where there is no home directory to put it in (no HOME, a uid
+    without a passwd entry) and no ``FLASH_TILE_CACHE_DIR``."""
+    try:
+        return cache_path(device)
+    except RuntimeError:
+        return None
+
+
 _caches: dict[str, Cache] = {}
 
 
 def _cache_for(device: torch.device) -> Cache:
-    path = cache_path(device)
+    path = _cache_path_or_none(device)
     if str(path) not in _caches:
         _caches[str(path)] = Cache(path)
     return _caches[str(path)]
@@ -292,19 +342,26 @@ def cached_entry(key: str, device: torch.device) -> dict | None:
 def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig],
            run: Callable[[variants.TileConfig], tuple[torch.Tensor, ...]],
            written: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]] | None = None
-           ) -> variants.TileConfig:
+           ) -> variants.TileConfig | None:
     """The variant to launch for problem class ``key``: the default (``configs[0]``) when
     tuning is off or there is nothing to choose from, else the cached winner, else the winner
     of a tuning run now (printed to stderr as it goes, then cached; ``written`` as
-    ``tune``'s)."""
+    ``tune``'s), run with ``device`` current (its stream is the one timed). None where this
+    call cannot decide (a CUDA-graph capture, or inputs that make the default's result NaN):
+    the caller launches the default and asks again on the class's next call."""
     if not enabled() or len(configs) == 1:
         return configs[0]
     cache = _cache_for(device)
     cached = cache.get(key)
     if cached in configs:  # a winner no longer registered for this class is tuned again
         return cached
-    if torch.cuda.is_current_stream_capturing():
-        return configs[0]
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return _tune_and_keep(key, cache, configs, run, written)
+
+
+def _tune_and_keep(key, cache, configs, run, written) -> variants.TileConfig | None:
 
     def log(line):
         tqdm.write(f"flash_tile autotune: {line}", file=sys.stderr)
@@ -313,7 +370,11 @@ def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig
         f"{ENV_SWITCH}=0 skips it)")
     progress = functools.partial(tqdm, desc="flash_tile autotune: compiling and checking",
                                  unit="variant", file=sys.stderr, leave=False)
-    best, results = tune(configs, run, log=log, progress=progress, written=written)
+    try:
+        best, results = tune(configs, run, log=log, progress=progress, written=written)
+    except NotTunable as e:
+        log(f"  not now: {e}")
+        return None
     log(f"  -> {describe(best)}")
     cache.put(key, best, results)
     return best

@@ -124,7 +124,7 @@ def test_the_check_compares_only_what_the_kernels_write():
         out[-2:] = torch.nan if config != A else torch.rand(2)
         return (out,)
 
-    with pytest.raises(RuntimeError, match="no variant ran correctly"):
+    with pytest.raises(autotune.NotTunable, match="NaN"):  # unmasked, the default's NaN
         autotune.tune([B, C], run, time_ms=lambda fn: 1.0)
     best, results = autotune.tune([A, B, C], run, time_ms=lambda fn: (fn(), 1.0)[1],
                                   written=lambda outputs: (outputs[0][:-2],))
@@ -235,8 +235,72 @@ def test_switched_off_or_capturing_gives_the_default_untimed(cache_dir, monkeypa
     assert autotune.choose("k", torch.device("cpu"), [A, B], run) == A
     monkeypatch.setenv(autotune.ENV_SWITCH, "1")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert autotune.choose("k", torch.device("cpu"), [A, B], run) == A
+    assert autotune.choose("k", torch.device("cpu"), [A, B], run) is None  # not decided
     assert not (cache_dir / "autotune-test.json").exists()
+
+
+def test_nan_results_defer_tuning_to_a_later_call(cache_dir, monkeypatch):
+    """Inputs that make the default's result NaN (inf gradients in the first steps of fp16
+    training under a GradScaler) leave nothing to check candidates against: this call gets
+    no choice (the caller launches the default), nothing is cached, and the _ops layer asks
+    again on the class's next call."""
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(autotune, "cuda_time_ms", lambda fn, *a: (fn(), 1.0)[1])
+    bad = torch.tensor([1.0, float("nan")])
+    assert autotune.choose("k", torch.device("cpu"), [A, B], _runner({A: (bad,), B: (bad,)})) \
+        is None
+    assert not (cache_dir / "autotune-test.json").exists()
+    good = torch.randn(2)
+    assert autotune.choose("k", torch.device("cpu"), [A, B],
+                           _runner({A: (good,), B: (good,)})) in (A, B)
+
+
+def test_a_candidate_that_skips_its_stores_is_rejected_on_reused_memory():
+    """Each checked run's outputs are filled with NaN before they are freed: a candidate that
+    leaves its output unwritten and gets the last run's block back (the caching allocator's
+    habit) finds NaN there, not the right values."""
+    pool = torch.empty(4)
+    want = torch.randn(4)
+
+    def run(config):  # A and C store; B returns the block as the last run left it
+        if config != B:
+            pool.copy_(want)
+        return (pool,)
+
+    best, results = autotune.tune([A, B, C], run, time_ms=lambda fn: 1.0)
+    assert results[autotune.describe(B)].startswith("rejected")
+    assert isinstance(results[autotune.describe(C)], float)
+
+
+def _no_home(device):
+    raise RuntimeError("Could not determine home directory")
+
+
+@pytest.mark.parametrize("where", ["a file in the way", "no home directory"])
+def test_an_unwritable_cache_keeps_the_winners_in_memory(tmp_path, monkeypatch, where):
+    """A cache directory that cannot be made (a file stands where it would be: a warning) or a
+    machine without a home directory (Path.home() raises): the winner is used and kept for
+    this process instead of failing the user's call, and no temporary file is left."""
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(autotune, "cuda_time_ms", lambda fn, *a: (fn(), 1.0)[1])
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(autotune, "cache_path", _no_home if where == "no home directory" else
+                        lambda device: tmp_path / "file" / "autotune-test.json")
+    autotune.clear_memory_cache()
+    out, calls = torch.randn(3), []
+    run = _runner({A: (out,), B: (out,)}, calls)
+    if where == "a file in the way":
+        with pytest.warns(RuntimeWarning, match="cannot write"):
+            first = autotune.choose("k", torch.device("cpu"), [A, B], run)
+    else:
+        first = autotune.choose("k", torch.device("cpu"), [A, B], run)
+    calls.clear()
+    assert autotune.choose("k", torch.device("cpu"), [A, B], run) == first
+    assert calls == []  # kept in memory: not tuned twice
+    assert not list(tmp_path.glob("**/*.tmp"))
+    autotune.clear_memory_cache()
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])

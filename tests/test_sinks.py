@@ -163,7 +163,7 @@ def test_decode_sinks_switch_compiles_with_tensor_cores(arch):
 
 
 def test_spec_orders_the_sinks_switch():
-    spec = _launch.forward_spec(variants.default_config((9, 0), 64), 64, 64, 128, (-1, 0),
+    spec = _launch.forward_spec(variants.default_config((9, 0), 64), 64, 64, True, (-1, 0),
                                 False, False, 0, True, False, True)
     # SINKS, then SEQUSED_K (then the forward's FP8); the dK/dV kernel has no SINKS (its last
     # three: VARLEN, SEQUSED_K, DQ_ACCUM).
