@@ -201,8 +201,8 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
     return {
         "flash_attn_with_kvcache": public,
         "flash_attn_with_kvcache, one split": functools.partial(public, 1),
-        "op body": functools.partial(_ops_decode._kvcache_impl, q, k, v, None, None, lens, None, None,
-                                     None, scale, 0.0, -1, 0, 0, False),
+        "op body": functools.partial(_ops_decode._kvcache_impl, q, k, v, None, None, lens,
+                                     None, None, None, scale, 0.0, -1, 0, 0, False),
         "launch_decode, one split": lambda: _launch_decode.launch_decode(
             q, k, v, torch.empty_like(q), None, lens, None, None, None, scale, 0.0, (-1, 0), 0,
             1, config),
