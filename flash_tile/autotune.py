@@ -10,8 +10,8 @@ from the default variant's by more than rounding (a fast wrong variant never win
 the fastest. The winner is launched from then on with exactly the config, so the hints, it was
 timed with (``_launch.hinted_kernel``).
 
-Winners persist in a JSON file per machine identity (GPU name, driver, cuda-tile and
-flash_tile versions, and ``code_digest`` of the kernels and the registry) in
+Winners persist in a JSON file per machine identity (GPU name, driver, cuda-tile, tileiras
+and flash_tile versions, and ``code_digest`` of the kernels and the registry) in
 ``$FLASH_TILE_CACHE_DIR`` (default ``~/.cache/flash_tile``), so a class is tuned once per
 machine, not once per process; ``flash-tile tune`` fills it ahead of time.
 
@@ -267,6 +267,7 @@ class Cache:
                                              suffix=".tmp") as f:
                 temporary = f.name
                 json.dump({"entries": self.entries}, f, indent=1, sort_keys=True)
+            os.chmod(temporary, 0o644)  # readable by the other users of a shared directory
             os.replace(temporary, self.path)
         except OSError as e:  # a read-only or missing directory: keep the winners in memory
             if temporary is not None:
@@ -292,15 +293,16 @@ def code_digest() -> str:
 
 @functools.cache
 def _machine_slug(gpu_name: str) -> str:
-    """GPU name, driver, cuda-tile and flash_tile versions and the code's digest as a
+    """GPU name, driver, cuda-tile, tileiras and flash_tile versions and the code's digest as a
     file-name fragment; looked up once per process (the driver query runs nvidia-smi, far too
     slow for every call)."""
     from flash_tile import __version__
     from flash_tile._validate import driver_version, package_version
 
     parts = [gpu_name, f"driver{driver_version() or 'unknown'}",
-             f"cuda-tile{package_version('cuda-tile') or 'unknown'}", f"flash-tile{__version__}",
-             f"code{code_digest()}"]
+             f"cuda-tile{package_version('cuda-tile') or 'unknown'}",
+             f"tileiras{package_version('nvidia-cuda-tileiras') or 'unknown'}",
+             f"flash-tile{__version__}", f"code{code_digest()}"]
     return "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
 
 

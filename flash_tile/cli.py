@@ -302,6 +302,14 @@ def _smoke_test(problems):
                         "output")
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int >= 1 (a zero length or tile has no meaning here)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="flash-tile", description=__doc__.split("\n")[0])
     parser.add_argument("--traceback", action="store_true", help="show full tracebacks")
@@ -318,8 +326,10 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128,
                    help=f"query/key (and value) head dim, 1 to {_validate.MAX_HEAD_DIM}")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tile-m", type=int, help="query rows per program (default: the arch's)")
-    p.add_argument("--tile-n", type=int, help="key rows per K-loop step (default: the arch's)")
+    p.add_argument("--tile-m", type=_positive,
+                   help="query rows per program (default: the arch's)")
+    p.add_argument("--tile-n", type=_positive,
+                   help="key rows per K-loop step (default: the arch's)")
     p.add_argument("--sass-out", help="write the full SASS listing to this file")
     p.add_argument("--tile-ir-out", help="write the Tile IR listing to this file")
     p.set_defaults(func=inspect)
@@ -338,25 +348,29 @@ def main(argv=None):
 
     p = sub.add_parser("tune", help="pre-tune a grid of shapes into the autotune cache")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(_timing.DTYPES))
-    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--lengths", nargs="+", type=int, default=list(_timing.GRID_LENGTHS))
+    p.add_argument("--head-dims", nargs="+", type=_positive, default=[64, 128])
+    p.add_argument("--lengths", nargs="+", type=_positive, default=list(_timing.GRID_LENGTHS))
     p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     p.add_argument("--backward", action="store_true", help="tune the backward kernels too")
     p.add_argument("--varlen", action="store_true",
                    help="tune flash_attn_varlen_func's classes (packings of each length)")
-    p.add_argument("--tokens", type=int, default=_timing.GRID_TOKENS,
+    p.add_argument("--tokens", type=_positive, default=_timing.GRID_TOKENS,
                    help="batch * length of each shape")
-    p.add_argument("--width", type=int, default=_timing.GRID_WIDTH,
+    p.add_argument("--width", type=_positive, default=_timing.GRID_WIDTH,
                    help="heads * head dim of each shape")
     p.set_defaults(func=tune)
 
     args = parser.parse_args(argv)
     try:
         return 1 if args.func(args) else 0
-    except (RuntimeError, ValueError, NotImplementedError) as e:
+    except Exception as e:  # noqa: BLE001 - a command-line tool reports, --traceback shows
         if args.traceback:
             raise
-        print(f"flash-tile: error: {e}", file=sys.stderr)
+        # flash_tile's own errors say what is wrong; others (a compiler's, the file system's)
+        # are named by their type
+        kind = "" if isinstance(e, (RuntimeError, ValueError, NotImplementedError)) else \
+            f"{type(e).__name__}: "
+        print(f"flash-tile: error: {kind}{e}", file=sys.stderr)
         return 1
 
 

@@ -202,3 +202,17 @@ def test_tune_inputs_fall_in_the_class_of_their_length():
     ragged = torch.empty(batch * 700 + 99, 4, 128, dtype=torch.float16)  # 7799 rows, mean 709
     assert _ops._class_fields(ragged, ragged, ragged, (-1, -1), 0.0, None, None, 0.0,
                               batch=batch) == fields
+
+
+def test_bad_numbers_and_other_errors_are_one_line(capsys, tmp_path):
+    """A zero length or tile is refused by the parser; an error that is not flash_tile's own
+    (here the file system's, writing the SASS listing into a missing folder) is one line
+    naming its type, not a traceback."""
+    for argv in (["tune", "--lengths", "0"], ["inspect", "--tile-m", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "must be a positive integer" in capsys.readouterr().err
+    assert main(["inspect", "--head-dim", "64", "--sass-out",
+                 str(tmp_path / "missing" / "out.sass")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flash-tile: error: FileNotFoundError: ") and err.count("\n") == 1
