@@ -239,9 +239,13 @@ class Cache:
             return {}  # missing or unreadable: tune again and overwrite it
         return entries if isinstance(entries, dict) else {}
 
-    def get(self, key: str) -> variants.TileConfig | None:
+    def get(self, key: str, reread: bool = False) -> variants.TileConfig | None:
+        """The winner kept for ``key``, or None; ``reread``: look at the file again first
+        (another process may have tuned the class since this one read it)."""
         if key in self._configs:  # every lookup after the first (calls hit _ops' dict first)
             return self._configs[key]
+        if reread:
+            self.entries = {**self._read(), **self.entries}
         entry = self.entries.get(key)
         if entry is None:
             return None
@@ -354,7 +358,7 @@ def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig
     if not enabled() or len(configs) == 1:
         return configs[0]
     cache = _cache_for(device)
-    cached = cache.get(key)
+    cached = cache.get(key, reread=True)  # before minutes of tuning: a file read is nothing
     if cached in configs:  # a winner no longer registered for this class is tuned again
         return cached
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -207,6 +207,19 @@ def test_choose_tunes_once_then_reads_the_cache(cache_dir, monkeypatch):
     assert calls == []
 
 
+def test_a_class_another_process_tuned_meanwhile_is_read_not_tuned(cache_dir, monkeypatch):
+    """This process read the file before another one (a torchrun rank) wrote its winner: the
+    lookup before tuning reads the file again and takes it."""
+    monkeypatch.setenv(autotune.ENV_SWITCH, "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert autotune._cache_for(torch.device("cpu")).get("k") is None  # read: nothing yet
+    autotune.Cache(cache_dir / "autotune-test.json").put("k", B, {})  # the other process
+    calls = []
+    assert autotune.choose("k", torch.device("cpu"), [A, B],
+                           _runner({A: (torch.ones(1),), B: (torch.ones(1),)}, calls)) == B
+    assert calls == []
+
+
 def test_a_cached_winner_no_longer_registered_is_tuned_again(cache_dir, monkeypatch):
     monkeypatch.setenv(autotune.ENV_SWITCH, "1")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
