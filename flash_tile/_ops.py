@@ -167,9 +167,10 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     backward's (kept in the autograd context for it); the forward always is."""
     if k.shape[2] == 0:  # no keys: every row as one that sees none; nothing to launch
         out, lse = _forward_outputs(q, v, return_lse)
-        if return_lse:
-            lse.copy_(torch.full_like(lse, torch.inf) if sinks is None else
-                      sinks[None, :, None].expand_as(lse))
+        if return_lse and sinks is None:
+            lse.fill_(torch.inf)
+        elif return_lse:  # each head's sink: the one term of its rows' sums
+            lse.copy_(sinks[None, :, None])
         return out.zero_(), lse
     window = (window_left, window_right)
     run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,

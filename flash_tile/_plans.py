@@ -82,7 +82,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
     (out, lse, plan) with out [B, Lq, H, Dv] (the layout flash-attn returns), lse [B, H, Lq]
     fp32 or None, and plan a ``ForwardPlan`` for later calls of the same signature
     (``run_forward``), or None where the choice is not final (empty inputs, or a capture:
-    ``_ops.choice_is_final``)."""
+    ``_ops.choice_is_final``). With no keys the op's body answers (it launches nothing)."""
+    if k.shape[2] == 0:
+        out, lse = _ops._forward_impl(q, k, v, None, None, scale, softcap, diag_offset,
+                                      window_left, window_right, return_lse)
+        return out.transpose(1, 2), lse if return_lse else None, None
     window = (window_left, window_right)
     run = _ops.forward_runner(q, k, v, None, None, scale, softcap, diag_offset, window,
                               return_lse)

@@ -151,8 +151,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks)
 
-    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
-            k.shape[2]:  # no keys: the op's body, which launches nothing
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
         out, lse, plan = _plans.forward(q, k, v, scale, softcap, k.shape[2] - q.shape[2],
                                         left, right, bool(return_lse))
         _plans.keep(plan_key, plan)
@@ -373,8 +372,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     needs_grad = _needs_grad(_validate.check_grad(q, k, v, attn_mask=mask), sinks)
 
     right = 0 if is_causal else -1
-    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and \
-            k.shape[2]:
+    if plan_key is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
         out, _, plan = _plans.forward(q, k, v, scale, 0.0, 0, -1, right, False)
         _plans.keep(plan_key, plan)
         return out.transpose(1, 2)

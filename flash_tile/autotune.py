@@ -310,30 +310,27 @@ def _machine_slug(gpu_name: str) -> str:
     return "-".join("".join(c if c.isalnum() or c in "._" else "_" for c in p) for p in parts)
 
 
-def cache_path(device: torch.device) -> Path:
-    """The cache file for this machine: named after the GPU, driver, cuda-tile and flash_tile
-    versions and the kernels' and registry's digest, so that a change of any of them tunes
-    afresh."""
+def cache_path(device: torch.device) -> Path | None:
+    """The cache file for this machine: named after the GPU, driver, cuda-tile, tileiras and
+    flash_tile versions and the kernels' and registry's digest, so that a change of any of
+    them tunes afresh; None where there is no directory to put it in (no
+    ``FLASH_TILE_CACHE_DIR`` and no home directory: no HOME, a uid without a passwd entry)."""
     from flash_tile._validate import device_properties
 
-    root = os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "flash_tile"
+    root = os.environ.get(ENV_CACHE_DIR)
+    if not root:
+        try:
+            root = Path.home() / ".cache" / "flash_tile"
+        except RuntimeError:
+            return None
     return Path(root) / f"autotune-{_machine_slug(device_properties(device)[1])}.json"
-
-
-def _cache_path_or_none(device: torch.device) -> Path | None:
-    """``cache_path``, or None where there is no home directory to put it in (no HOME, a uid
-    without a passwd entry) and no ``FLASH_TILE_CACHE_DIR``."""
-    try:
-        return cache_path(device)
-    except RuntimeError:
-        return None
 
 
 _caches: dict[str, Cache] = {}
 
 
 def _cache_for(device: torch.device) -> Cache:
-    path = _cache_path_or_none(device)
+    path = cache_path(device)
     if str(path) not in _caches:
         _caches[str(path)] = Cache(path)
     return _caches[str(path)]
@@ -343,6 +340,13 @@ def cached_entry(key: str, device: torch.device) -> dict | None:
     """The cache's entry for problem class ``key`` on ``device`` as this process holds it:
     {"config": the winner's fields, "results": every candidate's time or failure}."""
     return _cache_for(device).entries.get(key)
+
+
+def cached_entries(device: torch.device) -> tuple[Path | None, dict]:
+    """(the cache file, or None where it is kept in memory only; every problem class's entry
+    as ``cached_entry`` gives it) for ``device``, as this process holds them."""
+    cache = _cache_for(device)
+    return cache.path, dict(cache.entries)
 
 
 def choose(key: str, device: torch.device, configs: Sequence[variants.TileConfig],

@@ -220,9 +220,9 @@ def tune(args):
         if args.backward:
             out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
-    path = autotune.cache_path(torch.device("cuda"))
-    print(f"tuned {len(grid)} shapes; the winners, in {path}:")
-    for key, entry in sorted(autotune.Cache(path).entries.items()):
+    path, entries = autotune.cached_entries(torch.device("cuda"))
+    print(f"tuned {len(grid)} shapes; the winners, in {path or 'this process only'}:")
+    for key, entry in sorted(entries.items()):
         print(f"  {key}: {autotune.describe(variants.TileConfig(**entry['config']))}")
 
 
@@ -265,8 +265,8 @@ def doctor(args):
                      f" ({autotune.describe(backward[1])} under dropout, softcap, ALiBi or a "
                      "mask)"))
             if autotune.enabled():
-                path = autotune.cache_path(torch.device("cuda", index))
-                tuned = len(autotune.Cache(path).entries)
+                path, entries = autotune.cached_entries(torch.device("cuda", index))
+                tuned = len(entries)
                 print(f"  autotuning on: {len(variants.candidates(capability))} forward "
                       f"candidates at D=128; {tuned} problem classes tuned in {path}")
             else:

@@ -180,6 +180,15 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat([*firsts, *reversed(lasts)], dim=dim)
 
 
+def _kernel_inputs(q, k, v):
+    """q, k and v as the kernels take them (cast under autocast, a unit last stride), checked
+    as the single-GPU functions check them, before any transfer."""
+    q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
+    _validate.check_dtypes(q, k, v)
+    _validate.check_device(q, k, v)
+    return q, k, v
+
+
 def _rank_seed(dropout_p: float) -> int:
     """A dropout seed drawn as the single-GPU calls draw theirs, with this rank folded in:
     ranks seeded alike (one model's initialisation) would otherwise draw the same seed for the
@@ -278,10 +287,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
     scale = _check_packed(q, k, v, softmax_scale)
-    if attention is varlen_kernel_attention or q.is_cuda:  # the kernels' inputs
-        q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
-        _validate.check_dtypes(q, k, v)
-        _validate.check_device(q, k, v)
+    if attention is varlen_kernel_attention or q.is_cuda:
+        q, k, v = _kernel_inputs(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
     softcap = _validate.check_softcap(softcap)
     out, lse = _ring_varlen(q, k, v, cu, max_seqlen, group, causal, scale, softcap, dropout_p,
@@ -333,10 +340,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         raise ValueError(f"communication must be one of {COMMUNICATIONS}, got "
                          f"{communication!r}")
     scale = _check_bhld(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale)
-    if attention is kernel_attention or q.is_cuda:  # the kernels' inputs
-        q, k, v = (_unit_last_stride(t) for t in _autocast(q, k, v))
-        _validate.check_dtypes(q, k, v)
-        _validate.check_device(q, k, v)
+    if attention is kernel_attention or q.is_cuda:
+        q, k, v = _kernel_inputs(q, k, v)
     dropout_p = _validate.check_dropout(dropout_p)
     left, right = _validate.check_window(window_size)
     if causal:

@@ -19,6 +19,7 @@ import torch
 
 from flash_tile import _plans, _validate
 from flash_tile._interop import accepts_cupy
+from flash_tile.api import _unit_last_stride
 from flash_tile._ops_decode import kvcache_attention
 
 
@@ -212,9 +213,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q.stride(-1) != 1 or any(t.stride(-1) != 1 for t in new):
         # copied, as flash-attn's wrapper does; such a call takes the full path every time
         # (a plan keeps no copy)
-        q = q if q.stride(-1) == 1 else q.contiguous()
+        q = _unit_last_stride(q)
         if new:
-            k, v = new = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in new)
+            k, v = new = tuple(map(_unit_last_stride, new))
         plan_key = None
     if block_table is not None:
         _validate.check_block_table(block_table, batch, k_cache.shape[1], cache_batch_idx,

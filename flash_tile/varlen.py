@@ -11,7 +11,8 @@ from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
-from flash_tile.api import PACKED, _check_packed, _checked_inputs, _dropout_seed, _needs_grad
+from flash_tile.api import (PACKED, _check_packed, _checked_inputs, _dropout_seed, _needs_grad,
+                            _unit_last_stride)
 
 
 def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
@@ -60,8 +61,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         _validate.check_device(q, alibi_slopes)
     if sinks is not None:
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
-    # The kernels' tiles read rows of D contiguous elements; flash-attn copies here too.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
         descale = _validate.fp8_descales(batch, k.shape[1], device, **names)

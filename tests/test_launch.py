@@ -372,3 +372,15 @@ def test_a_grid_of_no_programs_launches_nothing(monkeypatch):
     assert not launches
     _launch.launch_on(device, (1, 1, 1), None, ())
     assert len(launches) == 1
+
+
+def test_a_planned_forward_without_keys_launches_nothing_and_keeps_no_plan(launched):
+    """``_plans.forward`` on Lk = 0 answers through the op's body (out 0, LSE +inf) and makes
+    no plan: a plan would launch a kernel over no keys. CPU tensors, launches recorded."""
+    from flash_tile import _plans
+
+    q, k = torch.randn(2, 4, 17, 64).bfloat16(), torch.randn(2, 2, 0, 64).bfloat16()
+    out, lse, plan = _plans.forward(q, k, k, 0.125, 0.0, -17, -1, 0, True)
+    assert plan is None and not launched
+    assert out.shape == (2, 17, 4, 64) and bool((out == 0).all())
+    assert lse.shape == (2, 4, 17) and bool((lse == torch.inf).all())

@@ -22,10 +22,11 @@ transformers; without reading its position ids it would run causal attention acr
 sequences.) Left- or right-padded batches whose mask is causal attention over each row's
 tokens (the common case) run as packed sequences too, the padding's outputs 0; other masks
 take the masked path. A 2-D mask is flash-attn's [B, Lk] key padding mask, which models
-that branch on "flash" in the name pass (gpt_bigcode's cross-attention). Attention dropout (``dropout``, which models pass only while
-training) runs in the kernels; a model's ``deterministic`` keyword (or, as transformers'
-flash-attn path reads it, ``FLASH_ATTENTION_DETERMINISTIC=1``) picks the deterministic
-backward. A decode step (one query row, nothing to differentiate) runs ``flash_attn_with_kvcache``'s
+that branch on "flash" in the name pass (gpt_bigcode's cross-attention). Attention dropout
+(``dropout``, which models pass only while training) runs in the kernels; a model's
+``deterministic`` keyword (or, as transformers' flash-attn path reads it,
+``FLASH_ATTENTION_DETERMINISTIC=1``) picks the deterministic backward. A decode step (one
+query row, nothing to differentiate) runs ``flash_attn_with_kvcache``'s
 decode kernel on the cache transformers passes in, with its boolean [B, 1, 1, Lk] mask (a
 static cache's unwritten slots, a left-padded batch's pad, a sliding window) read by the
 kernel on the device: no sync, so it runs the same way under torch.compile.
@@ -137,6 +138,12 @@ def _key_padding_mask(mask: torch.Tensor, q_len: int, is_causal: bool) -> torch.
     k_len = mask.shape[1]
     band = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril(k_len - q_len)
     return keep & band
+
+
+def _window(sliding: int | None) -> tuple[int, int]:
+    """flash-attn's window_size of transformers' ``sliding_window`` w, as its flash-attn
+    path passes it: (w - 1, w - 1), the right side 0 under causal; (-1, -1) without one."""
+    return (sliding - 1, sliding - 1) if sliding else (-1, -1)
 
 
 def _deterministic(requested: bool | None) -> bool:
@@ -346,7 +353,7 @@ def _unpadded_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     batch, heads, length, _ = query.shape
     q, k, v = (t.transpose(1, 2).reshape(batch * length, *t.shape[1:2], t.shape[3])
                .index_select(0, indices) for t in (query, key, value))
-    window = (sliding - 1, -1) if sliding else (-1, -1)
+    window = _window(sliding)
     out = flash_tile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, dropout,
                                             scaling, True, window, softcap or 0.0, None,
                                             deterministic, sinks=sinks)
@@ -366,7 +373,7 @@ def _packed_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     causality the keys within w - 1 rows either side, as its flash-attn path). Returns
     [1, total_q, H, Dv]."""
     sliding = packing["sliding"]
-    window = (sliding - 1, sliding - 1) if sliding else (-1, -1)  # causal: right is 0
+    window = _window(sliding)
     # ints as the collator gives them; a tensor bound is read back (one sync), as flash-attn
     # does with it.
     out = flash_tile.flash_attn_varlen_func(
