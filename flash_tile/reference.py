@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from flash_tile.kernels._tiles import (COL_MULT, MIX_MULT_1, MIX_MULT_2, ROW_MULT,
-                                      dropout_threshold, tile_runs)
+from flash_tile.kernels._tiles import (COL_MULT, FP8_P_LOG2_SCALE, MIX_MULT_1, MIX_MULT_2,
+                                      ROW_MULT, dropout_threshold, tile_runs)
 
 LOG2_E = 1.0 / math.log(2.0)
 _M32 = 0xFFFFFFFF
@@ -190,9 +190,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     indices shifted by ``dropout_batch``). ``sinks`` [H] starts each row's running max and sum
     from head h's sink (m = sink * log2(e), l = 1), as the kernel's SINKS switch does.
     ``fp8_descale`` [3, B, H_kv] (the kernel's FP8 switch: q, k, v are the e4m3 values,
-    these their descale factors) dequantizes q and k, rounds each tile's P to e4m3 for P V
-    as the kernel does (from its fp32 value; l sums the unrounded P) and multiplies the
-    output by v's factor.
+    these their descale factors) dequantizes q and k, scales each tile's P by
+    2**FP8_P_LOG2_SCALE and rounds it to e4m3 for P V as the kernel does (from its fp32
+    value; l sums the unrounded, scaled P) and multiplies the output by v's factor.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -201,8 +201,11 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                                         attn_mask)
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
-    v_descale = 1.0
+    # p_scale: log2 of the kernel's scale of P (FP8's 8: its running max runs that far below
+    # the max, so that P = exp2(s - m) lies in [0, 2**p_scale]).
+    v_descale, p_scale = 1.0, 0
     if fp8_descale is not None:  # [3, B, H, 1, 1]: each query head takes its group's
+        p_scale = FP8_P_LOG2_SCALE
         descale = fp8_descale.to("cpu", torch.float64).repeat_interleave(group, dim=2)
         q, k, v_descale = q * descale[0, ..., None, None], k * descale[1, ..., None, None], \
             descale[2, ..., None, None]
@@ -218,7 +221,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         l_i = torch.zeros(batch, heads, rows, 1, dtype=torch.float64)
         if sinks is not None:
             sink = sinks.detach().to("cpu", torch.float64).view(1, heads, 1, 1) * LOG2_E
-            m_i, l_i = torch.zeros_like(m_i) + sink, l_i + 1.0
+            m_i, l_i = torch.zeros_like(m_i) + sink - p_scale, l_i + 2.0**p_scale
         acc = torch.zeros(batch, heads, rows, v.shape[3], dtype=torch.float64)
         n_start, n_inner, n_outer, n_end = kv_tile_runs(m_start, tile_m, tile_n, k_len,
                                                         diag_offset, window)
@@ -227,7 +230,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             v_tile = v[:, :, j * tile_n:(j + 1) * tile_n]
             s, _ = _tile_scores(q_tile, k_tile, scale, softcap, slopes, attn_mask, m_start,
                                 j * tile_n, diag_offset, window, not n_inner <= j < n_outer)
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True) - p_scale)
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
             p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]
@@ -510,3 +513,23 @@ def outlier_inputs(batch: int, length: int, heads: int, head_dim: int, seed: int
     outliers = torch.rand(shape, generator=g, device=device) < 1e-3
     return torch.where(outliers, 10 * torch.randn(shape, generator=g, device=device),
                        x).bfloat16()
+
+
+def peaked_inputs(batch: int, q_len: int, k_len: int, heads: int, head_dim: int,
+                  margin: float = 10.0, seed: int = 0, device: str = "cpu"
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v), [B, L, H, D] bf16, where key 0 scores about ``margin`` (natural log, at the
+    default scale) above the other keys in every query row, as a first token that draws most
+    of the attention does: every other key's weight is then about exp(-margin) of the row's
+    max, the weights that FP8's rounding of P must not lose."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, 1, heads, head_dim)
+    u = torch.randn(shape, generator=g, device=device)
+    q = u + 0.3 * torch.randn(batch, q_len, heads, head_dim, generator=g, device=device)
+    k = torch.randn(batch, k_len, heads, head_dim, generator=g, device=device)
+    # q . k_0 / sqrt(D) = c |u|^2 / sqrt(D) ~ margin for |u|^2 ~ D.
+    k[:, :1] = u * (margin / math.sqrt(head_dim))
+    # Values with a common part (mean 1), as real values have: weights lost from the many
+    # small keys then show in the output instead of averaging out.
+    v = 1.0 + torch.randn(batch, k_len, heads, head_dim, generator=g, device=device)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()

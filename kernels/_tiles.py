@@ -49,6 +49,13 @@ ConstBool = ct.Constant[bool]
 LOG2_E = 1.4426950408889634
 LN_2 = math.log(2.0)
 
+# FP8's P is 2**FP8_P_LOG2_SCALE times the weights, in [0, 256] (within e4m3's 448), when it
+# is rounded to e4m3 for P V: e4m3 keeps a weight of 2^-9 at the least, so unscaled weights
+# more than 2^10 below their row's max would flush to 0 while l_i counts them (a row with one
+# dominant key then lost 16-58% of its output's magnitude in the float64 twin at 1k-16k keys,
+# 2026-12-05). Scaled, weights down to 2^-18 of the max keep a value. FA3's Max_offset = 8.
+FP8_P_LOG2_SCALE = 8
+
 # ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
 # A boolean mask comes as bool or as its uint8 view (nonzero = attend). TMA loads of bool tiles
 # were misread on the H200 (cuda-tile 1.7.0, tileiras 13.4: whenever the mask's rows were
@@ -397,14 +404,20 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
     return s, factor, dscore
 
 
-def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool):
+def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt):
     """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor
     (``log2_scores``): (m_new, p, alpha, l_i), the new row max, the tile's exp2 weights, the
     rescale of what came before and the new row sum. The max is taken before the factor is
     applied (it is positive). Under GUARD a row may have seen nothing yet (m = -inf): 0 is
     subtracted there instead, so that exp2(-inf - -inf) does not make NaN; tiles without a
-    band or attention mask always have a finite max."""
-    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * factor)  # [ROWS, 1]
+    band or attention mask always have a finite max. m is the row max less P_LOG2_SCALE
+    (``FP8_P_LOG2_SCALE``; 0 for the others), so that the weights, and l_i, come out scaled
+    by 2**P_LOG2_SCALE (the output's 1 / l_i cancels it, and the LSE m ln 2 + ln l_i is the
+    same): the shift rides on the max's multiply, no instruction of its own."""
+    m_tile = ct.max(s, axis=-1, keepdims=True) * factor  # [ROWS, 1]
+    if P_LOG2_SCALE != 0:
+        m_tile = m_tile - P_LOG2_SCALE
+    m_new = max(m_i, m_tile)
     m_sub = m_new
     if GUARD:
         m_sub = ct.where(m_new == -math.inf, 0.0, m_new)

@@ -54,16 +54,18 @@ take b as the batch index and the sequence's own rows and columns.
 
 Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
 with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. The running
-max and sum start from it (m_i = sink_h log2(e), l_i = 1) instead of (-inf, 0), so it costs
-nothing in the K-loop; the stored LSE includes it.
+max and sum start from it (m_i = sink_h log2(e), l_i = 1; under FP8's scaled P m_i = sink_h
+log2(e) - 8, l_i = 2^8) instead of (-inf, 0), so it costs nothing in the K-loop; the stored LSE includes it.
 
 FP8 (FP8). Q, K and V in float8_e4m3fn with fp32 descale factors d_q, d_k, d_v per (batch,
 kv head): the inputs stand for d_q q8, d_k k8, d_v v8. S = Q8 K8^T on e4m3 tensor cores
 (fp32 accumulate), and d_q d_k joins the softmax scale once per program, so the scores,
-softcap, masks and LSE are those of the dequantized inputs. P (in [0, 1] after the online
-softmax) is rounded to e4m3 as it is for P V (relative error <= 2^-4 above 2^-6, absolute
-<= 2^-10 below), l_i sums the unrounded p, and d_v multiplies the output with 1 / l_i; the
-output is bfloat16. An e4m3 matmul wants both operands K-major, its reduction axis
+softcap, masks and LSE are those of the dequantized inputs. P, the online softmax's weights
+scaled by 2^8 into [0, 256] (FA3's Max_offset: unscaled, weights under 2^-10 of their row's
+max would round to 0; m_i runs 8 below the max), is rounded to e4m3 for P V (relative
+error <= 2^-4 above 2^-6, absolute <= 2^-10 below: <= 2^-18 of the row's max), l_i sums the
+unrounded, scaled p, and d_v multiplies the output with 1 / l_i (the 2^8 cancels, and the
+LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3 matmul wants both operands K-major, its reduction axis
 contiguous in shared memory: Q [.., D] and K^T (loaded from K [.., Lk, D] through the
 permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, Lk] and the
 tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
@@ -94,10 +96,10 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, descale, dropout_keep,
-                     heaviest_first, load_keys_major, load_seq_rows, log2_scores,
-                     program_tile, query_rows, sequence_bounds, softmax_step, store_seq_rows,
-                     tile_runs)
+from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+                     descale, dropout_keep, heaviest_first, load_keys_major, load_seq_rows,
+                     log2_scores, program_tile, query_rows, sequence_bounds, softmax_step,
+                     store_seq_rows, tile_runs)
 
 
 def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
@@ -126,7 +128,8 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     s, factor, _ = log2_scores(s, rows, offs_k, Mask, tile_m, j, band, q.shape[0], TILE_N,
                                MASKED, FEATURES, False, True)
     # Only a band or an attention mask can leave a row with nothing visible yet.
-    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, MASKED or ATTN_MASK != NO_MASK)
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, MASKED or ATTN_MASK != NO_MASK,
+                                        FP8_P_LOG2_SCALE if FP8 else 0)
 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
@@ -134,9 +137,9 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
         v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_k, drop[1]), p, 0.0)
-    # FP8 (both e4m3): P in [0, 1] rounds to e4m3 as it is (FA3's choice), and V^T's keys
-    # are the contiguous axis. The tensor core adds into acc itself, as FA3 does (its fp32
-    # accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
+    # FP8 (both e4m3): P, scaled into [0, 256] by softmax_step, rounds to e4m3 as it is
+    # (FA3's choice), and V^T's keys are the contiguous axis. The tensor core adds into acc
+    # itself, as FA3 does (its fp32 accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
     # tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
     # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128,
     # non-causal, no LSE), and the second accumulator spills at Dv = 256 (521 LDL/STL on
@@ -171,6 +174,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     head = ct.bid(1)
     kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
     m_start = tile_m * TILE_M
+    P_LOG2_SCALE = FP8_P_LOG2_SCALE if FP8 else 0  # softmax_step's scale of the weights
     if FP8:
         # The scores are q_descale * k_descale * (q8 . k8): the product joins the softmax
         # scale once (softcap and the deferred log2 scale read it from there); v_descale
@@ -191,10 +195,13 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
     if SINKS:
         # The head's sink is a score every row sees, with no value: the running max and sum
-        # start from it (m = sink, l = exp2(0) = 1), once per row and outside the K-loop.
+        # start from it (m = sink, l = exp2(0) = 1; under FP8 m runs P_LOG2_SCALE below the
+        # max, l = exp2(P_LOG2_SCALE)), once per row and outside the K-loop.
         sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
+        if P_LOG2_SCALE != 0:
+            sink = sink - P_LOG2_SCALE
         m_i = ct.zeros((TILE_M, 1), dtype=ct.float32) + sink
-        l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
+        l_i = ct.full((TILE_M, 1), 2.0**P_LOG2_SCALE, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
 
     # Key tiles: row i sees j in [i + diag_offset - left, i + diag_offset + right].
@@ -213,7 +220,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
                                         l_i, acc, band, drop, TILES, True, FEATURES)
 
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros (with a sink
-    # they have l_i = 1: the sink took all the weight, and the output is 0 too).
+    # they have l_i = 2**P_LOG2_SCALE: the sink took all the weight, and the output is 0 too).
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)  # [TILE_M, 1]
     if DROPOUT:
