@@ -277,10 +277,13 @@ def _op_backward(ctx, dout, dlse):
 forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _eager_function(forward_impl, setup_context, backward, backward_impl):
+def _eager_function(forward_impl, setup_context, backward, backward_impl, backward_op):
     """A ``torch.autograd.Function`` with a forward op's body, context and backward (run by
     ``backward_impl``, the backward op's body), without the custom op's dispatch: what eager
-    mode runs where a gradient is needed."""
+    mode runs where a gradient is needed. A backward that builds a graph (``create_graph``:
+    autograd runs it with grad mode on) takes ``backward_op`` instead, which has no backward
+    of its own: differentiating the gradients then raises, as under torch.compile, where the
+    body's fresh tensors would carry no graph and a second-order term would be silently 0."""
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
@@ -290,11 +293,13 @@ def _eager_function(forward_impl, setup_context, backward, backward_impl):
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            return backward(ctx, dout, dlse, backward_impl)
+            run = backward_op if torch.is_grad_enabled() else backward_impl
+            return backward(ctx, dout, dlse, run)
     return Eager
 
 
-_EagerAttention = _eager_function(_forward_impl, _setup_context, _backward, _backward_impl)
+_EagerAttention = _eager_function(_forward_impl, _setup_context, _backward, _backward_impl,
+                                  backward_op)
 
 
 def _seen_by_a_tracer(*tensors: torch.Tensor) -> bool:
@@ -508,7 +513,7 @@ def _varlen_op_backward(ctx, dout, dlse):
 
 varlen_forward_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
 _EagerVarlen = _eager_function(_varlen_forward_impl, _varlen_setup_context, _varlen_backward,
-                               _varlen_backward_impl)
+                               _varlen_backward_impl, varlen_backward_op)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale, softcap,

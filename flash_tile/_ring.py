@@ -190,6 +190,18 @@ def _ring_backward(ring, dout, q, k, v, outs, lses, dlses):
     return dq_all.to(q.dtype), part[0].to(k.dtype), part[1].to(v.dtype)
 
 
+def refuse_second_order() -> None:
+    """Raise where autograd runs a ring's backward to build a graph (``create_graph=True``:
+    grad mode is on in the backward), before any work: the local backwards' kernels return
+    tensors without a graph, so a loss of the gradients would miss its second-order terms
+    silently."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError("ring attention has no second derivative: its backward ran "
+                                  "with create_graph=True; differentiate a loss of its "
+                                  "gradients elsewhere, or call backward without "
+                                  "create_graph")
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring's output shard and its LSE (as the output without its last dimension),
     differentiable in q, k and v through either (``_ring_backward``)."""
@@ -204,6 +216,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_second_order()
         q, k, v, *rest = ctx.saved_tensors
         ring = ctx.ring
         if dout is None:  # only the LSE reaches the loss

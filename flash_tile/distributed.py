@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 
 from flash_tile import _validate
-from flash_tile._ring import LocalAttention, _DenseRing, _RingAttention, _VarlenRing
+from flash_tile._ring import (LocalAttention, _DenseRing, _RingAttention, _VarlenRing,
+                              refuse_second_order)
 from flash_tile._ops import (_backward_impl, _varlen_backward_impl, attention_forward,
                              varlen_attention)
 from flash_tile.api import (BLHD, PACKED, _autocast, _check_bhld, _check_layout, _check_packed,
@@ -157,6 +158,7 @@ class _LocalCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        refuse_second_order()
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
         return (None, None, *ctx.local.backward(dout, q, k, v, out, lse, *ctx.band,

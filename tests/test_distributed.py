@@ -372,6 +372,15 @@ def _group_worker(rank, world, path):
         (distributed.gather_shards(x) + w).sum().backward()
         assert torch.equal(w.grad, torch.ones_like(w)) and torch.equal(
             x.grad, torch.full_like(x, world))
+        # A backward that builds a graph (create_graph=True) is refused in both forms: the
+        # local backwards' gradients carry no graph of their own.
+        q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True)
+                   for _ in range(3))
+        for communication in distributed.COMMUNICATIONS:
+            out = distributed.ring_flash_attn_func(q, k, v, causal=True, attention=REFERENCE,
+                                                   communication=communication)
+            with pytest.raises(NotImplementedError, match="second derivative"):
+                torch.autograd.grad(out.square().sum(), q, create_graph=True)
         # A rank outside the group it is given is told so, before any transfer.
         first = dist.new_group([0])
         q = torch.randn(1, 8, 2, 16, dtype=torch.float64)

@@ -193,6 +193,27 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches,
     assert scalars == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_a_second_backward_raises_instead_of_dropping_terms(monkeypatch, op_launches, varlen):
+    """With create_graph=True eager mode's backward takes the backward op, which has no
+    backward: differentiating the gradients raises, as under torch.compile. Its body would
+    return tensors without a graph, so a loss of the gradients (a gradient penalty) would
+    miss its second-order terms silently. On meta tensors (the backward op's fake answers
+    the first backward), the forward's launch recorded."""
+    q, k, v = _qkv(requires_grad=True, device="meta")
+    if varlen:
+        q, k, v = (t.detach()[:1].transpose(1, 2).flatten(0, 1).requires_grad_()
+                   for t in (q, k, v))
+        cu_q = torch.tensor([0, 40, 100], dtype=torch.int32, device="meta")
+        cu_k = torch.tensor([0, 50, 120], dtype=torch.int32, device="meta")
+        out, _ = _ops.varlen_attention(q, k, v, cu_q, cu_k, None, 0.125, 0.0, -1, 0, True)
+    else:
+        out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    dq, = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="autograd"):
+        (dq.float() * q.float()).sum().backward()
+
+
 @pytest.mark.parametrize("layout", ["[B, H, L, D]", "[B, L, H, D]"])
 def test_gradients_reach_the_leaves_without_a_copy(monkeypatch, layout):
     """The backward writes each gradient in its leaf's layout, so autograd hands the launched
