@@ -427,7 +427,15 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          seqused_k: torch.Tensor | None = None, deterministic: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The varlen forward op's body: choose the variant, allocate, launch the forward's
-    VARLEN switch (``deterministic`` is the backward's, as ``_forward_impl``'s)."""
+    VARLEN switch (``deterministic`` is the backward's, as ``_forward_impl``'s). No query rows
+    or no keys (every sequence empty of them, as flash-attn's max_seqlen_k = 0): nothing to
+    launch, the rows as ones that see no key (out 0, LSE +inf or the sink)."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        out, lse = _varlen_outputs(q, v, return_lse)
+        if return_lse:
+            lse.copy_(torch.full_like(lse[:, :1], torch.inf) if sinks is None else
+                      sinks[:, None])
+        return out.zero_(), lse
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
     run = varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap, window,
                                 return_lse, Dropout(dropout_p, dropout_seed), sinks)
@@ -459,7 +467,14 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """The varlen backward op's body: choose the variant, allocate, launch; dq, dk, dv in the
     inputs' shapes and the sinks' gradient (empty without sinks), by the backward's VARLEN
     switch. Rows that no sequence covers are left unwritten; with ``seqused_k`` the keys past
-    each sequence's used ones get zero gradients (the kernel does not store them)."""
+    each sequence's used ones get zero gradients (the kernel does not store them). No query
+    rows or no keys launch nothing (as the forward): zero gradients, and a sink, each row's
+    one term where there are no keys, gets the sum of its head's dLSE."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        dq, dk, dv = _varlen_gradients(q, k, v)
+        dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
+                  if dlse is None else dlse.float().sum(1))
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)

@@ -272,6 +272,22 @@ def check_lengths(k_len: int, v_len: int, empty_ok: bool = False) -> None:
                          "take")
 
 
+def check_max_seqlen(name: str, n) -> None:
+    """flash-attn's ``max_seqlen_q`` / ``max_seqlen_k``, which the kernels do not read (their
+    grid comes from the packed lengths): an int or anything flash-attn's int parameter takes
+    (a numpy integer, a 0-d integer tensor, a torch.compile SymInt such as ``.item()`` of the
+    lengths' max). Its type is checked, never its value: a comparison would make
+    torch.compile guard on it, and fail on one read with ``.item()``."""
+    if isinstance(n, torch.Tensor):
+        ok = n.dim() == 0 and not (n.dtype.is_floating_point or n.dtype.is_complex or
+                                   n.dtype == torch.bool)
+    else:
+        ok = not isinstance(n, bool) and (isinstance(n, (int, torch.SymInt)) or
+                                          hasattr(type(n), "__index__"))
+    if not ok:
+        raise ValueError(f"{name} must be an int (the longest sequence's length), got {n!r}")
+
+
 def check_attn_mask(attn_mask: torch.Tensor, dtype: torch.dtype,
                     shape: tuple[int, ...]) -> torch.Tensor:
     """A boolean or ``dtype`` mask broadcast (as a stride-0 view) to ``shape``."""

@@ -75,10 +75,10 @@ def _check_bhld(q, k, v, scale, gqa_allowed=True, empty_keys=False):
     return _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[3]))
 
 
-def _check_packed(q, k, v, scale):
+def _check_packed(q, k, v, scale, empty_keys=False):
     """Checks of packed [total, H, D] tensors common to the varlen entry points (``_check_bhld``'s
-    for them); returns the softmax scale."""
-    _validate.check_lengths(k.shape[0], v.shape[0])
+    for them, total_k = 0 only with ``empty_keys``); returns the softmax scale."""
+    _validate.check_lengths(k.shape[0], v.shape[0], empty_keys)
     _validate.check_heads(q.shape[1], k.shape[1], v.shape[1])
     _validate.check_head_dims(q.shape[2], k.shape[2], v.shape[2])
     return _validate.check_scale(scale if scale is not None else 1.0 / math.sqrt(q.shape[2]))

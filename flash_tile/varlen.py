@@ -42,10 +42,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
-    scale = _check_packed(q, k, v, softmax_scale)
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    scale = _check_packed(q, k, v, softmax_scale, empty_keys=not fp8)
+    _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k)
     left, right = _validate.check_window(window_size)
     if causal:
         right = 0
@@ -97,10 +96,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on q's device: sequence b is rows
             cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q (and likewise of k, v). Equal
             consecutive offsets are a sequence of length 0.
-        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (ints >= 1), as
-            flash-attn's signature has them; checked and not otherwise used: the kernels'
-            grid is flattened over every sequence's tiles and comes from the packed lengths
-            (so a new longest length is not a new torch.compile graph).
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths, as flash-attn's
+            signature has them (ints, numpy integers, 0-d integer tensors, or a
+            torch.compile SymInt such as ``.item()`` of the lengths' max); not otherwise used:
+            the kernels' grid is flattened over every sequence's tiles and comes from the
+            packed lengths, so the value is never compared (a new longest length is not a new
+            torch.compile graph).
         dropout_p: as ``flash_attn_func``; the pattern is keyed by each sequence's own
             (sequence, head, row, column), so it does not depend on the packing's offsets.
         causal, window_size: aligned bottom-right per sequence, as flash-attn: row i of a

@@ -5,6 +5,7 @@ for every architecture."""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,8 +56,9 @@ def _args(dtype=torch.bfloat16):
     (dict(return_attn_probs=True, dropout_p=0.1), NotImplementedError, "S_dmask"),
     (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), NotImplementedError,
      "flash_attn_with_kvcache"),
-    (dict(max_seqlen_q=0), ValueError, "max_seqlen_q"),
+    (dict(max_seqlen_q=15.0), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k"),
+    (dict(max_seqlen_k=torch.tensor([20])), ValueError, "max_seqlen_k"),
     (dict(window_size=(3,)), ValueError, "window_size"),
 ])
 def test_bad_arguments_raise_before_launch(change, error, match):
@@ -112,6 +114,75 @@ def test_the_call_reaches_the_launch_as_packed_views(monkeypatch):
     assert drop == _launch.Dropout(0.25, 77)
     assert packing == _launch.Varlen(cu_q, cu_k) and sinks is None
     assert out.shape == (20, 4, 64) and lse.shape == (4, 20)
+
+
+@pytest.mark.parametrize("max_seqlen", [np.int64(15), torch.tensor(15), 0], ids=str)
+def test_max_seqlen_takes_what_flash_attns_int_parameter_takes(monkeypatch, max_seqlen):
+    """flash-attn passes max_seqlen_q/k to an int parameter, which takes numpy integers and
+    0-d integer tensors (and 0, its value when no sequence has keys); the kernels do not read
+    it, so the call reaches the launch whatever it is."""
+    calls = []
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a: calls.append(a))
+    q, k, v, cu_q, cu_k, _, _ = _args()
+    varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_seqlen, max_seqlen, causal=True)
+    assert len(calls) == 1
+
+
+def test_max_seqlen_from_item_compiles_without_a_guard(monkeypatch):
+    """Under torch.compile(fullgraph=True) with captured scalars, a max_seqlen read with
+    ``.item()`` (as Transformers computes it) is an unbacked SymInt: the check takes it
+    without comparing it (a comparison could not be traced). Meta tensors for the packed
+    inputs, the lengths on the CPU (``.item()`` runs)."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_validate, "check_index_tensor", lambda t, *args: t)
+    monkeypatch.setattr(dynamo_config, "capture_scalar_outputs", True)
+    torch.compiler.reset()
+    q = torch.empty(20, 4, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(30, 2, 64, dtype=torch.bfloat16, device="meta")
+    cu_q = torch.tensor([0, 5, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+
+    def fn(q, k, cu_q, cu_k):
+        max_q, max_k = cu_q.diff().max().item(), cu_k.diff().max().item()
+        return varlen.flash_attn_varlen_func(q, k, k, cu_q, cu_k, max_q, max_k, causal=True)
+
+    out = torch.compile(fn, fullgraph=True, backend="eager")(q, k, cu_q, cu_k)
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("empty", ["keys", "queries"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_no_keys_or_no_queries_launch_nothing(monkeypatch, empty, sinks):
+    """Every sequence without keys (flash-attn 2.8 then returns out 0 and an LSE of +inf,
+    max_seqlen_k = 0), or a packing without query rows: out 0 (or empty), the LSE +inf or
+    the head's sink, nothing launched forward or backward; dq 0, dk and dv 0, and a sink's
+    gradient the sum of its head's dLSE (its row's one term). CPU tensors."""
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    for name in ("launch_forward", "launch_backward"):
+        monkeypatch.setattr(_ops, name, lambda *a, name=name: pytest.fail(f"{name} called"))
+    total_q, total_k = (17, 0) if empty == "keys" else (0, 9)
+    cu_q = torch.tensor([0, 7, total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, min(total_k, 4), total_k], dtype=torch.int32)
+    q = torch.randn(total_q, 4, 64).bfloat16().requires_grad_()
+    k, v = (torch.randn(total_k, 2, 64).bfloat16().requires_grad_() for _ in range(2))
+    logits = torch.randn(4).requires_grad_() if sinks else None
+    out, lse = varlen.flash_attn_varlen_func(q, k, v, cu_q, cu_k, total_q, total_k,
+                                             causal=True, return_lse=True, sinks=logits)
+    assert out.shape == (total_q, 4, 64) and bool((out == 0).all())
+    want = (logits.detach()[:, None].expand(4, total_q) if sinks else
+            torch.full((4, total_q), torch.inf))
+    assert torch.equal(lse.detach(), want)
+    dlse = torch.randn(4, total_q)
+    torch.autograd.backward((out, lse), (torch.randn_like(out), dlse))
+    assert q.grad.shape == q.shape and bool((q.grad == 0).all())
+    assert bool((k.grad == 0).all()) and bool((v.grad == 0).all())
+    if sinks:
+        torch.testing.assert_close(logits.grad, dlse.sum(1))
 
 
 def test_the_gradient_reaches_the_backward_launch(monkeypatch):
