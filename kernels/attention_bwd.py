@@ -117,12 +117,14 @@ def _dsink_share(Sinks, dSinks, lse_log2, delta, offs_q, q_len, batch, head, til
     lse_i), the sink's probability: the LSE includes it), stored at dSinks[batch, head,
     tile_m], or under VARLEN at dSinks[0, head, program] (one slot per program of the
     flattened grid), for the host to sum in a fixed order. Rows past the end have lse = +inf
-    (p = 0); under VARLEN the rows past the sequence are the next one's, so they are masked."""
+    (p = 0); under VARLEN the rows past the sequence are the next one's, or past the last
+    sequence rows that no sequence covers, whose output the forward never wrote (Delta and
+    the LSE there may be NaN or inf): their products are selected away, as 0 * NaN is NaN."""
     sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
-    p_sink = ct.exp2(sink - lse_log2, flush_to_zero=True)  # [TILE_M, 1]
+    weighted = ct.exp2(sink - lse_log2, flush_to_zero=True) * delta  # [TILE_M, 1]
     if VARLEN:
-        p_sink = ct.where(offs_q < q_len, p_sink, 0.0)
-    share = -ct.sum(p_sink * delta, axis=0, keepdims=True).reshape((1, 1, 1))
+        weighted = ct.where(offs_q < q_len, weighted, 0.0)
+    share = -ct.sum(weighted, axis=0, keepdims=True).reshape((1, 1, 1))
     if VARLEN:
         ct.store(dSinks, index=(0, head, ct.bid(0)), tile=share)
     else:
