@@ -488,8 +488,9 @@ def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,
     the same reference, plus twice the rounding of ``out``'s dtype at the reference's
     magnitude (flash-attn uses 2 for outputs, 3 for gradients), plus ``atol``: where the
     reference is exactly 0 (dQ with a single key) both terms are 0 and fp32 summation order
-    alone leaves ~1e-7. Infinities (an LSE's empty rows) must match exactly. Returns the
-    numbers and "ok".
+    alone leaves ~1e-7. Infinities (an LSE's empty rows) must match exactly. PyTorch's own
+    result must be finite elsewhere (an overflow there would make any error pass): else the
+    check fails, saying so. Returns the numbers and "ok".
     """
     dtype, ref = out.dtype, out_ref.float()
     inf = ref.isinf()
@@ -499,6 +500,9 @@ def check_error(out: torch.Tensor, out_ref: torch.Tensor, out_pt: torch.Tensor,
     floor = ((ref + 0.3 - 0.3).to(dtype).float() - ref).abs().max().item()
     err = (out - ref).abs().max().item()
     err_pt = (out_pt - ref).abs().max().item()
+    if not math.isfinite(err_pt):
+        return {"ok": False, "max_err": err, "max_err_torch": err_pt, "floor": floor,
+                "why": "PyTorch's low-precision result is not finite: no bound to hold to"}
     ok = err <= factor * err_pt + 2 * floor + atol and not out.isnan().any().item()
     return {"ok": ok, "max_err": err, "max_err_torch": err_pt, "floor": floor}
 

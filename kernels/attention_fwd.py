@@ -55,24 +55,26 @@ take b as the batch index and the sequence's own rows and columns.
 Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
 with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. The running
 max and sum start from it (m_i = sink_h log2(e), l_i = 1; under FP8's scaled P m_i = sink_h
-log2(e) - 8, l_i = 2^8) instead of (-inf, 0), so it costs nothing in the K-loop; the stored LSE includes it.
+log2(e) - 8, l_i = 2^8) instead of (-inf, 0), so it costs nothing in the K-loop; the stored
+LSE includes it.
 
 FP8 (FP8). Q, K and V in float8_e4m3fn with fp32 descale factors d_q, d_k, d_v per (batch,
 kv head): the inputs stand for d_q q8, d_k k8, d_v v8. S = Q8 K8^T on e4m3 tensor cores
 (fp32 accumulate), and d_q d_k joins the softmax scale once per program, so the scores,
 softcap, masks and LSE are those of the dequantized inputs. P, the online softmax's weights
 scaled by 2^8 into [0, 256] (FA3's Max_offset: unscaled, weights under 2^-10 of their row's
-max would round to 0; m_i runs 8 below the max), is rounded to e4m3 for P V (relative
-error <= 2^-4 above 2^-6, absolute <= 2^-10 below: <= 2^-18 of the row's max), l_i sums the
+max would round to 0; m_i runs 8 below the max), is rounded to e4m3 for P V (relative error
+<= 2^-4 above 2^-6, absolute <= 2^-10 below: <= 2^-18 of the row's max), l_i sums the
 unrounded, scaled p, and d_v multiplies the output with 1 / l_i (the 2^8 cancels, and the
-LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3 matmul wants both operands K-major, its reduction axis
-contiguous in shared memory: Q [.., D] and K^T (loaded from K [.., Lk, D] through the
-permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, Lk] and the
-tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
-reading V as stored costs a shared-memory transpose on the hot path (sm_90 SASS: 240-390
-more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 13.4,
-2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV, TILE_N] tiles read
-through the permuted order: torch's strided copy of the same tensor ran at 0.35 TB/s.
+LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3 matmul wants both
+operands K-major, its reduction axis contiguous in shared memory: Q [.., D] and K^T (loaded
+from K [.., Lk, D] through the permuted order) are, V [.., Lk, Dv] is not, so the launcher
+passes V^T [.., Dv, Lk] and the tile is read back as [TILE_N, TILE_DV] through the permuted
+order (``load_keys_major``): reading V as stored costs a shared-memory transpose on the hot
+path (sm_90 SASS: 240-390 more instructions, 70-140 STS and 5-6 barriers a program against
+1-2; tileiras 13.4, 2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV,
+TILE_N] tiles read through the permuted order: torch's strided copy of the same tensor ran
+at 0.35 TB/s.
 
 Masking. Row i sees key j iff
 
@@ -137,13 +139,12 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
         v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
         p = ct.where(dropout_keep(drop_rows, offs_k, drop[1]), p, 0.0)
-    # FP8 (both e4m3): P, scaled into [0, 256] by softmax_step, rounds to e4m3 as it is
-    # (FA3's choice), and V^T's keys are the contiguous axis. The tensor core adds into acc
-    # itself, as FA3 does (its fp32 accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums each
-    # tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
-    # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128,
-    # non-causal, no LSE), and the second accumulator spills at Dv = 256 (521 LDL/STL on
-    # sm_90's 128x64 tile).
+    # FP8 (both e4m3): P, scaled into [0, 256] by softmax_step, rounds to e4m3 as it is (FA3's
+    # choice), and V^T's keys are the contiguous axis. The tensor core adds into acc itself, as FA3
+    # does (its fp32 accumulator keeps fewer mantissa bits): under use_fast_acc=False tileiras sums
+    # each tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
+    # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128, non-causal, no
+    # LSE), and the second accumulator spills at Dv = 256 (521 LDL/STL on sm_90's 128x64 tile).
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha,
                  use_fast_acc=FP8)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc

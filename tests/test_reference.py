@@ -223,6 +223,10 @@ def test_tolerance_rule_can_fail():
     wrong[0, 0, 0, 0] += 0.05
     assert not check_error(wrong, ref, pt)["ok"]
     assert not check_error(torch.full_like(pt, math.nan), ref, pt)["ok"]
+    # An overflow in PyTorch's own result gives no bound: the check fails, not passes all.
+    overflowed = pt.clone()
+    overflowed[1, 2, 3, 4] = math.inf
+    assert not check_error(wrong + 5, ref, overflowed)["ok"]
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:6], ids=SHAPE_IDS[1:6])
