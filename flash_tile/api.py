@@ -218,9 +218,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
             key/value head, FA3's shape; a query head uses its group's) or of one element
             (per tensor); None means 1. The scores are those of q_descale * q and
             k_descale * k; P is rounded to e4m3 for P V and the output multiplied by
-            v_descale. ``flash_tile.quantize_fp8`` makes inputs and factors. The FP8 output
-            is bfloat16; it has no backward and no dropout (both raise NotImplementedError,
-            as FA3).
+            v_descale. ``flash_tile.quantize_fp8`` makes inputs and factors. The factors
+            must be positive and finite: the kernel reads them as they are (checking their
+            values would sync), and a zero or negative one gives NaN or wrong rows. The FP8
+            output is bfloat16; it has no backward and no dropout (both raise
+            NotImplementedError, as FA3).
 
     Gradients flow to q, k, v and the sinks (not to alibi_slopes) when they require grad:
     dsinks[h] = -sum over batch and rows of p_sink * (dO . O - dLSE). The backward

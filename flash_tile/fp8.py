@@ -23,6 +23,7 @@ from flash_tile._validate import FP8_DTYPE
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
+@torch.no_grad()  # the rounding has no gradient; an FP8 call refuses inputs that need one
 def quantize_fp8(x: torch.Tensor, per: str = "head", kv_heads: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, descale): x [B, L, H, D] (float16, bfloat16 or float32) as float8_e4m3fn with
@@ -33,12 +34,18 @@ def quantize_fp8(x: torch.Tensor, per: str = "head", kv_heads: int | None = None
     ``flash_attn_func``'s descale arguments take for k and v. For q under GQA/MQA pass
     ``kv_heads`` (the key/value heads): then each group of H / kv_heads query heads shares
     one factor, descale [B, kv_heads], as q_descale must be. ``per="tensor"``: one factor,
-    a 0-d float32 descale (``kv_heads`` raises there). A group of zeros gets a factor of 1.
+    a 0-d float32 descale (``kv_heads`` raises there). A group of zeros gets a factor of 1,
+    one of magnitudes too small for a normal float32 factor the smallest normal one (its
+    values then round to 0, as they would anyway), so that every factor is positive, as the
+    kernels need. A group holding an inf or NaN gets a factor of inf or NaN, which reaches
+    the output (nothing is hidden). Neither x8 nor descale requires grad.
     """
     if x.dim() != 4 or not x.is_floating_point() or x.dtype in (FP8_DTYPE, torch.float64):
         raise ValueError("quantize_fp8 takes a [batch, seqlen, heads, head_dim] float16, "
                          f"bfloat16 or float32 tensor, got {x.dtype} of shape "
                          f"{tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"quantize_fp8 needs elements to scale, got shape {tuple(x.shape)}")
     batch, length, heads, dim = x.shape
     if per == "tensor":
         if kv_heads is not None:
@@ -53,7 +60,8 @@ def quantize_fp8(x: torch.Tensor, per: str = "head", kv_heads: int | None = None
         amax = grouped.abs().amax(dim=(1, 3, 4)).float()  # [B, groups]
     else:
         raise ValueError(f'per must be "head" or "tensor", got {per!r}')
-    descale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    descale = torch.where(amax == 0, 1.0, (amax / E4M3_MAX).clamp_min(
+        torch.finfo(torch.float32).tiny))
     if per == "tensor":
         scale = descale
     else:  # each head's factor, [B, 1, H, 1]

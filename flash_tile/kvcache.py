@@ -121,9 +121,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cache_batch_idx) or of one element (per tensor); None is 1. Only with an FP8
             cache, which the decode widens to q's dtype tile by tile (exact): the matmuls
             and the softmax run as for a q-dtype cache while a step reads half the bytes.
-            ``flash_tile.quantize_fp8(cache)`` makes such a cache with [B, H_kv] factors
-            (``per="tensor"`` one factor, as a paged cache needs). FP8 q is not supported
-            (NotImplementedError).
+            ``flash_tile.quantize_fp8(cache)`` makes such a cache with [B_cache, H_kv]
+            factors, one per cache row: with ``cache_batch_idx`` (or B_cache > B) pass
+            ``kd[cache_batch_idx]`` (or ``kd[:B]``); ``per="tensor"`` gives one factor, as a
+            paged cache needs. The factors must be positive and finite (not checked:
+            reading them would sync). FP8 q is not supported (NotImplementedError).
         attn_mask: optional bool tensor [B, 1, Lq, L] or any shape that broadcasts to it, L
             the cache's capacity (L_cache, or max_blocks * page_size): query row i of
             sequence b sees cache position j only where attn_mask[b, 0, i, j] is True, on

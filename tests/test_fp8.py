@@ -144,6 +144,25 @@ def test_quantize_zero_group_and_errors():
         flash_tile.quantize_fp8(torch.zeros(1, 4, 3, 16), kv_heads=2)
     with pytest.raises(ValueError, match="one factor"):  # no groups to share a tensor's
         flash_tile.quantize_fp8(x, per="tensor", kv_heads=1)
+    with pytest.raises(ValueError, match="elements"):
+        flash_tile.quantize_fp8(torch.zeros(1, 0, 2, 16))
+
+
+def test_quantize_edge_groups():
+    """Head 0 holds a NaN, head 1 an inf, head 2 magnitudes of 1e-44 (float32 subnormals),
+    head 3 ordinary values; the input requires grad, as a model's activations do. The NaN
+    and the inf reach their factors (not hidden behind a factor of 1), the tiny group gets a
+    positive factor, the ordinary one its amax / 448; nothing requires grad, so that an FP8
+    call (which refuses inputs needing a gradient) takes the outputs as they are."""
+    x = torch.randn(1, 8, 4, 16)
+    x[0, 3, 0, 5], x[0, 2, 1, 7] = math.nan, math.inf
+    x[:, :, 2] = 1e-44
+    x.requires_grad_()
+    x8, descale = flash_tile.quantize_fp8(x)
+    assert descale[0, 0].isnan() and descale[0, 1].isinf()
+    assert descale[0, 2] == torch.finfo(torch.float32).tiny
+    assert descale[0, 3] == x[:, :, 3].detach().abs().amax() / E4M3_MAX
+    assert not x8.requires_grad and not descale.requires_grad
 
 
 def test_hadamard_is_orthonormal_and_keeps_scores():
