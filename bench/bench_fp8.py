@@ -203,28 +203,43 @@ def table(rows):
                            for r in rows))
 
 
+def _verdict(values, ok, unmeasured):
+    """'met' / 'NOT met' over measured ``values`` (``ok`` each), with how many rows had no
+    measurement (those never count as met)."""
+    met = sum(map(ok, values))
+    text = "met" if values and met == len(values) and not unmeasured else "NOT met"
+    text += f" on {met}/{len(values) + unmeasured} rows"
+    return text + (f", {unmeasured} not measured" if unmeasured else "")
+
+
 def targets(rows):
-    """Issue 26's targets on the measured rows."""
+    """Issue 26's targets, each judged on the rows it names (D = 128, L >= 4k, non-causal for
+    the first two); a row without a measurement is counted, never met."""
     lines = []
-    d128 = [r for r in rows if r["head_dim"] == 128 and r["seqlen"] >= 4096 and
-            not r["causal"] and r["tflops"]["flash_tile_fp8"]]
-    if d128:
-        worst = min(r["tflops"]["flash_tile_fp8"] for r in d128)
+    named = [r for r in rows if r["head_dim"] == 128 and r["seqlen"] >= 4096 and
+             not r["causal"]]
+    if named:
+        fp8 = [r["tflops"]["flash_tile_fp8"] for r in named if r["tflops"]["flash_tile_fp8"]]
         lines.append(f"- >= 1000 TFLOP/s at D=128, L >= 4k, non-causal: "
-                     f"{'met' if worst >= 1000 else 'NOT met'} (worst {worst:.0f})")
+                     f"{_verdict(fp8, lambda x: x >= 1000, len(named) - len(fp8))}"
+                     + (f" (worst {min(fp8):.0f})" if fp8 else ""))
+        ratios = [r["ratio_vs_bf16"] for r in named if r["ratio_vs_bf16"]]
+        lines.append(f"- >= 1.5x flash_tile bf16 on those rows: "
+                     f"{_verdict(ratios, lambda x: x >= 1.5, len(named) - len(ratios))}"
+                     + (f" (worst {min(ratios):.2f}x)" if ratios else ""))
     ratios = sorted(r["ratio_vs_bf16"] for r in rows if r["ratio_vs_bf16"])
     if ratios:
         met = sum(x >= 1.5 for x in ratios)
-        lines.append(f"- >= 1.5x flash_tile bf16: met on {met}/{len(ratios)} rows (worst "
-                     f"{ratios[0]:.2f}x, best {ratios[-1]:.2f}x)")
+        lines.append(f"- >= 1.5x flash_tile bf16, every row: met on {met}/{len(rows)} rows "
+                     f"(worst {ratios[0]:.2f}x, best {ratios[-1]:.2f}x)")
     rmse = [r["rmse"] for r in rows if r["rmse"] is not None]
-    if rmse:
-        lines.append(f"- RMSE vs fp32 attention of the bf16 inputs (FA3 baseline 2.4e-2): "
-                     f"worst {max(rmse):.2e}")
+    lines.append(f"- RMSE vs fp32 attention of the bf16 inputs <= 2.4e-2 (FA3's baseline): "
+                 f"{_verdict(rmse, lambda x: x <= 2.4e-2, len(rows) - len(rmse))}"
+                 + (f" (worst {max(rmse):.2e})" if rmse else ""))
     rotated = [r["rmse_rotated"] for r in rows if r["rmse_rotated"] is not None]
-    if rotated:
-        lines.append(f"- RMSE with q, k Hadamard-rotated (target 1.0e-2, FA3 9.1e-3): "
-                     f"{'met' if max(rotated) <= 1e-2 else 'NOT met'} (worst {max(rotated):.2e})")
+    lines.append(f"- RMSE with q, k Hadamard-rotated <= 1.0e-2 (FA3 9.1e-3): "
+                 f"{_verdict(rotated, lambda x: x <= 1e-2, len(rows) - len(rotated))}"
+                 + (f" (worst {max(rotated):.2e})" if rotated else ""))
     vs_cudnn = sorted(r["ratio_vs_cudnn"] for r in rows if r["ratio_vs_cudnn"])
     if vs_cudnn:
         met = sum(x >= 1.0 for x in vs_cudnn)

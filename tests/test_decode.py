@@ -388,6 +388,17 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
         worst = min(r["paged_ratio"].values())
         assert f"| {worst:.2f}x |" in line, (worst, line)
         assert ("paged < 0.95x" in line) == (worst < 0.95), line
+    # A row whose flash_tile or cuDNN measurement failed gets no verdict, never "met".
+    unmeasured = dict(saved["rows"][0], ratio_vs_cudnn=None, fraction_of_bandwidth=None,
+                      paged_ratio={}, cache_mib=64.0)
+    line = bench_decode.table([unmeasured], 4000.0).splitlines()[-1]
+    assert line.endswith("| not measured: vs cuDNN, bandwidth |"), line
+    assert "met" not in line.split("|")[-2]
+    host = bench_decode.host_verdict({"flash_attn_with_kvcache": 53.4,
+                                      "flash_attn_with_kvcache, one split": 19.0,
+                                      "ct.launch": 8.0})
+    assert host.endswith("missed (flash_attn_with_kvcache 53.4 us).")
+    assert bench_decode.host_verdict({"ct.launch": 8.0}).endswith("not measured.")
 
 
 def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):

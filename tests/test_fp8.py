@@ -350,3 +350,26 @@ def test_twin_keeps_the_weights_far_below_the_max(sink):
                                    return_lse=True)
     assert (out - ref).norm() / ref.norm() < (1e-2 if sink is None else 5e-2)
     assert torch.allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
+    """bench_fp8's verdicts on the committed H200 results, and with the D = 128 4k row's
+    FP8 measurement gone (a failed check): that row is counted and not met, never dropped."""
+    import json
+    import pathlib
+
+    bench = pathlib.Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    import bench_fp8
+
+    rows = json.loads((bench / "results" / "fp8-h200.json").read_text())["rows"]
+    text = bench_fp8.targets(rows)
+    assert "D=128, L >= 4k, non-causal: NOT met on 0/2 rows" in text
+    named = next(r for r in rows if r["head_dim"] == 128 and r["seqlen"] == 4096 and
+                 not r["causal"])
+    named["tflops"] = dict(named["tflops"], flash_tile_fp8=2000.0)
+    other = next(r for r in rows if r is not named and r["head_dim"] == 128 and
+                 r["seqlen"] > 4096 and not r["causal"])
+    other["tflops"] = dict(other["tflops"], flash_tile_fp8=None)
+    text = bench_fp8.targets(rows)
+    assert "non-causal: NOT met on 1/2 rows, 1 not measured" in text
