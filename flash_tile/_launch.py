@@ -227,7 +227,9 @@ def hinted_backward_kernels(config: TileConfig, int64_index: bool = False) -> tu
 
 def delta_workspace(batch: int, heads: int, q_len: int, device: torch.device) -> torch.Tensor:
     """Delta = rowsum(dO * O) - dLSE, fp32 [B, H, Lq]: stored by the dQ (or preprocess)
-    kernel for every row the dK/dV kernel reads, so it starts uninitialised."""
+    kernel for every row of every sequence, so it starts uninitialised. Under varlen the
+    dK/dV kernel's last ragged query tile also reads rows no sequence covers, unstored, and
+    masks them."""
     return torch.empty((batch, heads, q_len), dtype=torch.float32, device=device)
 
 

@@ -78,6 +78,16 @@ def forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset
     return run
 
 
+def _dense_dout(dout: torch.Tensor) -> torch.Tensor:
+    """The output's gradient as the backward kernels read it: itself where its last stride
+    is 1 and no dimension of more than one element has stride 0, else a contiguous copy. A
+    broadcast one (autograd's gradient of a sum over the rows or heads is an expand, stride
+    0) would hand the kernels' tensor maps a zero stride, which they have not run on."""
+    if dout.stride(-1) == 1 and all(st or n == 1 for st, n in zip(dout.stride(), dout.shape)):
+        return dout
+    return dout.contiguous()
+
+
 def _no_sinks(device: torch.device) -> torch.Tensor:
     """The sinks' gradient of a call without sinks: an empty tensor (an op returns tensors)."""
     return torch.empty((0,), dtype=torch.float32, device=device)
@@ -210,7 +220,7 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
                   if dlse is None else dlse.float().sum((0, 2)))
         return dq.zero_(), dk, dv, dsinks
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
     run = backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale,
@@ -475,7 +485,7 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
                   if dlse is None else dlse.float().sum(1))
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
     run = varlen_backward_runner(dout, q, k, v, out, lse, dlse, varlen, alibi_slopes, scale,

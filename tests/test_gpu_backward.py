@@ -74,8 +74,9 @@ def test_gradients(case, dtype, backward_form):
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[7]], ids=["ragged", "gqa", "softcap"])
-def test_gradients_through_lse(case):
-    """A loss on both outputs, as ring attention's merge makes: dLSE shifts Delta."""
+def test_gradients_through_lse(case, backward_form):
+    """A loss on both outputs, as ring attention's merge makes: dLSE shifts Delta (in the one
+    pass, in its preprocess)."""
     shape, causal, window, softcap, _ = case
     q, k, v = _inputs(shape, torch.bfloat16)
     dout = torch.randn(shape[0], shape[3], shape[1], shape[6], device="cuda",
@@ -194,9 +195,10 @@ def test_more_than_2_31_elements(backward_form):
 
 @pytest.mark.parametrize("k_len", [150, 160, 512])  # ragged; multiples of 16 (TMA-aligned)
 @pytest.mark.parametrize("kind", ["bool", "bool-full", "additive"])
-def test_sdpa_function_gradients_with_mask(kind, k_len):
+def test_sdpa_function_gradients_with_mask(kind, k_len, backward_form):
     """Bool masks broadcast over heads or full, and an additive one, at ragged and 16-aligned
-    key lengths (a bool mask read through TMA was misread, see _launch.kernel_mask)."""
+    key lengths (a bool mask read through TMA was misread, see _launch.kernel_mask), under
+    both backward forms."""
     q = torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.float16).requires_grad_()
     k, v = (torch.randn(2, 4, k_len, 64, device="cuda", dtype=torch.float16).requires_grad_()
             for _ in range(2))
@@ -217,11 +219,50 @@ def test_sdpa_function_gradients_with_mask(kind, k_len):
         assert report["ok"], f"{name}: {report}"
 
 
+@pytest.mark.parametrize("pool", ["rows", "heads"])
+def test_pooled_losses(pool, backward_form):
+    """A loss of the output summed over its rows (or heads), whose gradient autograd hands
+    the backward as an expand (stride 0): the backward reads a dense copy, and the gradients
+    hold to the 3x rule."""
+    q, k, v = _inputs((2, 4, 2, 113, 203, 64, 64), torch.bfloat16)
+    dim = 1 if pool == "rows" else 2
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        fn(*leaves).sum(dim).float().square().sum().backward()
+        return [t.grad for t in leaves]
+
+    def ours(q, k, v):
+        return flash_tile.flash_attn_func(q, k, v, causal=True)
+
+    def dense(q, k, v):
+        return attention_dense(*(t.transpose(1, 2) for t in (q, k, v)), diag_offset=90,
+                               window=(-1, 0)).transpose(1, 2)
+
+    got, ref, low = grads(ours, torch.bfloat16), grads(dense, torch.float32), \
+        grads(dense, torch.bfloat16)
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, ref, low):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+
+
 def test_opcheck():
+    """The forward and the backward op (with sinks and a dLSE, q a [B, L, H, D] layout's
+    transpose as the public functions pass it) against torch.library's checks: the fakes'
+    shapes, strides and dtypes are the real ones', and the registration is sound."""
     q, k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.float16).requires_grad_()
                for _ in range(3))
     torch.library.opcheck(torch.ops.flash_tile.attention_forward,
                           (q, k, v, None, None, 0.125, 0.0, 0, -1, 0, True))
+    q, k, v = (torch.randn(1, 100, 2, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+               for _ in range(3))
+    sinks = torch.randn(2, device="cuda")
+    out, lse = torch.ops.flash_tile.attention_forward(q, k, v, None, None, 0.125, 0.0, 0, -1,
+                                                      0, True, 0.0, 0, sinks)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    torch.library.opcheck(torch.ops.flash_tile.attention_backward,
+                          (dout, q, k, v, out, lse, dlse, None, None, 0.125, 0.0, 0, -1, 0,
+                           0.0, 0, sinks))
 
 
 class _Block(torch.nn.Module):

@@ -193,6 +193,24 @@ def test_eager_path_runs_the_op_bodies_without_the_ops(monkeypatch, op_launches,
     assert scalars == [None, None, 0.125, 0.0, 20, (-1, 0), config, dropout]
 
 
+@pytest.mark.parametrize("loss", ["sum over rows", "sum over heads", "transposed"])
+def test_the_backward_reads_a_dense_output_gradient(monkeypatch, op_launches, loss):
+    """A loss's gradient may reach the backward broadcast (autograd's gradient of a sum is an
+    expand: stride 0) or with a strided last dim: the kernels get a copy without either,
+    holding the same values. CPU tensors, the launches recorded."""
+    q, k, v = _qkv(requires_grad=True, device="cpu")
+    out, _ = _ops.attention_forward(q, k, v, None, None, 0.125, 0.0, 20, -1, 0, True)
+    if loss == "sum over rows":  # the sum's gradient is the expand, as out's dtype
+        out.sum(2).float().square().sum().backward()
+    elif loss == "sum over heads":
+        (out.sum(1).float() * torch.arange(40.0)).sum().backward()
+    else:
+        out.backward(torch.randn(2, 8, 40, 100, dtype=out.dtype).transpose(-1, -2))
+    dout = op_launches[-1][0]
+    assert dout.stride(-1) == 1 and all(st > 0 for st in dout.stride()), dout.stride()
+    assert dout.shape == out.shape
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_a_second_backward_raises_instead_of_dropping_terms(monkeypatch, op_launches, varlen):
     """With create_graph=True eager mode's backward takes the backward op, which has no
