@@ -331,7 +331,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dq, dk = dq * scale, dk * scale
     # Each key/value head's gradient is the sum over the query heads of its group.
     kv_shape = (batch, heads // group, group, k_len)
-    grads = dq, dk.view(*kv_shape, -1).sum(2), dv.view(*kv_shape, -1).sum(2)
+    grads = (dq, dk.view(*kv_shape, dk.shape[-1]).sum(2),
+             dv.view(*kv_shape, dv.shape[-1]).sum(2))
     if sinks is None:
         return grads
     sink = sinks.detach().to("cpu", torch.float64).view(1, heads, 1)

@@ -21,6 +21,8 @@ SHAPES = [
     (1, 1, 1, 203, 1, 160, 160),
     (1, 2, 1, 1023, 1024, 64, 64),
     (1, 1, 1, 1024, 1023, 256, 256),
+    (2, 4, 2, 0, 17, 32, 32),  # no query rows
+    (2, 2, 1, 9, 0, 32, 16),   # no keys: every row sees none
 ]
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 WINDOWS = [(-1, -1), (-1, 0), (0, 0), (37, -1), (16, 0), (5, 70), (300, 300)]
@@ -55,8 +57,10 @@ def test_matches_sdpa(shape, tiles):
     out, lse = attention_tiles(q, k, v, scale, tile_m=tile_m, tile_n=tile_n)
     torch.testing.assert_close(out, _sdpa(q, k, v, scale), rtol=1e-10, atol=1e-10)
     k_full = k.repeat_interleave(shape[1] // shape[2], dim=1)
-    torch.testing.assert_close(lse, torch.logsumexp(scale * q @ k_full.transpose(-1, -2), -1),
-                               rtol=1e-10, atol=1e-10)
+    ref_lse = torch.logsumexp(scale * q @ k_full.transpose(-1, -2), -1)
+    # torch's LSE of no keys is -inf; flash-attn's (and these kernels') is +inf.
+    ref_lse = ref_lse.masked_fill(ref_lse == -math.inf, math.inf)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
     # Top-left causal is SDPA's is_causal.
     out, _ = attention_tiles(q, k, v, scale, window=(-1, 0), tile_m=tile_m, tile_n=tile_n)
@@ -288,3 +292,17 @@ def test_dropout_keep_bits_of_neighbouring_scores_are_independent(seed):
         a, b = centred[:2048 - di, :2048 - dj], centred[di:, dj:]
         z = (a * b).mean().item() / centred.var().item() * math.sqrt(a.numel())
         assert abs(z) < 5, (di, dj, z)
+
+
+@pytest.mark.parametrize("window,rows", [
+    ((1, 0), ["001100", "000110", "000011"]),
+    ((2, 1), ["011110", "001111", "000111"]),
+    ((-1, 0), ["111100", "111110", "111111"]),
+])
+def test_window_rule_written_out(window, rows):
+    """flash-attn's rule written out by hand for Lq = 3, Lk = 6 (bottom-right: diag_offset
+    3): row i sees key j iff i + 3 - left <= j <= i + 3 + right, -1 unbounded. Everything
+    else (the twin, the GPU references, the masks built for SDPA) derives from visible_keys,
+    so this is where the rule is stated independently."""
+    want = torch.tensor([[c == "1" for c in row] for row in rows])
+    assert torch.equal(visible_keys(3, 6, 3, window), want)

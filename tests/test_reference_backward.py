@@ -19,6 +19,8 @@ CASES = [
     ((1, 4, 2, 50, 77, 16, 8), (-1, 0), 2.0, True, None),        # softcap + ALiBi
     ((2, 2, 2, 40, 60, 16, 16), (-1, -1), 0.0, False, "bool"),   # boolean mask, empty row
     ((1, 2, 1, 40, 60, 16, 16), (-1, -1), 0.0, True, "additive"),
+    ((1, 4, 2, 0, 17, 16, 16), (-1, 0), 0.0, False, None),       # no query rows
+    ((2, 2, 1, 9, 0, 16, 8), (-1, -1), 0.0, False, None),        # no keys
 ]
 
 
