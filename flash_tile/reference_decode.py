@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from flash_tile.kernels.attention_decode import split_key_tiles
 from flash_tile.reference import attention_tiles, cdiv
 
 
@@ -75,20 +76,26 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
                            softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                            tile_lq: int = 1, tile_n: int = 128, num_splits: int = 1,
                            sinks: torch.Tensor | None = None,
-                           masks: list[torch.Tensor] | None = None
+                           masks: list[torch.Tensor] | None = None,
+                           leftpad: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode kernel's work split in float64 on the CPU: per sequence and query tile of
-    ``tile_lq`` rows, the key tiles some row sees cut into ``num_splits`` runs, each run's
-    partial output and LSE from the forward's twin (``attention_tiles``, the same online
-    softmax), then the combine: lse = log sum_s exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
+    ``tile_lq`` rows, the key tiles some row sees cut into ``num_splits`` runs (the kernel's
+    own ``split_key_tiles``), each run's partial output and LSE from the forward's twin
+    (``attention_tiles``, the same online softmax), then the combine: lse = log sum_s
+    exp(lse_s), o = sum_s exp(lse_s - lse) o_s.
 
     q [B, Lq, H, D] (flash-attn's layout); ``seqs`` from ``cache_sequences``; causal and
     windows bottom-right per sequence (row i sees key j iff i + k_len - Lq - left <= j <=
     i + k_len - Lq + right). ``sinks`` [H] join split 0's softmax (empty or not), as the
     kernel's SINKS switch, so the combine counts them once. ``masks`` (``cache_masks``: each
     sequence's [1, 1, Lq, k_len_b] bool mask, shared by the heads) hide keys as the kernel's
-    ATTN_MASK switch. Returns (out [B, Lq, H, Dv], lse [B, H, Lq]) in float64, lse +inf (or
-    the sink) and out 0 for rows that see no key.
+    ATTN_MASK switch. With ``leftpad`` [B] (flash-attn's ``cache_leftpad``) the twin works
+    in cache rows as the kernel's LEFTPAD switch does: ``seqs`` and ``masks`` then start at
+    cache row 0 (``cache_sequences`` and ``cache_masks`` without ``leftpad``), k_len counts
+    the pad, the pad's rows are hidden and the key tiles wholly inside it skipped. Returns
+    (out [B, Lq, H, Dv], lse [B, H, Lq]) in float64, lse +inf (or the sink) and out 0 for rows
+    that see no key.
     """
     q = q.detach().to("cpu", torch.float64).transpose(1, 2)  # [B, H, Lq, D]
     batch, heads, q_len, head_dim = q.shape
@@ -98,18 +105,15 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
     lse = torch.full((batch, heads, q_len), math.inf, dtype=torch.float64)
     for b, (k, v) in enumerate(seqs):
         k_len = k.shape[2]
+        k_lo = 0 if leftpad is None else min(int(leftpad[b]), k_len)
         slopes = None if alibi_slopes is None else alibi_slopes.expand(batch, heads)[b:b + 1]
         for m_start in range(0, q_len, tile_lq):
             rows = slice(m_start, min(m_start + tile_lq, q_len))
-            first, last = m_start, rows.stop - 1
-            n_lo = 0 if left < 0 else max(min(first + k_len - q_len - left, k_len), 0) // tile_n
-            n_hi = cdiv(k_len, tile_n) if right < 0 else \
-                cdiv(max(min(last + k_len - q_len + right + 1, k_len), 0), tile_n)
-            per_split = cdiv(max(n_hi - n_lo, 0), num_splits)
             parts = []
             for split in range(num_splits):
-                n0 = n_lo + split * per_split
-                n1 = min(n0 + per_split, n_hi)
+                n0, n1 = split_key_tiles(m_start, rows.stop - 1, k_len, k_lo, k_len - q_len,
+                                         left, right, split, tile_n, num_splits, left >= 0,
+                                         right >= 0, leftpad is not None)
                 sink = sinks if split == 0 else None
                 if n0 >= n1:
                     if sink is not None:  # the sink alone: o_s = 0, lse_s = sink
@@ -119,6 +123,9 @@ def decode_tiles_reference(q: torch.Tensor, seqs: list[tuple[torch.Tensor, torch
                     continue  # the kernel's empty split: lse -inf, weight 0
                 keys = slice(n0 * tile_n, n1 * tile_n)
                 mask = None if masks is None else masks[b][:, :, rows, keys]
+                if leftpad is not None:  # the pad's rows are keys of no row
+                    past_pad = torch.arange(keys.start, min(keys.stop, k_len)) >= k_lo
+                    mask = past_pad if mask is None else mask & past_pad
                 o_s, lse_s = attention_tiles(
                     q[b:b + 1, :, rows], k[:, :, keys], v[:, :, keys], scale,
                     k_len - q_len + m_start - n0 * tile_n, window, softcap, slopes, mask,

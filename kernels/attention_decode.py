@@ -168,6 +168,26 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
     return _joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
 
 
+def split_key_tiles(first_row, last_row, k_len, k_lo, diag_offset, window_left, window_right,
+                    split, TILE_N: ConstInt, NUM_SPLITS: ConstInt, MASK_LEFT: ConstBool,
+                    MASK_RIGHT: ConstBool, LEFTPAD: ConstBool):
+    """Split ``split``'s run [n_start, n_end) of the key tiles that some query row from
+    first_row to last_row sees (and, under LEFTPAD, that reach past the pad's last row
+    k_lo - 1), the runs cut evenly into NUM_SPLITS, the last ones possibly empty. Plain
+    integer code: the CPU twin (``flash_tile.reference_decode``) walks the same runs."""
+    n_lo = 0
+    if MASK_LEFT:
+        n_lo = max(min(first_row + diag_offset - window_left, k_len), 0) // TILE_N
+    if LEFTPAD:
+        n_lo = max(n_lo, k_lo // TILE_N)
+    n_hi = ct.cdiv(k_len, TILE_N)
+    if MASK_RIGHT:
+        n_hi = ct.cdiv(max(min(last_row + diag_offset + window_right + 1, k_len), 0), TILE_N)
+    per_split = ct.cdiv(max(n_hi - n_lo, 0), NUM_SPLITS)
+    n_start = n_lo + split * per_split
+    return n_start, min(n_start + per_split, n_hi)
+
+
 def _kv_descale(Descale, batch, kv_head):
     """An FP8 cache's descale factor of (sequence, key/value head): Descale [B, H_kv] fp32 (a
     stride-0 view for one factor per tensor), as a scalar."""
@@ -282,20 +302,12 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
 
     # The key tiles some row of this query tile sees, then this split's share of them.
     first_row = tile_q * TILE_LQ
-    last_row = min(first_row + TILE_LQ, q_len) - 1
-    n_lo = 0
-    if MASK_LEFT:
-        n_lo = max(min(first_row + diag_offset - window_left, k_len), 0) // TILE_N
     k_lo = 0
     if LEFTPAD:
         k_lo = ct.load(LeftPad, (batch,), shape=()).item()
-        n_lo = max(n_lo, k_lo // TILE_N)
-    n_hi = ct.cdiv(k_len, TILE_N)
-    if MASK_RIGHT:
-        n_hi = ct.cdiv(max(min(last_row + diag_offset + window_right + 1, k_len), 0), TILE_N)
-    per_split = ct.cdiv(max(n_hi - n_lo, 0), NUM_SPLITS)
-    n_start = n_lo + split * per_split
-    n_end = min(n_start + per_split, n_hi)
+    n_start, n_end = split_key_tiles(first_row, min(first_row + TILE_LQ, q_len) - 1, k_len,
+                                     k_lo, diag_offset, window_left, window_right, split,
+                                     TILE_N, NUM_SPLITS, MASK_LEFT, MASK_RIGHT, LEFTPAD)
 
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)

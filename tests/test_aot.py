@@ -1,16 +1,27 @@
-"""Ahead-of-time compiles on the CPU: every architecture gets tensor-core (and TMA) code.
+"""Ahead-of-time compiles on the CPU: each architecture's kernels run on its own tensor-core
+op (and load through TMA where it has one).
 
-The matrix: each architecture in ``variants.ARCHS`` compiles the variant its default config
-launches for six representative instances of the one kernel body. The switches are
-compile-time constants, so these cover every branch of the source at least once:
-  - the heaviest common case: float16, D=128, causal, ragged key length, LSE stored;
-  - the lightest: bfloat16, D=64, not causal, even length, no LSE (only the unmasked loop);
-  - a sliding window with causal at D=256 (both window edges, the wide-head config);
-  - odd head dims (D=72, Dv=40: padded tiles), softcap and ALiBi, a two-sided window;
-  - a boolean attention mask with causal masking (SDPA's masks; additive ones differ by a
-    cast and an add, compiled on sm_90 below with the 64-bit-index entry point);
-  - dropout (the keep-bit hash in the K-loop) with causal masking and the LSE.
-Each compile takes a few seconds, which keeps this file near three minutes on two cores.
+The switches are compile-time constants, so each instance is machine code of its own; what is
+compiled here, for the architectures of ``variants.ARCHS``:
+  - the forward matrix: on every architecture, with its default config, six instances:
+    - the heaviest common case: float16, D=128, causal, ragged key length, LSE stored;
+    - the lightest: bfloat16, D=64, not causal, even length, no LSE (only the unmasked loop);
+    - a sliding window with causal at D=256 (both window edges, the wide-head config);
+    - odd head dims (D=72, Dv=40: padded tiles), softcap and ALiBi, a two-sided window;
+    - a boolean attention mask with causal masking (SDPA's masks);
+    - dropout (the keep-bit hash in the K-loop) with causal masking and the LSE;
+  - the backward matrix: three instances (BACKWARD_VARIANTS) on every architecture;
+  - every registered forward and backward variant (the defaults and the tuner's candidates)
+    for each architecture of its family, the forward also under every score feature at once;
+  - on every architecture, the 64-bit-index entry points (forward with an additive mask,
+    backward); the one-pass backward on sm_90 and sm_100;
+  - fewer architectures for the rest: FP8 on sm_90, sm_100 and sm_120; VARLEN, SINKS and
+    SEQUSED_K on sm_90 only (tests/test_varlen.py and tests/test_sinks.py compile them for
+    more); sm_90's schedule hints and the defaults chosen for its registers.
+So not every branch on every architecture. Tensor-core checks go through
+``assert_tensor_core_path``: the arch's op and no other (KNOWN_FALLBACKS lists what is not).
+A compile takes 2-6 s (tileiras 13.4, cuTile's disk cache off, 2026-12-05); the file's
+{ITEMS} items took {MINUTES} min on two cores (-n 2) then.
 """
 
 import dataclasses
@@ -438,8 +449,6 @@ def test_forward_schedule_fields_reach_the_machine_code():
     default = sass()  # hints 2/4
     assert mmas(sass(latency_k=8, latency_v=8)) < mmas(default) < mmas(sass(latency_k=1,
                                                                           latency_v=1))
-
-
 
 
 # The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the two

@@ -107,9 +107,12 @@ def test_split_and_combine_hide_the_masked_keys(num_splits, tile_lq, tile_n, win
         softcap = 5.0
         slopes = torch.rand(batch, heads, generator=gen, dtype=torch.float64)
         sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
-    out, lse = reference_decode.decode_tiles_reference(q, seqs, None, window, softcap, slopes,
-                                                       tile_lq, tile_n, num_splits, sinks,
-                                                       masks)
+    # The twin in cache rows, as the kernel (the pad hidden, its whole tiles skipped); the
+    # reference on the keys past the pad.
+    out, lse = reference_decode.decode_tiles_reference(
+        q, reference_decode.cache_sequences(k_cache, v_cache, seqlens), None, window, softcap,
+        slopes, tile_lq, tile_n, num_splits, sinks,
+        reference_decode.cache_masks(mask, seqlens), leftpad)
     for b, (k, v) in enumerate(seqs):
         ref, ref_lse = reference.attention_dense(
             q[b:b + 1].transpose(1, 2), k, v, diag_offset=k.shape[2] - q_len, window=window,
