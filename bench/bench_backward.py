@@ -222,6 +222,30 @@ def dropout_table(rows):
                                        *r["tflops"].values()] for r in rows))])
 
 
+def row_targets(r) -> str:
+    """Issue 25's targets on one grid row: the backward (events and on-device timings) at
+    least 1.0x cuDNN's (0.95x at D = 256), forward+backward at least 1.0x, and peak memory at
+    or below cuDNN's; a ratio the row lacks is "not measured", never met."""
+    floor = 0.95 if r["head_dim"] == 256 else 1.0
+    misses, unmeasured = [], []
+    for label, key, need in (("bwd", "bwd_ratio_vs_cudnn", floor),
+                             ("bwd on device", "bwd_device_ratio_vs_cudnn", floor),
+                             ("fwd+bwd", "fwd_bwd_ratio_vs_cudnn", 1.0)):
+        ratio = r.get(key)
+        if ratio is None:
+            unmeasured.append(label)
+        elif ratio < need:
+            misses.append(f"{label} {ratio:.3f}x < {need}x")
+    ours, cudnn = (r["peak_mib"].get(n) for n in ("flash_tile", "sdpa_cudnn"))
+    if ours is None or cudnn is None:
+        unmeasured.append("memory")
+    elif ours > cudnn:
+        misses.append(f"memory {ours} > {cudnn} MiB")
+    parts = ([f"missed: {', '.join(misses)}"] if misses else []) + \
+        ([f"not measured: {', '.join(unmeasured)}"] if unmeasured else [])
+    return "; ".join(parts) or "met"
+
+
 def table(rows, memory):
     """The grid's TFLOP/s and per-row peak memory (when it has rows), then the memory sweep."""
     names = ["flash_tile", "flash_tile_2pass", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
@@ -230,13 +254,14 @@ def table(rows, memory):
     parts = []
     if rows:
         head = ["dtype", "B", "H", "L", "D", "causal", *(f"fwd+bwd {n}" for n in names),
-                *(f"bwd {n}" for n in names), "bwd vs cuDNN"]
+                *(f"bwd {n}" for n in names), "fwd+bwd vs cuDNN", "bwd vs cuDNN", "targets"]
         parts += [md_table(head, (
             [r["dtype"], r["batch"], r["heads"], r["seqlen"], r["head_dim"],
              "yes" if r["causal"] else "no", *(r["fwd_bwd_tflops"].get(n, "-") for n in names),
              *(r["bwd_tflops"].get(n, "-") for n in names),
-             f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-"]
-            for r in rows)),
+             f"{r['fwd_bwd_ratio_vs_cudnn']:.2f}x" if r.get("fwd_bwd_ratio_vs_cudnn") else "-",
+             f"{r['bwd_ratio_vs_cudnn']:.2f}x" if r["bwd_ratio_vs_cudnn"] else "-",
+             row_targets(r)] for r in rows)),
             "", "The backward alone on the device, calls queued (ms; vs cuDNN is cuDNN's time "
             "over flash_tile's):", "",
             md_table(["dtype", "L", "D", "causal", *DEVICE_BACKENDS, "vs cuDNN",
@@ -280,7 +305,7 @@ def main():
                         help="the grid's dtypes (the memory and dropout rows use the first)")
     parser.add_argument("--lengths", nargs="*", type=int, default=[1024, 4096, 16384],
                         help="the grid's lengths (none: memory and dropout rows only)")
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--memory-lengths", nargs="*", type=int,
                         default=[4096, 8192, 16384, 32768])
     parser.add_argument("--dropout", nargs="*", type=float, default=[],

@@ -16,8 +16,8 @@ compiled here, for the architectures of ``variants.ARCHS``:
   - on every architecture, the 64-bit-index entry points (forward with an additive mask,
     backward); the one-pass backward on sm_90 and sm_100;
   - fewer architectures for the rest: FP8 on sm_90, sm_100 and sm_120; VARLEN, SINKS and
-    SEQUSED_K on sm_90 only (tests/test_varlen.py and tests/test_sinks.py compile them for
-    more); sm_90's schedule hints and the defaults chosen for its registers.
+    SEQUSED_K on sm_90 only (tests/test_varlen.py and tests/test_sinks.py compile VARLEN and
+    SINKS for every one); sm_90's schedule hints and the defaults chosen for its registers.
 So not every branch on every architecture. Tensor-core checks go through
 ``assert_tensor_core_path``: the arch's op and no other (KNOWN_FALLBACKS lists what is not).
 A compile takes 2-6 s (tileiras 13.4, cuTile's disk cache off, 2026-12-05); the file's
@@ -60,6 +60,59 @@ def _summary(cubin: bytes) -> dict:
     return aot.summarize(aot.disassemble(cubin))
 
 
+# A tensor-core instruction: its opcode, then its operands, whose first source (the A operand)
+# tells where A comes from. HGMMA and QGMMA name their destination registers first; UTC*MMA
+# accumulates in tensor memory and names A first.
+_TENSOR_CORE = re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA|UTC\w*MMA)\b(?:\.\S+)?\s+([^;]*)")
+# Kernels that leave the arch's own tensor-core op, keyed (arch, largest head dim of the
+# bucket, kernel), with the opcodes they use instead; ``assert_tensor_core_path`` accepts these
+# and nothing else, and test_known_fallbacks_still_hold fails once one no longer happens.
+KNOWN_FALLBACKS = {
+    # sm_100, D in (128, 256], fp16 and bf16, causal or not: dQ runs on UTCHMMA through TMA
+    # without spills, but dK/dV on HMMA only (768 with the default 64x64 with 8 worker warps),
+    # no UTMALDG, 1094 LDL/STL (580 LDL, 514 STL; 1141 not causal). The same on every tile
+    # tried: 64x64 with 4 worker warps, 32x32, 64x32, 32x64, 128x64 and 64x128 with 8 spill
+    # 486-5001 in dK/dV, always HMMA (UTMALDG only at 32x32 and 64x32), and the one-pass form
+    # at 64x64 with 8 (HMMA, no UTMAREDG, 1352). At D=128 both run on UTCHMMA.
+    # [tileiras 13.4, cuda-tile 1.7.0, 2026-12-05]
+    ("sm_100", 256, "dkdv"): {"HMMA"},
+}
+
+
+def tensor_core_sites(sass: str) -> dict:
+    """{(opcode, where its A operand is read from): count} of a SASS listing: "shared" (a
+    shared-memory descriptor), "tensor memory" or "registers" (HMMA and QMMA always)."""
+    sites = {}
+    for op, operands in _TENSOR_CORE.findall(sass):
+        a = operands.split(",")[0 if op.startswith("UTC") else 1].strip()
+        source = ("shared" if a.startswith("gdesc") else
+                  "tensor memory" if a.startswith("tmem") else "registers")
+        sites[op, source] = sites.get((op, source), 0) + 1
+    return sites
+
+
+def assert_tensor_core_path(arch: str, sass: str, where=(), known=None, fp8=False,
+                            forward=False):
+    """Every matmul of ``sass`` on ``arch``'s own tensor-core op: the SET of tensor-core
+    opcodes must be exactly {aot.TENSOR_CORE_OP[arch]} (aot.FP8_TENSOR_CORE_OP's with
+    ``fp8``), so one matmul left on HMMA beside HGMMA or UTCHMMA fails, as does none at all.
+    ``known``, an (arch, head dim, kernel) key, takes KNOWN_FALLBACKS' set where it is listed.
+    With ``forward`` each of the forward's two matmuls is checked on the archs whose tensor
+    cores read A from shared memory or from registers / tensor memory (HGMMA, QGMMA, UTC*MMA):
+    Q K^T reads Q from shared memory, P V reads P from registers or tensor memory, so both
+    forms must be there (one matmul gone to FFMA leaves one). HMMA and QMMA read registers
+    for both, so there only the set is checked; nor has the backward such a split (sm_90's
+    D=256 kernels read every A from shared memory)."""
+    sites = tensor_core_sites(sass)
+    expected = {(aot.FP8_TENSOR_CORE_OP if fp8 else aot.TENSOR_CORE_OP)[arch]}
+    expected = KNOWN_FALLBACKS.get(known, expected)
+    assert {op for op, _ in sites} == expected, (arch, where, sites)
+    if forward and not expected & {"HMMA", "QMMA"}:
+        sources = {source for _, source in sites}
+        assert "shared" in sources and len(sources) == 2, (arch, where, sites)
+    return sites
+
+
 @pytest.fixture(scope="module", params=variants.ARCHS)
 def compiled(request):
     arch = request.param
@@ -71,10 +124,7 @@ def test_tensor_cores_and_tma(compiled):
     for name, cubin in cubins.items():
         sass = aot.disassemble(cubin)
         summary = aot.summarize(sass)
-        ops = {op for op, _ in aot.opcode_histogram(sass, top=1000)}
-        expected = aot.TENSOR_CORE_OP[arch]
-        assert any(op.split(".")[0] == expected for op in ops), (arch, name, summary)
-        assert summary["tensor_core"] > 0, (arch, name, summary)
+        assert_tensor_core_path(arch, sass, name, forward=True)
         # exp2 runs on the special-function unit.
         assert summary["exp2"] > 0, (arch, name, summary)
         # A listed spill must still happen: a stale entry would hide a regression.
@@ -114,28 +164,62 @@ def test_summarize_counts_known_listing():
     assert aot.summarize(fp8)["tensor_core"] == 3  # the FP8 tensor-core forms count too
 
 
-# The 64-bit-index entry point loads without TMA, so its addresses live in registers: with the
-# sm_90 default (128x128, 8 worker warps; 255 registers) an additive mask tile on top spills.
-INT64_SPILLS = {"sm_90": "43 LDL/STL at 128x128 with 8 worker warps (none without the mask)"}
+def test_tensor_core_path_rejects_partial_fallbacks():
+    """Made-up listings: an sm_90 forward with both matmuls on HGMMA passes; with one of them
+    on FFMA (one HGMMA left), beside HMMA, on HMMA alone or with none, it fails. sm_100's
+    listed dK/dV passes on HMMA, and only under its key."""
+    qk = "/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;"
+    pv = "/*0110*/ HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR8].tnspB, R88 ;"
+    ffma = "/*0120*/ FFMA R3, R4, R5, R3 ;\n" * 64
+    hmma = "/*0130*/ HMMA.16816.F32.BF16 R4, R8, R12, R4 ;"
+    assert assert_tensor_core_path("sm_90", f"{qk}\n{pv}\n{ffma}", forward=True) == {
+        ("HGMMA", "shared"): 1, ("HGMMA", "registers"): 1}
+    for listing in (f"{qk}\n{ffma}", f"{pv}\n{ffma}", f"{qk}\n{pv}\n{hmma}", hmma, ffma):
+        with pytest.raises(AssertionError):
+            assert_tensor_core_path("sm_90", listing, forward=True)
+    utc = "/*0140*/ UTCHMMA tmem[UR6], gdesc[UR8], tmem[UR10], tmem[UR12], idesc[UR13], UPT ;"
+    assert assert_tensor_core_path("sm_100", utc) == {("UTCHMMA", "tensor memory"): 1}
+    assert_tensor_core_path("sm_100", hmma, known=("sm_100", 256, "dkdv"))
+    for arch, listing, known in (("sm_100", hmma, ("sm_100", 128, "dkdv")),
+                                 ("sm_100", utc, ("sm_100", 256, "dkdv")),
+                                 ("sm_90", qk, None)):
+        with pytest.raises(AssertionError):  # the last: a forward's P V on FFMA
+            assert_tensor_core_path(arch, listing, known=known, forward=True)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+# The 64-bit-index entry point loads without TMA, so its addresses live in registers: with an
+# additive mask tile on top (non-causal, fp16, D=128, the arch's default) these spill [tileiras
+# 13.4, 2026-12-05; sm_80, sm_86, sm_89 and sm_100 spill nothing].
+INT64_SPILLS = {
+    "sm_90": "19 LDL/STL (12 LDL, 7 STL) at 128x128 with 8 worker warps (none without the mask)",
+    "sm_120": "141 LDL/STL (42 LDL, 99 STL) at 64x64",
+}
+
+
+@pytest.mark.parametrize("arch", variants.ARCHS)
 def test_int64_index_entry_point(arch):
     """The entry point for tensors of 2**31 elements or more: the same body, 64-bit indices,
-    still tensor cores, no spills but the listed (and no TMA: cuTile keeps 64-bit-indexed
-    arrays off it)."""
-    cubin = aot.compile_forward(arch, attn_mask="additive", causal=False, int64_index=True)
-    summary = _summary(cubin)
-    assert summary["tensor_core"] > 0 and summary["tma_load"] == 0, summary
+    still the arch's tensor-core op, no spills but the listed (and no TMA: cuTile keeps
+    64-bit-indexed arrays off it)."""
+    sass = aot.disassemble(aot.compile_forward(arch, attn_mask="additive", causal=False,
+                                               int64_index=True))
+    summary = aot.summarize(sass)
+    assert_tensor_core_path(arch, sass, "int64", forward=True)
+    assert summary["tma_load"] == 0, summary
     assert (summary["local_memory"] > 0) == (arch in INT64_SPILLS), summary
 
 
-@pytest.mark.parametrize("arch,one_pass", [("sm_80", False), ("sm_90", False),
-                                           ("sm_90", True)], ids=["sm_80", "sm_90", "sm_90-one"])
+INT64_BACKWARD = [(arch, False) for arch in variants.ARCHS] + [("sm_90", True),
+                                                                ("sm_100", True)]
+
+
+@pytest.mark.parametrize("arch,one_pass", INT64_BACKWARD,
+                         ids=[arch + "-one" * one_pass for arch, one_pass in INT64_BACKWARD])
 def test_backward_int64_entry_points(arch, one_pass):
     """The backward past 2**31 elements: each form's 64-bit entry points compile from the same
-    bodies, with tensor cores, no spills (D = 128, ragged, causal) and no TMA; so the one
-    pass adds its dQ tiles by per-element reductions (REDG), not TMA reduce-adds."""
+    bodies, on the arch's tensor-core op, with no spills (D = 128, ragged, causal) and no
+    TMA; so the one pass adds its dQ tiles by per-element reductions (REDG), not TMA
+    reduce-adds. None spilled on any arch [tileiras 13.4, 2026-12-05]."""
     config = variants.SM90_ONE_PASS if one_pass else None
     cubins = aot.compile_backward(arch, "bfloat16", 128, config=config, int64_index=True)
     assert set(cubins) == set(aot.BACKWARD_KERNELS[one_pass])
@@ -143,7 +227,10 @@ def test_backward_int64_entry_points(arch, one_pass):
         sass = aot.disassemble(cubin)
         summary = aot.summarize(sass)
         assert summary["local_memory"] == 0 and summary["tma_load"] == 0, (name, summary)
-        assert (summary["tensor_core"] > 0) == (name in ("dq", "dkdv")), (name, summary)
+        if name in ("dq", "dkdv"):
+            assert_tensor_core_path(arch, sass, name)
+        else:
+            assert summary["tensor_core"] == 0, (name, summary)
         if name == "dkdv":
             assert (re.search(r"\bREDG\.E\.ADD\.F32", sass) is not None) == one_pass
             assert summary["tma_reduce"] == 0, summary
@@ -241,9 +328,10 @@ BACKWARD_VARIANTS = {
 def test_backward_kernels_use_tensor_cores(arch):
     for name, kw in BACKWARD_VARIANTS.items():
         for kernel, cubin in aot.compile_backward(arch, **kw).items():
-            summary = _summary(cubin)
-            assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (arch, name, kernel,
-                                                                        summary)
+            sass = aot.disassemble(cubin)
+            summary = aot.summarize(sass)
+            assert_tensor_core_path(arch, sass, (name, kernel))
+            assert summary["exp2"] > 0, (arch, name, kernel, summary)
             assert summary["local_memory"] == 0, (arch, name, kernel, summary)
             if arch in aot.TMA_ARCHS:
                 assert summary["tma_load"] > 0, (arch, name, kernel, summary)
@@ -292,9 +380,11 @@ EVERY_SCORE_FEATURE = dict(causal=False, window=(200, 150), softcap=True, alibi=
 @pytest.mark.parametrize("arch,head_dim,config", FORWARD_REGISTERED,
                          ids=[_name(*c) for c in FORWARD_REGISTERED])
 def test_every_registered_forward_variant_compiles(arch, head_dim, config):
-    cubin = aot.compile_forward(arch, "bfloat16", head_dim, causal=True, config=config)
-    summary = _summary(cubin)
-    assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
+    sass = aot.disassemble(aot.compile_forward(arch, "bfloat16", head_dim, causal=True,
+                                               config=config))
+    summary = aot.summarize(sass)
+    assert_tensor_core_path(arch, sass, forward=True)
+    assert summary["exp2"] > 0, summary
     if arch in aot.TMA_ARCHS:
         assert summary["tma_load"] > 0, summary
     listed = (arch, head_dim, autotune.describe(config)) in FORWARD_SPILLS
@@ -314,10 +404,10 @@ def test_every_registered_forward_variant_compiles_with_every_score_feature(arch
     2026-12-01, spilled 2455 LDL/STL), and the tuner times them like any other.
     64x128 at D=256 failed to compile this way (tileiras 13.4, return code 5) and was
     dropped."""
-    cubin = aot.compile_forward(arch, "bfloat16", head_dim, config=config,
-                                **EVERY_SCORE_FEATURE)
-    summary = _summary(cubin)
-    assert summary["tensor_core"] > 0 and summary["exp2"] > 0, summary
+    sass = aot.disassemble(aot.compile_forward(arch, "bfloat16", head_dim, config=config,
+                                               **EVERY_SCORE_FEATURE))
+    assert_tensor_core_path(arch, sass, forward=True)
+    assert aot.summarize(sass)["exp2"] > 0
 
 
 @pytest.mark.parametrize("arch,head_dim,config", BACKWARD_REGISTERED,
@@ -326,8 +416,9 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     cubins = aot.compile_backward(arch, "bfloat16", head_dim, causal=True, config=config)
     assert tuple(cubins) == aot.BACKWARD_KERNELS[config.one_pass]
     for kernel in ("dkdv",) if config.one_pass else ("dkdv", "dq"):
-        summary = _summary(cubins[kernel])
-        assert summary["tensor_core"] > 0 and summary["exp2"] > 0, (kernel, summary)
+        sass = aot.disassemble(cubins[kernel])
+        assert_tensor_core_path(arch, sass, kernel, known=(arch, head_dim, kernel))
+        assert aot.summarize(sass)["exp2"] > 0, kernel
     if config.one_pass:  # dQ summed by TMA reduce-adds, none by per-element atomics
         summary = _summary(cubins["dkdv"])
         assert summary["tma_reduce"] > 0, summary
@@ -335,6 +426,36 @@ def test_every_registered_backward_variant_compiles(arch, head_dim, config):
     spills = sum(_summary(cubin)["local_memory"] for cubin in cubins.values())
     listed = (arch, head_dim, autotune.describe(config)) in BACKWARD_SPILLS
     assert (spills > 0) == listed, (spills, listed)
+
+
+def test_known_fallbacks_still_hold():
+    """KNOWN_FALLBACKS as measured, so that an entry goes once tileiras mends it: sm_100 at
+    D=256 (bf16, causal, the default) runs dQ on UTCHMMA and through TMA, without spills, and
+    dK/dV on HMMA only, with no UTMALDG, spilling."""
+    assert set(KNOWN_FALLBACKS) == {("sm_100", 256, "dkdv")}  # a new entry needs its check
+    cubins = aot.compile_backward("sm_100", "bfloat16", 256)
+    dq, dkdv = aot.disassemble(cubins["dq"]), aot.disassemble(cubins["dkdv"])
+    assert_tensor_core_path("sm_100", dq, "dq")
+    assert _summary(cubins["dq"])["local_memory"] == 0
+    assert {op for op, _ in tensor_core_sites(dkdv)} == KNOWN_FALLBACKS["sm_100", 256, "dkdv"]
+    summary = aot.summarize(dkdv)
+    assert summary["tma_load"] == 0 and summary["local_memory"] > 0, summary
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_one_pass_backward_on_tma_archs(arch):
+    """The one-pass form (SM90_ONE_PASS; registered for sm_90 only) at D=128 on both TMA
+    architectures that reduce through it: dK/dV adds dQ by TMA reduce-adds (UTMAREDG: 16 on
+    sm_90, 12 on sm_100), none per element (REDG/ATOMG), on the arch's tensor-core op; no
+    kernel spills [tileiras 13.4, 2026-12-05, bf16, causal]."""
+    cubins = aot.compile_backward(arch, "bfloat16", 128, config=variants.SM90_ONE_PASS)
+    assert tuple(cubins) == aot.BACKWARD_KERNELS[True]
+    sass = aot.disassemble(cubins["dkdv"])
+    assert_tensor_core_path(arch, sass, "dkdv")
+    assert aot.summarize(sass)["tma_reduce"] > 0
+    assert not re.search(r"\b(REDG|ATOMG)\.", sass)
+    for kernel, cubin in cubins.items():
+        assert _summary(cubin)["local_memory"] == 0, kernel
 
 
 @pytest.mark.parametrize("features", [
@@ -479,8 +600,8 @@ def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, ca
 def test_fp8_forward_uses_e4m3_tensor_cores_on_blackwell(arch, op, head_dim):
     sass = aot.disassemble(aot.compile_forward(arch, head_dim=head_dim, causal=True,
                                                even_n=False, fp8=True))
-    assert re.search(rf"\b{op}\b", sass) and ".E4M3" in sass
-    assert not re.search(r"\b(HMMA|HGMMA|UTCHMMA)\b", sass)
+    assert aot.FP8_TENSOR_CORE_OP[arch] == op and ".E4M3" in sass
+    assert_tensor_core_path(arch, sass, fp8=True, forward=True)  # no HMMA/HGMMA/UTCHMMA
     assert aot.summarize(sass)["local_memory"] == 0
 
 

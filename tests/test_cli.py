@@ -86,9 +86,30 @@ def test_bench_backward_replots_a_run_cut_short(tmp_path):
                  "yes" if r["causal"] else "no", r["fwd_bwd_tflops"]["flash_tile"]]
         assert "| " + " | ".join(map(str, cells)) + " |" in table, cells
         assert f"| {r['bwd_device_ratio_vs_cudnn']:.2f}x | {r['variant']} |" in table
+    # Issue 25's targets a row: D = 256 at 1k causal misses forward+backward (0.952x).
+    assert "| met |" in table and "| missed: fwd+bwd 0.952x < 1.0x |" in table
     assert table.rstrip().endswith("Left out (--skip): naive, sdpa_efficient, tilegym.")
     assert json.loads((tmp_path / "replot.json").read_text())["rows"] == saved["rows"][:3]
     assert (tmp_path / "replot.png").stat().st_size > 10_000
+
+
+def test_bench_backward_targets_judge_every_ratio(monkeypatch):
+    """bench_backward's verdict on a row: D <= 128 needs 1.0x cuDNN on the backward (events
+    and on-device) and forward+backward, D = 256 0.95x on the backward, and peak memory at
+    or below cuDNN's; a missing ratio is 'not measured', never 'met'."""
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    import bench_backward
+
+    row = {"head_dim": 256, "bwd_ratio_vs_cudnn": 0.96, "bwd_device_ratio_vs_cudnn": 0.97,
+           "fwd_bwd_ratio_vs_cudnn": 1.01, "peak_mib": {"flash_tile": 250, "sdpa_cudnn": 380}}
+    assert bench_backward.row_targets(row) == "met"
+    assert bench_backward.row_targets(dict(row, head_dim=128)) == (
+        "missed: bwd 0.960x < 1.0x, bwd on device 0.970x < 1.0x")
+    assert bench_backward.row_targets(dict(row, fwd_bwd_ratio_vs_cudnn=None, peak_mib={
+        "flash_tile": 400, "sdpa_cudnn": 380})) == (
+        "missed: memory 400 > 380 MiB; not measured: fwd+bwd")
 
 
 def test_every_bench_suite_names_a_script_of_the_source_tree():
