@@ -521,6 +521,25 @@ def summarize(sass: str) -> dict:
     return counts
 
 
+# A tensor-core instruction, then its operands, whose first source (the A operand) says where
+# A is read from: HGMMA and QGMMA name their destination registers first, UTC*MMA (accumulating
+# in tensor memory) A first.
+_TENSOR_CORE_OPERANDS = re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA|UTC\w*MMA)\b(?:\.\S+)?\s+([^;]*)")
+
+
+def tensor_core_sites(sass: str) -> dict[tuple[str, str], int]:
+    """{(opcode, where its A operand is read from): count} of a SASS listing: "shared" (a
+    shared-memory descriptor), "tensor memory" or "registers" (HMMA and QMMA always). On
+    HGMMA, QGMMA and UTC*MMA the forward's Q K^T reads shared memory and its P V registers or
+    tensor memory, which tells its two matmuls apart."""
+    sites = Counter()
+    for op, operands in _TENSOR_CORE_OPERANDS.findall(sass):
+        a = operands.split(",")[0 if op.startswith("UTC") else 1].strip()
+        sites[op, ("shared" if a.startswith("gdesc") else
+                   "tensor memory" if a.startswith("tmem") else "registers")] += 1
+    return dict(sites)
+
+
 def opcode_histogram(sass: str, top: int = 12) -> list[tuple[str, int]]:
     """The ``top`` most frequent opcodes (with their modifiers) of a SASS listing."""
     return Counter(m.group(2) for m in _INSTRUCTION.finditer(sass)).most_common(top)

@@ -60,10 +60,6 @@ def _summary(cubin: bytes) -> dict:
     return aot.summarize(aot.disassemble(cubin))
 
 
-# A tensor-core instruction: its opcode, then its operands, whose first source (the A operand)
-# tells where A comes from. HGMMA and QGMMA name their destination registers first; UTC*MMA
-# accumulates in tensor memory and names A first.
-_TENSOR_CORE = re.compile(r"\b(HGMMA|HMMA|QGMMA|QMMA|UTC\w*MMA)\b(?:\.\S+)?\s+([^;]*)")
 # Kernels that leave the arch's own tensor-core op, keyed (arch, largest head dim of the
 # bucket, kernel), with the opcodes they use instead; ``assert_tensor_core_path`` accepts these
 # and nothing else, and test_known_fallbacks_still_hold fails once one no longer happens.
@@ -79,18 +75,6 @@ KNOWN_FALLBACKS = {
 }
 
 
-def tensor_core_sites(sass: str) -> dict:
-    """{(opcode, where its A operand is read from): count} of a SASS listing: "shared" (a
-    shared-memory descriptor), "tensor memory" or "registers" (HMMA and QMMA always)."""
-    sites = {}
-    for op, operands in _TENSOR_CORE.findall(sass):
-        a = operands.split(",")[0 if op.startswith("UTC") else 1].strip()
-        source = ("shared" if a.startswith("gdesc") else
-                  "tensor memory" if a.startswith("tmem") else "registers")
-        sites[op, source] = sites.get((op, source), 0) + 1
-    return sites
-
-
 def assert_tensor_core_path(arch: str, sass: str, where=(), known=None, fp8=False,
                             forward=False):
     """Every matmul of ``sass`` on ``arch``'s own tensor-core op: the SET of tensor-core
@@ -103,7 +87,7 @@ def assert_tensor_core_path(arch: str, sass: str, where=(), known=None, fp8=Fals
     forms must be there (one matmul gone to FFMA leaves one). HMMA and QMMA read registers
     for both, so there only the set is checked; nor has the backward such a split (sm_90's
     D=256 kernels read every A from shared memory)."""
-    sites = tensor_core_sites(sass)
+    sites = aot.tensor_core_sites(sass)
     expected = {(aot.FP8_TENSOR_CORE_OP if fp8 else aot.TENSOR_CORE_OP)[arch]}
     expected = KNOWN_FALLBACKS.get(known, expected)
     assert {op for op, _ in sites} == expected, (arch, where, sites)
@@ -437,7 +421,7 @@ def test_known_fallbacks_still_hold():
     dq, dkdv = aot.disassemble(cubins["dq"]), aot.disassemble(cubins["dkdv"])
     assert_tensor_core_path("sm_100", dq, "dq")
     assert _summary(cubins["dq"])["local_memory"] == 0
-    assert {op for op, _ in tensor_core_sites(dkdv)} == KNOWN_FALLBACKS["sm_100", 256, "dkdv"]
+    assert {op for op, _ in aot.tensor_core_sites(dkdv)} == KNOWN_FALLBACKS["sm_100", 256, "dkdv"]
     summary = aot.summarize(dkdv)
     assert summary["tma_load"] == 0 and summary["local_memory"] > 0, summary
 

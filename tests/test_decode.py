@@ -394,9 +394,13 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
     # A row whose flash_tile or cuDNN measurement failed gets no verdict, never "met".
     unmeasured = dict(saved["rows"][0], ratio_vs_cudnn=None, fraction_of_bandwidth=None,
                       paged_ratio={}, cache_mib=64.0)
-    line = bench_decode.table([unmeasured], 4000.0).splitlines()[-1]
+    text = bench_decode.table([unmeasured], 4000.0)
+    line = [line for line in text.splitlines() if line.startswith("| ")][-1]
     assert line.endswith("| not measured: vs cuDNN, bandwidth |"), line
     assert "met" not in line.split("|")[-2]
+    # A backend that ran on no row is named under the table, with its reason.
+    assert text.endswith("No column: sdpa_efficient (not measured on any row: failed: No "
+                         "available kernel. Aborting execution.).")
     host = bench_decode.host_verdict({"flash_attn_with_kvcache": 53.4,
                                       "flash_attn_with_kvcache, one split": 19.0,
                                       "ct.launch": 8.0})
