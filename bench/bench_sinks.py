@@ -3,8 +3,8 @@
 gpt-oss's shape: D = 64, GQA 64/8, bf16, B * L = 16k tokens; full causal layers and the
 banded ones (a window of 128 keys). Each row runs ``flash_attn_func`` with and without
 ``sinks`` (in training mode: inputs and sinks need gradients), checks the sink run against
-an fp32 reference with a sink column (flash-attn's 2x rule on the output, the first
-sequence), then times both by GPU time in rounds of neighbouring calls
+an fp32 reference with a sink column on the first sequence (flash-attn's 2x rule on the
+output, 3x on dq, dk, dv and the sinks' gradient), then times both by GPU time in rounds of neighbouring calls
 (``_timing.paired_ms``);
 ``sink_cost`` is the time with sinks over the time without, minus 1 (the median over rounds).
 
@@ -33,6 +33,37 @@ ROUNDS = 15
 PAIRS = 10  # pairs of calls a round (``_timing.paired_ms``)
 
 
+def _check_first_sequence(q, k, v, sinks, dout, window) -> dict:
+    """The sink run on the first sequence against fp32 attention with a sink column,
+    forward (flash-attn's 2x rule) and backward (3x: dq, dk, dv and the sinks' gradient),
+    before anything is timed: {"ok", "max_err" (the output's), "why" (the first failure)}."""
+    def grads(attend, dtype):
+        leaves = [t[:1].detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        s = sinks.detach().clone().requires_grad_()
+        out = attend(*leaves, s)
+        out.backward(dout[:1].to(out.dtype))
+        return [out.detach(), *(t.grad for t in leaves), s.grad]
+
+    def ours(q, k, v, s):
+        return flash_tile.flash_attn_func(q, k, v, causal=True, window_size=window, sinks=s)
+
+    def dense(q, k, v, s):
+        return reference.attention_dense(*(t.transpose(1, 2) for t in (q, k, v)),
+                                         window=window, sinks=s).transpose(1, 2)
+
+    got, ref, low = grads(ours, torch.bfloat16), grads(dense, torch.float32), \
+        grads(dense, torch.bfloat16)
+    result = {"ok": True, "max_err": None, "why": None}
+    for name, g, r, lo, factor in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref, low,
+                                      (2, 3, 3, 3, 3)):
+        report = reference.check_error(g, r, lo, factor)
+        if name == "out":
+            result["max_err"] = report["max_err"]
+        if not report["ok"] and result["ok"]:
+            result.update(ok=False, why=f"{name}: {report}")
+    return result
+
+
 def bench_row(length, banded, rounds=ROUNDS):
     batch = TOKENS // length
     gen = torch.Generator(device="cuda").manual_seed(length)
@@ -48,15 +79,12 @@ def bench_row(length, banded, rounds=ROUNDS):
         return flash_tile.flash_attn_func(q, k, v, causal=True, window_size=window,
                                           sinks=sinks if with_sinks else None)
 
-    seq = [t[:1].detach().transpose(1, 2) for t in (q, k, v)]
-    ref = reference.attention_dense(*(t.float() for t in seq), window=window,
-                                    sinks=sinks.detach())
-    low = reference.attention_dense(*seq, window=window, sinks=sinks.detach())
-    report = reference.check_error(run(True)[:1].detach().transpose(1, 2), ref, low)
+    report = _check_first_sequence(q, k, v, sinks, dout, window)
     row = {"seqlen": length, "batch": batch, "heads": HEADS, "kv_heads": KV_HEADS,
            "head_dim": HEAD_DIM, "window": list(window), "ok": report["ok"],
            "max_err": report["max_err"]}
     if not report["ok"]:
+        row["why"] = report["why"]
         return row
 
     def fwd_bwd(with_sinks):
