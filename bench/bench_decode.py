@@ -79,6 +79,9 @@ def read_bandwidth_gbps() -> float:
 def paged(k, v, page_size, gen):
     """The contiguous caches [B, L, H_kv, D] as shuffled pages and their block table."""
     batch, length = k.shape[:2]
+    if length % page_size:
+        raise ValueError(f"a cache of {length} keys is not a whole number of {page_size}-key "
+                         "pages")
     per_seq = length // page_size
     order = torch.randperm(batch * per_seq, generator=gen, device=k.device)
     table = order.view(batch, per_seq).to(torch.int32)
@@ -201,8 +204,11 @@ def bench_row(batch, length, heads, kv_heads, head_dim, q_len, page_sizes, bandw
     del k8, v8, contiguous, fp8
     row["paged_ratio"] = {}
     for size in page_sizes:  # one paged copy at a time: the caches can be tens of GiB
-        kp, vp, table = paged(k, v, size, gen)
         name = f"flash_tile_paged{size}"
+        if length % size:  # the grid's lengths are powers of two; a --lengths may not be
+            row["skipped"][name] = f"skipped: {length} keys are not whole {size}-key pages"
+            continue
+        kp, vp, table = paged(k, v, size, gen)
         call = functools.partial(flash_tile.flash_attn_with_kvcache, q, kp, vp,
                                  cache_seqlens=lens, block_table=table, causal=True)
         if checked(name, call):
