@@ -259,7 +259,8 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              dropout_p: float = 0.0, dropout_seed: int = 0,
                              dropout_batch: int = 0, dq_tile_m: int | None = None,
                              dq_tile_n: int | None = None,
-                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                             sinks: torch.Tensor | None = None,
+                             one_pass: bool = False) -> tuple[torch.Tensor, ...]:
     """The backward kernels' twin: (dq, dk, dv) in float64, recomputing P tile by tile from
     ``lse`` (the forward's, natural log) as ``kernels/attention_bwd.py`` does.
 
@@ -271,8 +272,10 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     over the query tiles the band lets through (``q_tile_runs``) and summed over each GQA
     group, on ``tile_m`` x ``tile_n`` (a key tile of tile_n rows, query steps of tile_m); dQ
     per query tile over ``kv_tile_runs``, on ``dq_tile_m`` x ``dq_tile_n`` when given (as
-    ``TileConfig``'s, None taking tile_m / tile_n). With ``sinks`` [H] (the forward's, its LSE
-    including them) also returns dsinks [H] = -sum over batch and rows of
+    ``TileConfig``'s, None taking tile_m / tile_n); under ``one_pass`` (the one-pass form,
+    ``TileConfig.one_pass``) dQ is instead summed inside the dK/dV walk, each pair's
+    dS K added to its query rows as the kernel's reduce-adds do. With ``sinks`` [H] (the
+    forward's, its LSE including them) also returns dsinks [H] = -sum over batch and rows of
     exp(sink - lse) * Delta, as the dQ kernel's shares sum.
     """
     q, k, v, scale, slopes, attn_mask, group = _prepare(q, k, v, scale, alibi_slopes, attn_mask)
@@ -317,9 +320,12 @@ def attention_tiles_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rows = slice(i * tile_m, (i + 1) * tile_m)
             p, dscore = probs(rows, keys, not i_inner <= i < i_outer)
             dv[:, :, keys] += dropped(p, rows, keys).transpose(-1, -2) @ dout[:, :, rows]
-            dk[:, :, keys] += dx(p, dscore, rows, keys).transpose(-1, -2) @ q[:, :, rows]
+            ds = dx(p, dscore, rows, keys)
+            dk[:, :, keys] += ds.transpose(-1, -2) @ q[:, :, rows]
+            if one_pass:  # the reduce-add of this pair's share of dQ
+                dq[:, :, rows] += ds @ k[:, :, keys]
     dq_m, dq_n = dq_tile_m or tile_m, dq_tile_n or tile_n
-    for m_start in range(0, q_len, dq_m):  # dQ: one query tile, its key tiles
+    for m_start in range(0, 0 if one_pass else q_len, dq_m):  # dQ: a query tile, its keys
         n_first, n_inner, n_outer, n_end = kv_tile_runs(m_start, dq_m, dq_n, k_len,
                                                         diag_offset, window)
         rows = slice(m_start, m_start + dq_m)

@@ -46,8 +46,9 @@ def _mask(kind, batch, heads, q_len, k_len, gen):
 
 @pytest.mark.parametrize("lse_grad", [False, True], ids=["dout", "dout+dlse"])
 @pytest.mark.parametrize("tiles", [(16, 16, None, None), (16, 32, None, None),
-                                   (32, 16, None, None), (16, 32, 32, 16)],
-                         ids=lambda t: f"{t[0]}x{t[1]}" + (f"-dq{t[2]}x{t[3]}" if t[2] else ""))
+                                   (32, 16, None, None), (16, 32, 32, 16), (16, 32, 0, 0)],
+                         ids=lambda t: f"{t[0]}x{t[1]}" + (f"-dq{t[2]}x{t[3]}" if t[2] else
+                                                           "-one-pass" if t[2] == 0 else ""))
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_backward_twin_matches_autograd(case, tiles, lse_grad):
     (batch, heads, kv_heads, q_len, k_len, d, dv), window, softcap, alibi, mask_kind = case
@@ -68,7 +69,7 @@ def test_backward_twin_matches_autograd(case, tiles, lse_grad):
                                tile_m, tile_n)
     grads = attention_tiles_backward(q, k, v, out, lse, dout, scale, offset, window, softcap,
                                      slopes, mask, tile_m, tile_n, dlse, dq_tile_m=dq_tile_m,
-                                     dq_tile_n=dq_tile_n)
+                                     dq_tile_n=dq_tile_n, one_pass=dq_tile_m == 0)
     ref_out, *ref_grads = _autograd_reference(q, k, v, scale, offset, window, softcap, slopes,
                                               mask, dout, dlse)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
