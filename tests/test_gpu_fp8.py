@@ -69,9 +69,11 @@ def lse_bound(q8, k8, stack, scale):
     return 2**-10 * scale * torch.einsum("bhqd,bhkd->bhqk", q, k).amax(-1) + 1e-4
 
 
-def dequantized_reference(q8, k8, v8, stack, causal, window, softcap):
-    """(ref, bound) in fp64, [B, Lq, H, Dv]: attention of the dequantized inputs and the
-    module docstring's bound on the kernel's error against it."""
+def dequantized_reference(q8, k8, v8, stack, causal, window, softcap, slopes=None,
+                          sinks=None):
+    """(ref, bound) in fp64, [B, Lq, H, Dv]: attention of the dequantized inputs (with ALiBi's
+    ``slopes`` [B, H] and ``sinks`` [H] where given) and the module docstring's bound on the
+    kernel's error against it."""
     q, k, v = (t.transpose(1, 2).double() for t in (q8, k8, v8))
     group = q.shape[1] // k.shape[1]
     d = stack.double()[..., None, None]
@@ -85,10 +87,19 @@ def dequantized_reference(q8, k8, v8, stack, causal, window, softcap):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        distance = (torch.arange(q_len, device=s.device)[:, None] + diag -
+                    torch.arange(k_len, device=s.device)[None, :]).abs()
+        s = s - slopes.double()[..., None, None] * distance
     visible = reference.visible_keys(q_len, k_len, diag, (left, right)).to(s.device)
     s = s.masked_fill(~visible, -math.inf)
-    p = torch.exp(s - s.amax(-1, keepdim=True)).nan_to_num(0.0)  # row max 1
+    row_max = s.amax(-1, keepdim=True)
+    if sinks is not None:  # a score every row sees, with no value
+        row_max = torch.maximum(row_max, sinks.double()[None, :, None, None])
+    p = torch.exp(s - row_max).nan_to_num(0.0)  # row max 1
     l_i = p.sum(-1, keepdim=True)
+    if sinks is not None:
+        l_i = l_i + torch.exp(sinks.double()[None, :, None, None] - row_max)
     ref = (p @ v) / l_i.clamp(min=1e-300)
     err_p = torch.maximum(p * 2.0**-4, torch.full_like(p, 2.0**-18)) * (p > 0)
     bound = 1.1 * (err_p @ v.abs()) / l_i.clamp(min=1.0) + 2.0**-8 * ref.abs() + 1e-4
@@ -125,6 +136,10 @@ FEATURES = {
     "causal": dict(causal=True, window=(-1, -1), softcap=0.0),
     "window": dict(causal=False, window=(40, 7), softcap=0.0),
     "causal-softcap": dict(causal=True, window=(-1, -1), softcap=20.0),
+    # The switches FP8 shares with the bf16 body: ALiBi, and sinks (FP8 scales P by 2^8,
+    # so a sink starts the row sum at 2^8).
+    "causal-alibi": dict(causal=True, window=(-1, -1), softcap=0.0, alibi=True),
+    "window-sinks": dict(causal=False, window=(40, 7), softcap=0.0, sinks=True),
 }
 
 
@@ -137,13 +152,18 @@ def test_fp8_forward_within_the_rounding_bound(shape, feature, per):
     q = outlier_inputs(batch, q_len, heads, d, 1)
     k, v = (outlier_inputs(batch, k_len, kv_heads, d, s) for s in (2, 3))
     q8, k8, v8, descales, stack = quantized(q, k, v, per)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    slopes = (torch.rand(batch, heads, generator=gen, device="cuda") * 0.1
+              if f.get("alibi") else None)
+    sinks = torch.randn(heads, generator=gen, device="cuda") if f.get("sinks") else None
     out, lse = flash_tile.flash_attn_func(q8, k8, v8, causal=f["causal"],
                                           window_size=f["window"], softcap=f["softcap"],
-                                          return_lse=True, **descales)
+                                          alibi_slopes=slopes, return_lse=True, sinks=sinks,
+                                          **descales)
     assert out.dtype == torch.bfloat16 and out.shape == (batch, q_len, heads, d)
     assert lse.dtype == torch.float32 and lse.shape == (batch, heads, q_len)
     ref, bound = dequantized_reference(q8, k8, v8, stack, f["causal"], f["window"],
-                                       f["softcap"])
+                                       f["softcap"], slopes, sinks)
     err = (out.double() - ref).abs()
     assert not out.isnan().any()
     assert (err <= bound).all(), (err - bound).max().item()
@@ -152,7 +172,7 @@ def test_fp8_forward_within_the_rounding_bound(shape, feature, per):
         q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2),
         diag_offset=k_len - q_len, window=(f["window"][0], 0 if f["causal"] else
                                            f["window"][1]),
-        softcap=f["softcap"], fp8_descale=stack)
+        softcap=f["softcap"], alibi_slopes=slopes, sinks=sinks, fp8_descale=stack)
     finite = twin_lse.isfinite()
     assert torch.equal(finite, lse.cpu().isfinite())
     lse_err = (lse.cpu().double() - twin_lse).abs()[finite]
