@@ -140,11 +140,15 @@ def test_packed_shapes():
 def test_lengths():
     with pytest.raises(ValueError, match="same sequence length"):
         flash_tile.flash_attn_func(_blhd(), _blhd(length=16), _blhd(length=17))
-    # The packed entry points need keys (a dense call with none is every row without keys).
+    # Packed sequences without keys are legal as in flash-attn (every row sees none: the
+    # call reaches the device check); the FP8 forward needs keys.
     q, k = torch.randn(8, 4, 64).half(), torch.randn(0, 4, 64).half()
     cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_tile.flash_attn_varlen_func(q, k, k, cu, cu * 0, 8, 0)
+    q8, k8 = (t.to(torch.float8_e4m3fn) for t in (q, k))
     with pytest.raises(ValueError, match="length 0"):
-        flash_tile.flash_attn_varlen_func(q, k, k, cu, cu * 0, 8, 1)
+        flash_tile.flash_attn_varlen_func(q8, k8, k8, cu, cu * 0, 8, 0)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
