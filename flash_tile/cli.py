@@ -137,6 +137,9 @@ def demo(args):
 
 def inspect(args):
     _validate.check_head_dims(args.head_dim, args.head_dim, args.head_dim)
+    if args.dtype == "float8_e4m3fn" and args.arch not in aot.FP8_TENSOR_CORE_OP:
+        raise ValueError(f"the FP8 forward needs sm_90 or newer (tileiras has no e4m3 "
+                         f"matmul for {args.arch}): pass --arch sm_90, sm_100 or sm_120")
     config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n,
                          args.dtype == "float8_e4m3fn")
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,

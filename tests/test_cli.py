@@ -29,6 +29,11 @@ def test_errors_are_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("flash-tile: error: tile_m must be a power of two") and \
         err.count("\n") == 1
+    # FP8 below sm_90: the API's refusal, not the compiler's multi-line one.
+    assert main(["inspect", "--arch", "sm_89", "--dtype", "float8_e4m3fn"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("flash-tile: error: the FP8 forward needs sm_90") and \
+        err.count("\n") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU report")
