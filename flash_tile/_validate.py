@@ -316,8 +316,8 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
         why = "" if torch.cuda.is_available() else " (no CUDA GPU is visible to torch here)"
         raise ValueError(f"flash_tile runs on CUDA tensors, got tensors on {device}{why}")
     if any(t.device != device for t in tensors):
-        raise ValueError("q, k and v must be on the same device, got "
-                         + ", ".join(str(t.device) for t in tensors))
+        raise ValueError("q, k and v (and alibi_slopes, where given) must be on the same "
+                         "device, got " + ", ".join(str(t.device) for t in tensors))
     capability, name = device_properties(device)
     check_capability(capability, name)
     check_compiler()
