@@ -4,9 +4,9 @@ gpt-oss's shape: D = 64, GQA 64/8, bf16, B * L = 16k tokens; full causal layers 
 banded ones (a window of 128 keys). Each row runs ``flash_attn_func`` with and without
 ``sinks`` (in training mode: inputs and sinks need gradients), checks the sink run against
 an fp32 reference with a sink column on the first sequence (flash-attn's 2x rule on the
-output, 3x on dq, dk, dv and the sinks' gradient), then times both by GPU time in rounds of neighbouring calls
-(``_timing.paired_ms``);
-``sink_cost`` is the time with sinks over the time without, minus 1 (the median over rounds).
+output, 3x on dq, dk, dv and the sinks' gradient), then times both by GPU time in rounds of
+neighbouring calls (``_timing.paired_ms``); ``sink_cost`` is the time with sinks over the
+time without, minus 1 (the median over rounds).
 
     python bench/bench_sinks.py                        # bench/results/sinks-<gpu>.*
 

@@ -281,9 +281,14 @@ def check_max_seqlen(name: str, n) -> None:
     if isinstance(n, torch.Tensor):
         ok = n.dim() == 0 and not (n.dtype.is_floating_point or n.dtype.is_complex or
                                    n.dtype == torch.bool)
-    else:
-        ok = not isinstance(n, bool) and (isinstance(n, (int, torch.SymInt)) or
-                                          hasattr(type(n), "__index__"))
+    elif isinstance(n, (bool, int, torch.SymInt)):
+        ok = not isinstance(n, bool)
+    else:  # a numpy integer, or anything else an int parameter takes: its __index__
+        try:
+            operator.index(n)
+            ok = True
+        except TypeError:
+            ok = False
     if not ok:
         raise ValueError(f"{name} must be an int (the longest sequence's length), got {n!r}")
 
@@ -316,8 +321,8 @@ def check_device(*tensors: torch.Tensor) -> torch.device:
         why = "" if torch.cuda.is_available() else " (no CUDA GPU is visible to torch here)"
         raise ValueError(f"flash_tile runs on CUDA tensors, got tensors on {device}{why}")
     if any(t.device != device for t in tensors):
-        raise ValueError("q, k and v (and alibi_slopes, where given) must be on the same "
-                         "device, got " + ", ".join(str(t.device) for t in tensors))
+        raise ValueError("the call's tensors (q, k, v, then the others it takes) must be on "
+                         "one device, got " + ", ".join(str(t.device) for t in tensors))
     capability, name = device_properties(device)
     check_capability(capability, name)
     check_compiler()

@@ -59,6 +59,7 @@ in the environment where they are unset (NCCL reads them when a communicator is 
 import it before the process group's first collective).
 """
 
+import operator
 import os
 
 import torch
@@ -286,8 +287,15 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
         raise ValueError(f"q, k and v must hold the same packed rows, got {q.shape[0]}, "
                          f"{k.shape[0]} and {v.shape[0]}")
     cu = _offsets(cu_seqlens, q.shape[0], 2, "2 (a shard holds two halves of each)")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+    # Unlike flash_attn_varlen_func's, the ring reads this value (its half-sequence bound):
+    # any int-like (numpy integers too), compared.
+    try:
+        longest = 0 if isinstance(max_seqlen, bool) else operator.index(max_seqlen)
+    except TypeError:
+        longest = 0
+    if longest < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
+    max_seqlen = longest
     scale = _check_packed(q, k, v, softmax_scale)
     if attention is varlen_kernel_attention or q.is_cuda:
         q, k, v = _kernel_inputs(q, k, v)
@@ -332,7 +340,9 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None,
         ``return_lse`` the tuple (out, lse)). Gradients reach q, k and v of every rank (dK/dV
         summed back to their owners); the local backward is ``flash_attn_func``'s default
         form, so under ``torch.use_deterministic_algorithms(True)`` the two-pass one (bitwise
-        reproducible locally).
+        reproducible locally). There is no second derivative: a backward that builds a graph
+        (``create_graph=True``) raises NotImplementedError at once, where
+        ``flash_attn_func`` raises only when its gradients are differentiated in turn.
     """
     _check_layout(BLHD, q, k, v)
     if q.shape[1] != k.shape[1] or k.shape[1] % 2:

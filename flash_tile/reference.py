@@ -188,7 +188,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     hides keys where False (bool) or is added to the scores (float). ``dropout_p`` > 0 drops
     probabilities after the softmax with ``dropout_keep``'s bits for ``dropout_seed`` (batch
     indices shifted by ``dropout_batch``). ``sinks`` [H] starts each row's running max and sum
-    from head h's sink (m = sink * log2(e), l = 1), as the kernel's SINKS switch does.
+    from head h's sink (m = sink * log2(e), l = 1; with ``fp8_descale`` m = sink * log2(e) -
+    FP8_P_LOG2_SCALE, l = 2**FP8_P_LOG2_SCALE), as the kernel's SINKS switch does.
     ``fp8_descale`` [3, B, H_kv] (the kernel's FP8 switch: q, k, v are the e4m3 values,
     these their descale factors) dequantizes q and k, scales each tile's P by
     2**FP8_P_LOG2_SCALE and rounds it to e4m3 for P V as the kernel does (from its fp32

@@ -272,7 +272,7 @@ def test_second_device():
 
 def test_mixed_devices_rejected():
     q = _randn(1, 2, 16, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match="same device"):
+    with pytest.raises(ValueError, match="one device"):
         flash_tile.scaled_dot_product_attention(q, q.cpu(), q)
 
 

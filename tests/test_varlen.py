@@ -57,6 +57,7 @@ def _args(dtype=torch.bfloat16):
     (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), NotImplementedError,
      "flash_attn_with_kvcache"),
     (dict(max_seqlen_q=15.0), ValueError, "max_seqlen_q"),
+    (dict(max_seqlen_q=np.array(15.0)), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k"),
     (dict(max_seqlen_k=torch.tensor([20])), ValueError, "max_seqlen_k"),
     (dict(window_size=(3,)), ValueError, "window_size"),
