@@ -216,7 +216,7 @@ def _verdict(values, ok, unmeasured):
     measurement (those never count as met)."""
     met = sum(map(ok, values))
     text = "met" if values and met == len(values) and not unmeasured else "NOT met"
-    text += f" on {met}/{len(values) + unmeasured} rows"
+    text += f": {met} of {len(values) + unmeasured} rows meet it"
     return text + (f", {unmeasured} not measured" if unmeasured else "")
 
 

@@ -364,7 +364,7 @@ def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
 
     rows = json.loads((bench / "results" / "fp8-h200.json").read_text())["rows"]
     text = bench_fp8.targets(rows)
-    assert "D=128, L >= 4k, non-causal: NOT met on 0/2 rows" in text
+    assert "D=128, L >= 4k, non-causal: NOT met: 0 of 2 rows meet it" in text
     named = next(r for r in rows if r["head_dim"] == 128 and r["seqlen"] == 4096 and
                  not r["causal"])
     named["tflops"] = dict(named["tflops"], flash_tile_fp8=2000.0)
@@ -372,4 +372,4 @@ def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
                  r["seqlen"] > 4096 and not r["causal"])
     other["tflops"] = dict(other["tflops"], flash_tile_fp8=None)
     text = bench_fp8.targets(rows)
-    assert "non-causal: NOT met on 1/2 rows, 1 not measured" in text
+    assert "non-causal: NOT met: 1 of 2 rows meet it, 1 not measured" in text
