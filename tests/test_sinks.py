@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flash_tile import _launch, _ops, _validate, aot, api, reference, variants, varlen
+from test_aot import assert_tensor_core_path
 
 # (batch, heads, kv_heads, Lq, Lk, head_dim, window, softcap, alibi, dropout_p)
 CASES = [
@@ -152,8 +153,9 @@ def test_sinks_switch_compiles_with_tensor_cores(arch):
               "dq": aot.compile_backward(arch, dtype="bfloat16", head_dim=64, causal=True,
                                          group=8, sinks=True)["dq"]}
     for name, cubin in cubins.items():
-        sass = aot.summarize(aot.disassemble(cubin))
-        assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, (name, sass)
+        listing = aot.disassemble(cubin)
+        assert_tensor_core_path(arch, listing, name, forward=name == "fwd")
+        assert aot.summarize(listing)["local_memory"] == 0, name
 
 
 @pytest.mark.parametrize("arch", variants.ARCHS)

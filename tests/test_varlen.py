@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flash_tile import _launch, _ops, _validate, aot, reference, variants, varlen
+from test_aot import assert_tensor_core_path
 
 LENGTHS_Q = [0, 1, 17, 113, 203, 5]
 LENGTHS_K = [3, 1, 40, 113, 150, 0]  # Lq != Lk per sequence; 0 keys: rows see nothing
@@ -337,9 +338,11 @@ def test_seqused_k_equals_a_packing_of_the_used_keys():
 def test_varlen_switch_compiles_with_tensor_cores(arch):
     """The VARLEN forward for every architecture: tensor cores, no spills, and on the TMA
     architectures the tile loads still through TMA (its row-granular views keep them)."""
-    sass = aot.summarize(aot.disassemble(aot.compile_forward(
-        arch, dtype="bfloat16", head_dim=128, causal=True, varlen=True)))
-    assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, sass
+    listing = aot.disassemble(aot.compile_forward(arch, dtype="bfloat16", head_dim=128,
+                                                  causal=True, varlen=True))
+    assert_tensor_core_path(arch, listing, "varlen", forward=True)
+    sass = aot.summarize(listing)
+    assert sass["local_memory"] == 0, sass
     assert (sass["tma_load"] > 0) == (arch in aot.TMA_ARCHS), sass
 
 
@@ -349,5 +352,6 @@ def test_varlen_backward_compiles_with_tensor_cores(arch):
     cores and no spills (GQA, causal: the loops of the group and of the band both run)."""
     for name, cubin in aot.compile_backward(arch, dtype="bfloat16", head_dim=128, causal=True,
                                             group=4, varlen=True).items():
-        sass = aot.summarize(aot.disassemble(cubin))
-        assert sass["tensor_core"] > 0 and sass["local_memory"] == 0, (name, sass)
+        listing = aot.disassemble(cubin)
+        assert_tensor_core_path(arch, listing, name)
+        assert aot.summarize(listing)["local_memory"] == 0, name
