@@ -373,3 +373,25 @@ def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
     other["tflops"] = dict(other["tflops"], flash_tile_fp8=None)
     text = bench_fp8.targets(rows)
     assert "non-causal: NOT met: 1 of 2 rows meet it, 1 not measured" in text
+
+
+def test_bench_fp8_rmse_against_the_dequantized_inputs(monkeypatch):
+    """bench_fp8's second reference (FA3's Table 3 reports both): 0 for exact attention of
+    the dequantized inputs, and the quantization's error for attention of the originals, on
+    the checked rows (the first and last 128 of 300)."""
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "bench"))
+    import bench_fp8
+
+    q, k, v = (outlier_inputs(1, 300, 2, 64, s) for s in range(3))
+    pairs = [flash_tile.quantize_fp8(t) for t in (q, k, v)]
+    dequantized = [t8.double() * d.double()[:, None, :, None] for t8, d in pairs]
+
+    def attend(*inputs):
+        return attention_dense(*(t.double().transpose(1, 2) for t in inputs),
+                               window=(-1, 0)).transpose(1, 2)
+
+    assert bench_fp8.rmse_dequantized(attend(*dequantized), dequantized, True) == 0.0
+    assert 1e-3 < bench_fp8.rmse_dequantized(attend(q, k, v), dequantized, True) < 5e-2
+
