@@ -257,6 +257,14 @@ def md_table(head, rows) -> str:
     return "\n".join(lines)
 
 
+def row_verdict(misses: list[str], unmeasured: list[str]) -> str:
+    """A row's verdict on its targets: "met", or what it missed and what it did not measure
+    (a target without a measurement is never met)."""
+    parts = ([f"missed: {', '.join(misses)}"] if misses else []) + \
+        ([f"not measured: {', '.join(unmeasured)}"] if unmeasured else [])
+    return "; ".join(parts) or "met"
+
+
 def table(rows):
     names = [n for n in BACKENDS if any(n in r["tflops"] for r in rows)]
     head = ["dtype", "B", "H", "L", "D", "causal", *names, "vs cuDNN", "flash_tile variant"]

@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 import flash_tile
 from bench_attention import (_peak_bytes, _sdpa, backends, chosen_variant, device_ms, failure,
-                             machine_info, md_table, plot, results_path, save_json, time_all,
-                             write_report)
+                             machine_info, md_table, plot, results_path, row_verdict,
+                             save_json, time_all, write_report)
 from flash_tile._timing import DTYPES, flops, grid_shape, interleaved_ms
 from flash_tile.reference import check_error
 
@@ -246,9 +246,7 @@ def row_targets(r) -> str:
         unmeasured.append("memory")
     elif ours > cudnn:
         misses.append(f"memory {ours} > {cudnn} MiB")
-    parts = ([f"missed: {', '.join(misses)}"] if misses else []) + \
-        ([f"not measured: {', '.join(unmeasured)}"] if unmeasured else [])
-    return "; ".join(parts) or "met"
+    return row_verdict(misses, unmeasured)
 
 
 def table(rows, memory):

@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import flash_tile
 from bench_attention import (device_ms, failure, machine_info, md_table, results_path,
-                             save_json, write_report)
+                             row_verdict, save_json, write_report)
 from bench_launch import decode_layers, host_us
 from flash_tile import _launch, reference
 
@@ -253,8 +253,7 @@ def host_verdict(host_us: dict) -> str:
     on the public call (``flash_attn_with_kvcache``, its chosen splits and one split)."""
     calls = {n: us for n, us in host_us.items() if n.startswith("flash_attn_with_kvcache")}
     misses = [f"{n} {us} us" for n, us in calls.items() if us > HOST_TARGET_US]
-    verdict = (f"missed ({', '.join(misses)})" if misses else "met") if calls else \
-        "not measured"
+    verdict = row_verdict(misses, [] if calls else ["no public call timed"])
     return (f"Host microseconds per call (B = 1, L = 1k): {host_us}\n\n"
             f"Host time <= {HOST_TARGET_US:.0f} us a decode call: {verdict}.")
 
@@ -340,15 +339,14 @@ def table(rows, bandwidth):
         paged = min(r.get("paged_ratio", {}).values(), default=None)
         if paged is not None and paged < 0.95:
             misses.append("paged < 0.95x")
-        verdict = "; ".join(([f"missed: {', '.join(misses)}"] if misses else []) +
-                            ([f"not measured: {', '.join(unmeasured)}"] if unmeasured else []))
+        verdict = row_verdict(misses, unmeasured)
         lines.append([r["batch"], r["seqlen"], f"{r['heads']}/{r['kv_heads']}", r["q_len"],
                       r["cache_mib"], *(r["gbps"].get(n, "-") for n in names),
                       f"{ratio:.2f}x" if ratio else "-", f"{frac:.0%}" if frac else "-",
                       f"{paged:.2f}x" if paged else "-",
                       f"{r['masked_ratio']:.2f}x" if r.get("masked_ratio") else "-",
                       f"{r['fp8_speedup']:.2f}x" if r.get("fp8_speedup") else "-",
-                      verdict or "met"])
+                      verdict])
     # A backend that ran on no row has no column: say so, with its first row's reason.
     absent = []
     for n in BACKENDS:

@@ -93,6 +93,31 @@ def _no_sinks(device: torch.device) -> torch.Tensor:
     return torch.empty((0,), dtype=torch.float32, device=device)
 
 
+def _keyless_forward(out: torch.Tensor, lse: torch.Tensor, return_lse: bool,
+                     sinks: torch.Tensor | None, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward where no row sees a key (no keys, or no rows): out 0, the LSE +inf or,
+    with sinks, each head's sink (the one term of its rows' sums); ``head_dim`` is the LSE's
+    head axis."""
+    if return_lse and sinks is None:
+        lse.fill_(torch.inf)
+    elif return_lse:
+        lse.copy_(sinks.view([-1 if d == head_dim else 1 for d in range(lse.dim())]))
+    return out.zero_(), lse
+
+
+def _keyless_backward(q: torch.Tensor, grads: tuple[torch.Tensor, ...],
+                      sinks: torch.Tensor | None, dlse: torch.Tensor | None,
+                      row_dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The backward where no row sees a key (no keys, or no rows): zero gradients, and a
+    sink, each row's one term there, gets the sum of its head's dLSE (dsinks[h] =
+    -sum(p_sink (dO . O - dLSE)) with p_sink = 1, O = 0); ``row_dims`` are dLSE's axes other
+    than the head's."""
+    dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
+              if dlse is None else dlse.float().sum(row_dims))
+    return (*(g.zero_() for g in grads), dsinks)
+
+
 def backward_runner(dout, q, k, v, out, lse, dlse, alibi_slopes, attn_mask, scale, softcap,
                     diag_offset, window, dropout=NO_DROPOUT, sinks=None):
     """``run(config)``: fresh (dq, dk, dv) and the sinks' gradient (empty without sinks), one
@@ -176,12 +201,7 @@ def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The forward op's body: choose the variant, allocate, launch. ``deterministic`` is the
     backward's (kept in the autograd context for it); the forward always is."""
     if k.shape[2] == 0:  # no keys: every row as one that sees none; nothing to launch
-        out, lse = _forward_outputs(q, v, return_lse)
-        if return_lse and sinks is None:
-            lse.fill_(torch.inf)
-        elif return_lse:  # each head's sink: the one term of its rows' sums
-            lse.copy_(sinks[None, :, None])
-        return out.zero_(), lse
+        return _keyless_forward(*_forward_outputs(q, v, return_lse), return_lse, sinks, 1)
     window = (window_left, window_right)
     run = forward_runner(q, k, v, alibi_slopes, attn_mask, scale, softcap, diag_offset, window,
                          return_lse, Dropout(dropout_p, dropout_seed), sinks)
@@ -210,16 +230,8 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """The backward op's body: choose the variant, allocate, launch; (dq, dk, dv, dsinks).
     ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``) keeps to the two-pass
     kernels, bitwise reproducible; else the one-pass form where it is the default."""
-    if q.numel() == 0:  # no query rows (Lq, B or H of 0): no gradient reaches k, v or sinks
-        dq, dk, dv = _backward_outputs(q, k, v)
-        return dq, dk.zero_(), dv.zero_(), (_no_sinks(q.device) if sinks is None else
-                                            torch.zeros_like(sinks))
-    if k.shape[2] == 0:  # no keys: out is 0 whatever q; a sink is each row's one term, so
-        # dsinks[h] = -sum(p_sink * (dO . O - dLSE)) = the sum of head h's dLSE
-        dq, dk, dv = _backward_outputs(q, k, v)
-        dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
-                  if dlse is None else dlse.float().sum((0, 2)))
-        return dq.zero_(), dk, dv, dsinks
+    if q.numel() == 0 or k.shape[2] == 0:  # no query rows (Lq, B or H of 0) or no keys
+        return _keyless_backward(q, _backward_outputs(q, k, v), sinks, dlse, (0, 2))
     dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
@@ -441,11 +453,7 @@ def _varlen_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     or no keys (every sequence empty of them, as flash-attn's max_seqlen_k = 0): nothing to
     launch, the rows as ones that see no key (out 0, LSE +inf or the sink)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
-        out, lse = _varlen_outputs(q, v, return_lse)
-        if return_lse:
-            lse.copy_(torch.full_like(lse[:, :1], torch.inf) if sinks is None else
-                      sinks[:, None])
-        return out.zero_(), lse
+        return _keyless_forward(*_varlen_outputs(q, v, return_lse), return_lse, sinks, 0)
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)
     run = varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap, window,
                                 return_lse, Dropout(dropout_p, dropout_seed), sinks)
@@ -481,10 +489,7 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rows or no keys launch nothing (as the forward): zero gradients, and a sink, each row's
     one term where there are no keys, gets the sum of its head's dLSE."""
     if q.shape[0] == 0 or k.shape[0] == 0:
-        dq, dk, dv = _varlen_gradients(q, k, v)
-        dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
-                  if dlse is None else dlse.float().sum(1))
-        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
+        return _keyless_backward(q, _varlen_gradients(q, k, v), sinks, dlse, (1,))
     dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)

@@ -404,8 +404,9 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
     host = bench_decode.host_verdict({"flash_attn_with_kvcache": 53.4,
                                       "flash_attn_with_kvcache, one split": 19.0,
                                       "ct.launch": 8.0})
-    assert host.endswith("missed (flash_attn_with_kvcache 53.4 us).")
-    assert bench_decode.host_verdict({"ct.launch": 8.0}).endswith("not measured.")
+    assert host.endswith("missed: flash_attn_with_kvcache 53.4 us.")
+    assert bench_decode.host_verdict({"ct.launch": 8.0}).endswith(
+        "not measured: no public call timed.")
 
 
 def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):
