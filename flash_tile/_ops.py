@@ -106,14 +106,14 @@ def _keyless_forward(out: torch.Tensor, lse: torch.Tensor, return_lse: bool,
     return out.zero_(), lse
 
 
-def _keyless_backward(q: torch.Tensor, grads: tuple[torch.Tensor, ...],
-                      sinks: torch.Tensor | None, dlse: torch.Tensor | None,
-                      row_dims: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+def _keyless_backward(grads: tuple[torch.Tensor, ...], sinks: torch.Tensor | None,
+                      dlse: torch.Tensor | None, row_dims: tuple[int, ...]
+                      ) -> tuple[torch.Tensor, ...]:
     """The backward where no row sees a key (no keys, or no rows): zero gradients, and a
     sink, each row's one term there, gets the sum of its head's dLSE (dsinks[h] =
     -sum(p_sink (dO . O - dLSE)) with p_sink = 1, O = 0); ``row_dims`` are dLSE's axes other
     than the head's."""
-    dsinks = (_no_sinks(q.device) if sinks is None else torch.zeros_like(sinks)
+    dsinks = (_no_sinks(grads[0].device) if sinks is None else torch.zeros_like(sinks)
               if dlse is None else dlse.float().sum(row_dims))
     return (*(g.zero_() for g in grads), dsinks)
 
@@ -231,7 +231,7 @@ def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``) keeps to the two-pass
     kernels, bitwise reproducible; else the one-pass form where it is the default."""
     if q.numel() == 0 or k.shape[2] == 0:  # no query rows (Lq, B or H of 0) or no keys
-        return _keyless_backward(q, _backward_outputs(q, k, v), sinks, dlse, (0, 2))
+        return _keyless_backward(_backward_outputs(q, k, v), sinks, dlse, (0, 2))
     dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()
     window = (window_left, window_right)
@@ -489,7 +489,7 @@ def _varlen_backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rows or no keys launch nothing (as the forward): zero gradients, and a sink, each row's
     one term where there are no keys, gets the sum of its head's dLSE."""
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return _keyless_backward(q, _varlen_gradients(q, k, v), sinks, dlse, (1,))
+        return _keyless_backward(_varlen_gradients(q, k, v), sinks, dlse, (1,))
     dout = _dense_dout(dout)
     dlse = None if dlse is None else dlse.float().contiguous()[None]
     window, varlen = (window_left, window_right), Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k)

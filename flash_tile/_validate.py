@@ -272,6 +272,17 @@ def check_lengths(k_len: int, v_len: int, empty_ok: bool = False) -> None:
                          "take")
 
 
+def int_value(n) -> int | None:
+    """``n`` as an int where an int parameter takes it (an int or a numpy integer: its
+    ``__index__``, as ``operator.index``), never a bool; else None."""
+    if isinstance(n, bool):
+        return None
+    try:
+        return operator.index(n)
+    except TypeError:
+        return None
+
+
 def check_max_seqlen(name: str, n) -> None:
     """flash-attn's ``max_seqlen_q`` / ``max_seqlen_k``, which the kernels do not read (their
     grid comes from the packed lengths): an int or anything flash-attn's int parameter takes
@@ -281,14 +292,10 @@ def check_max_seqlen(name: str, n) -> None:
     if isinstance(n, torch.Tensor):
         ok = n.dim() == 0 and not (n.dtype.is_floating_point or n.dtype.is_complex or
                                    n.dtype == torch.bool)
-    elif isinstance(n, (bool, int, torch.SymInt)):
+    elif isinstance(n, (int, torch.SymInt)):  # not read: torch.compile would guard on it
         ok = not isinstance(n, bool)
-    else:  # a numpy integer, or anything else an int parameter takes: its __index__
-        try:
-            operator.index(n)
-            ok = True
-        except TypeError:
-            ok = False
+    else:  # a numpy integer, or anything else an int parameter takes
+        ok = int_value(n) is not None
     if not ok:
         raise ValueError(f"{name} must be an int (the longest sequence's length), got {n!r}")
 

@@ -59,7 +59,6 @@ in the environment where they are unset (NCCL reads them when a communicator is 
 import it before the process group's first collective).
 """
 
-import operator
 import os
 
 import torch
@@ -289,11 +288,8 @@ def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, cau
     cu = _offsets(cu_seqlens, q.shape[0], 2, "2 (a shard holds two halves of each)")
     # Unlike flash_attn_varlen_func's, the ring reads this value (its half-sequence bound):
     # any int-like (numpy integers too), compared.
-    try:
-        longest = 0 if isinstance(max_seqlen, bool) else operator.index(max_seqlen)
-    except TypeError:
-        longest = 0
-    if longest < 1:
+    longest = _validate.int_value(max_seqlen)
+    if longest is None or longest < 1:
         raise ValueError(f"max_seqlen must be an int >= 1, got {max_seqlen!r}")
     max_seqlen = longest
     scale = _check_packed(q, k, v, softmax_scale)
