@@ -110,26 +110,28 @@ def cudnn_fp8(q, k, v, causal):
             lambda: out8.float() * vd)
 
 
-def _checked_rows(length, device="cuda"):
+def _checked_rows(length, device):
     rows = torch.arange(length, device=device)
     return rows if length <= 2 * CHECK_ROWS else torch.cat([rows[:CHECK_ROWS],
                                                            rows[-CHECK_ROWS:]])
 
 
+def _checked_reference(q, k, v, causal, dtype):
+    """(rows, attention of the checked rows in ``dtype``, [B, H, rows, Dv]) of q, k, v
+    [B, L, H, D], a run of CHECK_ROWS rows at a time."""
+    rows = _checked_rows(q.shape[1], q.device)
+    kt, vt = (t.transpose(1, 2).to(dtype) for t in (k, v))
+    window = (-1, 0) if causal else (-1, -1)
+    return rows, torch.cat([reference.attention_dense(q[:, r].transpose(1, 2).to(dtype), kt,
+                                                      vt, diag_offset=int(r[0]),
+                                                      window=window)
+                            for r in rows.split(CHECK_ROWS)], dim=2)
+
+
 def check(q, k, v, outs8, out16, causal):
     """([rmse of each FP8 output], whether bf16 passes the 2x rule) on the checked rows."""
-    rows = _checked_rows(q.shape[1])
-    ref = torch.empty(q.shape[0], q.shape[2], rows.numel(), v.shape[3], device="cuda")
-    out_pt = torch.empty_like(ref, dtype=torch.bfloat16)
-    kt, vt = (t.transpose(1, 2) for t in (k, v))
-    for i, r in enumerate(rows.split(CHECK_ROWS)):  # contiguous runs of rows
-        qr = q[:, r].transpose(1, 2)
-        window = (-1, 0) if causal else (-1, -1)
-        part = slice(i * CHECK_ROWS, i * CHECK_ROWS + r.numel())
-        ref[:, :, part] = reference.attention_dense(qr.float(), kt.float(), vt.float(),
-                                                    diag_offset=int(r[0]), window=window)
-        out_pt[:, :, part] = reference.attention_dense(qr, kt, vt, diag_offset=int(r[0]),
-                                                       window=window)
+    rows, ref = _checked_reference(q, k, v, causal, torch.float32)
+    _, out_pt = _checked_reference(q, k, v, causal, torch.bfloat16)
     rmse = [(o[:, rows].transpose(1, 2).float() - ref).pow(2).mean().sqrt().item()
             for o in outs8]
     return rmse, reference.check_error(out16[:, rows].transpose(1, 2), ref, out_pt)["ok"]
@@ -139,14 +141,8 @@ def rmse_dequantized(out8, dequantized, causal):
     """The RMSE of an FP8 output on the checked rows against fp64 attention of the inputs it
     was given, dequantized (``dequantized``: q, k, v [B, L, H, D] as d * x8): the kernel's
     own error, without the inputs' quantization (FA3's Table 3 reports both)."""
-    q, k, v = (t.transpose(1, 2).double() for t in dequantized)
-    rows = _checked_rows(q.shape[2], q.device)
-    window = (-1, 0) if causal else (-1, -1)
-    errors = []
-    for r in rows.split(CHECK_ROWS):
-        ref = reference.attention_dense(q[:, :, r], k, v, diag_offset=int(r[0]), window=window)
-        errors.append((out8[:, r].transpose(1, 2).double() - ref).pow(2))
-    return torch.cat(errors, dim=2).mean().sqrt().item()
+    rows, ref = _checked_reference(*dequantized, causal, torch.float64)
+    return (out8[:, rows].transpose(1, 2).double() - ref).pow(2).mean().sqrt().item()
 
 
 def _cudnn_runner(q, k, v, causal, skipped):
