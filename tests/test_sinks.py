@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_tile import _launch, _ops, _validate, aot, api, reference, variants, varlen
-from test_aot import assert_tensor_core_path
+from sass_checks import assert_tensor_core_path
 
 # (batch, heads, kv_heads, Lq, Lk, head_dim, window, softcap, alibi, dropout_p)
 CASES = [

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flash_tile import _launch, _ops, _validate, aot, reference, variants, varlen
-from test_aot import assert_tensor_core_path
+from sass_checks import assert_tensor_core_path
 
 LENGTHS_Q = [0, 1, 17, 113, 203, 5]
 LENGTHS_K = [3, 1, 40, 113, 150, 0]  # Lq != Lk per sequence; 0 keys: rows see nothing
