@@ -57,12 +57,13 @@ the head's sink starts split 0's running max and sum (as the forward's SINKS swi
 the combine counts it once; a row that sees no key then gets 0 and an LSE of the sink.
 
 Layout. Q [B, Lq, H_kv, G, D] (flash-attn's [B, Lq, H, D] with its heads split, a view);
-K [Bc, H_kv, L_cache, D] and V [Bc, H_kv, L_cache, Dv] (flash-attn's cache [Bc, L_cache, H_kv,
-D] transposed, a view), or under PAGED the pages [num_blocks, H_kv, page_size, D] with
-BlockTable [B, max_blocks] int32 giving sequence b's page of keys [p * page_size, (p + 1) *
-page_size), any page size: a key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N
-keys (PAGE_N divides the page size, so each lies in one page), or under GATHER (pages without
-such a load) its rows are gathered, each from its page.
+K [Bc, L_cache, H_kv, D] and V [Bc, L_cache, H_kv, Dv] (flash-attn's cache as it is: the tile
+loads take its axes in the order they need, so the host passes no view), or under PAGED the
+pages [num_blocks, page_size, H_kv, D] with BlockTable [B, max_blocks] int32 giving sequence
+b's page of keys [p * page_size, (p + 1) * page_size), any page size: a key tile of TILE_N
+keys joins TILE_N // PAGE_N tile loads of PAGE_N keys (PAGE_N divides the page size, so each
+lies in one page), or under GATHER (pages without such a load) its rows are gathered, each
+from its page.
 SeqLensK [B] int32 plus the scalar new_len is each sequence's key count, BatchIdx [B] int32
 (under BATCH_IDX) the cache row of sequence b. Out [B, Lq, H_kv, G, Dv] in Q's dtype and Lse
 [B, H_kv, G, Lq] fp32 (flash-attn's [B, H, Lq]); the SPLIT workspace OutSplit [NUM_SPLITS, B,
@@ -109,12 +110,14 @@ def _page_rows(kv, j, TILE_N: ConstInt):
 
 
 def _tile_load(A, row, kv_head, tile, N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstBool):
-    """Key tile ``tile`` of N keys of K (as K^T, [COLS, N], through the permuted load order)
-    or of V ([N, COLS]) in cache row (or page) ``row``: one tile load."""
+    """Key tile ``tile`` of N keys of K (as K^T, [COLS, N]) or of V ([N, COLS]) in cache row
+    (or page) ``row`` of a [row, key, head, column] cache: one tile load. K's tile is
+    transposed on chip: the sm_86-sm_120 SASS is that of a load in permuted order, which on
+    sm_80 (no TMA) spilled up to 1,593 LDL/STL (tileiras 13.4, 2026-12-05)."""
     if KEYS_LAST:
-        return ct.load(A, index=(row, kv_head, 0, tile), shape=(1, 1, COLS, N),
-                       order=(0, 1, 3, 2), padding_mode=ZERO).reshape((COLS, N))
-    return ct.load(A, index=(row, kv_head, tile, 0), shape=(1, 1, N, COLS),
+        return ct.transpose(ct.load(A, index=(row, tile, kv_head, 0), shape=(1, N, 1, COLS),
+                                    padding_mode=ZERO).reshape((N, COLS)))
+    return ct.load(A, index=(row, tile, kv_head, 0), shape=(1, N, 1, COLS),
                    padding_mode=ZERO).reshape((N, COLS))
 
 
@@ -161,7 +164,7 @@ def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool
             page, row, col = page[None, :], row[None, :], col[:, None]
         else:
             page, row, col = page[:, None], row[:, None], col[None, :]
-        return ct.gather(A, (page, kv_head, row, col), mask=col < A.shape[3],
+        return ct.gather(A, (page, row, kv_head, col), mask=col < A.shape[3],
                          check_bounds=False)
     if not PAGED:
         return _tile_load(A, cache_row, kv_head, j, TILE_N, COLS, KEYS_LAST)
@@ -287,7 +290,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     k_len = ct.load(SeqLensK, (batch,), shape=()).item() + new_len
     diag_offset = k_len - q_len
     cache_row = _cache_row(BatchIdx, batch, BATCH_IDX)
-    page_size = K.shape[2]
+    page_size = K.shape[1]
     if K.dtype != Q.dtype:  # an FP8 cache: the scores are those of KDescale * k8
         qk_scale = qk_scale * _kv_descale(KDescale, batch, kv_head)
 
