@@ -230,9 +230,9 @@ class _DecodePlan:
             outputs = (ABSENT, ABSENT, out_split.view(self.splits, *self.out_view),
                        lse_split.view(self.splits, *self.out_view[:4]))
         else:
-            outputs = (out.view(self.out_view), ABSENT if lse is None else
+            outputs = (out.view(*self.out_view), ABSENT if lse is None else
                        lse.view(batch, kv_heads, group, q_len), ABSENT, ABSENT)
-        args = (q.view(self.q_view), k_cache, v_cache,
+        args = (q.view(*self.q_view), k_cache, v_cache,
                 *outputs, seqlens_k, ABSENT if batch_idx is None else batch_idx,
                 ABSENT if block_table is None else block_table,
                 ABSENT if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group),

@@ -2,9 +2,10 @@
 
 Everything a call settles before its launches (the checks, the variant, the grid, the
 kernel, every launch argument but the call's own arrays) depends only on its tensors'
-metadata (shape, strides, dtype, device), its other arguments and the tuner's environment
-(``autotune.settings``). The public functions run every check and choice on a signature's
-first call and keep the outcome as a plan, keyed by that signature: for the forward a
+metadata (shape, strides, dtype, device), its other arguments and, where a tuner's choice is
+in it, the tuner's environment (``autotune.settings``). The public functions run every check
+and choice on a signature's first call and keep the outcome as a plan, keyed by that
+signature: for the forward a
 ``_launch.ForwardPlan`` (a later call allocates its outputs and launches it, nothing
 else), for ``flash_attn_with_kvcache`` its checked arguments and decode plan
 (``_launch_decode.decode_plan``: a later call runs the append and launches the plan). On an
@@ -35,10 +36,12 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.get_device()
 
 
-def key(entry: str, tensors: tuple, arguments: tuple) -> tuple | None:
+def key(entry: str, tensors: tuple, arguments: tuple, tuned: bool = True) -> tuple | None:
     """The plan key of a call of ``entry`` on ``tensors`` with the other ``arguments`` (which
     decide everything but the tensors' metadata), or None where the call must take the full
-    path (see the module's docstring)."""
+    path (see the module's docstring). ``tuned``: the plan holds a tuner's choice, so the
+    tuner's environment is part of the key (two ``os.environ`` reads, 1 us of a decode step's
+    10-16 us of Python on a CPU host; the decode's tiles are the architecture's default)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return None
     if type(tensors[0]) is not torch.Tensor or tensors[0].get_device() < 0:
@@ -49,7 +52,9 @@ def key(entry: str, tensors: tuple, arguments: tuple) -> tuple | None:
             return None
     if torch.is_autocast_enabled("cuda"):
         return None
-    return (entry, *map(_tensor_key, tensors), *arguments, autotune.settings())
+    if tuned:
+        return (entry, *map(_tensor_key, tensors), *arguments, autotune.settings())
+    return (entry, *map(_tensor_key, tensors), *arguments)
 
 
 def find(plan_key: tuple | None):

@@ -161,10 +161,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             sinks is None or isinstance(sinks, torch.Tensor) and sinks.is_contiguous()):
         optional = (k, v, cache_batch_idx, cache_leftpad, block_table, rotary_cos, rotary_sin,
                     sinks, k_descale, v_descale, attn_mask)
-        plan_key = _plans.key("kvcache", (q, k_cache, v_cache, cache_seqlens, *(
-            t for t in optional if t is not None)), (
-            tuple(t is None for t in optional), softmax_scale, causal, window_size, softcap,
-            rotary_interleaved, num_splits, return_softmax_lse))
+        plan_key = _plans.key("kvcache", (q, k_cache, v_cache, cache_seqlens, *[
+            t for t in optional if t is not None]), (
+            tuple([t is None for t in optional]), softmax_scale, causal, window_size, softcap,
+            rotary_interleaved, num_splits, return_softmax_lse), tuned=False)
         plan = _plans.find(plan_key)
         if plan is not None:
             kv_descale = None
