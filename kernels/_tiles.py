@@ -56,6 +56,15 @@ LN_2 = math.log(2.0)
 # 2026-12-05). Scaled, weights down to 2^-18 of the max keep a value. FA3's Max_offset = 8.
 FP8_P_LOG2_SCALE = 8
 
+# The FP8 forward sums l_i on the tensor core (the rounded P times a ones tile) on key steps
+# at least this wide when no band mask is on; else a FADD a score. On the H200 against the
+# FADD sum (2026-12-05, bench_variants.py --dtype fp8 --baseline, interleaved): D = 128's
+# 128x256 steps 0.887-0.981x the time non-causal (1k-16k) but 1.007-1.139x causal; D = 64's
+# and D = 256's 128-key steps 1.025-1.053x and 1.0-1.037x; on an H100 (2026-12-06, same
+# command) D = 128 non-causal 0.915x / 0.906x at 4k / 16k. [tileiras 13.4, cuda-tile 1.7.0;
+# docs/experiments/evidence/2026-12-05-fp8-row-sum-h200.md, 2026-12-06-fp8-row-sum-h100.md]
+FP8_SUM_MIN_N = 256
+
 # ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
 # A boolean mask comes as bool or as its uint8 view (nonzero = attend). TMA loads of bool tiles
 # were misread on the H200 (cuda-tile 1.7.0, tileiras 13.4: whenever the mask's rows were
@@ -404,7 +413,8 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
     return s, factor, dscore
 
 
-def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt):
+def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
+                 ROW_SUM: ConstBool):
     """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor
     (``log2_scores``): (m_new, p, alpha, l_i), the new row max, the tile's exp2 weights, the
     rescale of what came before and the new row sum. The max is taken before the factor is
@@ -413,7 +423,9 @@ def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt):
     band or attention mask always have a finite max. m is the row max less P_LOG2_SCALE
     (``FP8_P_LOG2_SCALE``; 0 for the others), so that the weights, and l_i, come out scaled
     by 2**P_LOG2_SCALE (the output's 1 / l_i cancels it, and the LSE m ln 2 + ln l_i is the
-    same): the shift rides on the max's multiply, no instruction of its own."""
+    same): the shift rides on the max's multiply, no instruction of its own. Without ROW_SUM
+    l_i comes back rescaled only (l_i * alpha): the caller adds the tile's sum (FP8 does it on
+    the tensor core, ``attention_fwd``)."""
     m_tile = ct.max(s, axis=-1, keepdims=True) * factor  # [ROWS, 1]
     if P_LOG2_SCALE != 0:
         m_tile = m_tile - P_LOG2_SCALE
@@ -423,4 +435,7 @@ def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt):
         m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
     p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
-    return m_new, p, alpha, l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    l_i = l_i * alpha
+    if ROW_SUM:
+        l_i = l_i + ct.sum(p, axis=-1, keepdims=True)
+    return m_new, p, alpha, l_i

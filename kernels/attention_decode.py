@@ -255,7 +255,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
         if padded:
             s = ct.where(offs_k >= k_lo, s, -math.inf)
         cut = cut | padded
-    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, 0)  # every tile is masked
+    # Every tile is masked (GUARD).
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, 0, True)
     v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
     if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
         v = v.astype(q.dtype)

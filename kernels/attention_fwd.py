@@ -63,18 +63,21 @@ kv head): the inputs stand for d_q q8, d_k k8, d_v v8. S = Q8 K8^T on e4m3 tenso
 (fp32 accumulate), and d_q d_k joins the softmax scale once per program, so the scores,
 softcap, masks and LSE are those of the dequantized inputs. P, the online softmax's weights
 scaled by 2^8 into [0, 256] (FA3's Max_offset: unscaled, weights under 2^-10 of their row's
-max would round to 0; m_i runs 8 below the max), is rounded to e4m3 for P V (relative error
-<= 2^-4 above 2^-6, absolute <= 2^-10 below: <= 2^-18 of the row's max), l_i sums the
-unrounded, scaled p, and d_v multiplies the output with 1 / l_i (the 2^8 cancels, and the
-LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3 matmul wants both
-operands K-major, its reduction axis contiguous in shared memory: Q [.., D] and K^T (loaded
-from K [.., Lk, D] through the permuted order) are, V [.., Lk, Dv] is not, so the launcher
-passes V^T [.., Dv, Lk] and the tile is read back as [TILE_N, TILE_DV] through the permuted
-order (``load_keys_major``): reading V as stored costs a shared-memory transpose on the hot
-path (sm_90 SASS: 240-390 more instructions, 70-140 STS and 5-6 barriers a program against
-1-2; tileiras 13.4, 2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV,
-TILE_N] tiles read through the permuted order: torch's strided copy of the same tensor ran
-at 0.35 TB/s.
+max would round to 0; m_i runs 8 below the max), is rounded to e4m3 (relative error <= 2^-4
+above 2^-6, absolute <= 2^-10 below: <= 2^-18 of the row's max) for P V; l_i sums the
+unrounded p, but on key steps of FP8_SUM_MIN_N keys or more without a band mask the tensor
+core forms l_i too, from the rounded P (P times a ones tile, FP8_SUM_N equal columns), so
+that the output there is the average of V under the rounded weights and the LSE theirs
+(within -ln(1 - 2^-4) of the exact one); d_v multiplies the output with 1 / l_i (the 2^8
+cancels, and the LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3
+matmul wants both operands K-major, its reduction axis contiguous in shared memory: Q [.., D]
+and K^T (loaded from K [.., Lk, D] through the permuted order) are, V [.., Lk, Dv] is not,
+so the launcher passes V^T [.., Dv, Lk] and the tile is read back as [TILE_N, TILE_DV]
+through the permuted order (``load_keys_major``): reading V as stored costs a shared-memory
+transpose on the hot path (sm_90 SASS: 240-390 more instructions, 70-140 STS and 5-6
+barriers a program against 1-2; tileiras 13.4, 2026-12-02). ``keys_major_copy`` writes V^T
+once a call, [TILE_DV, TILE_N] tiles read through the permuted order: torch's strided copy
+of the same tensor ran at 0.35 TB/s.
 
 Masking. Row i sees key j iff
 
@@ -98,20 +101,25 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     descale, dropout_keep, heaviest_first, load_keys_major, load_seq_rows,
-                     log2_scores, program_tile, query_rows, sequence_bounds, softmax_step,
-                     store_seq_rows, tile_runs)
+from ._tiles import (FP8_P_LOG2_SCALE, FP8_SUM_MIN_N, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool,
+                     ConstInt, descale, dropout_keep, heaviest_first, load_keys_major,
+                     load_seq_rows, log2_scores, program_tile, query_rows, sequence_bounds,
+                     softmax_step, store_seq_rows, tile_runs)
+
+# FP8's row sum of P on the tensor core (``_attend_kv_tile``) is a matmul against a ones tile
+# of this many columns, the narrowest an e4m3 matmul takes on sm_90 (QGMMA 64x8x32).
+FP8_SUM_N = 8
 
 
-def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, band,
-                    drop, TILES, MASKED: ConstBool, FEATURES):
+def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, ones,
+                    band, drop, TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8); under VARLEN the sequence's keys start at row
-    ``k_start`` of K, under FP8 V is V^T (``attention_fwd``)."""
+    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA); under VARLEN the sequence's keys
+    start at row ``k_start`` of K, under FP8 V is V^T; under SUM_MMA l_i is [TILE_M,
+    FP8_SUM_N] and ``ones`` the row sum's [TILE_N, FP8_SUM_N] operand (unread otherwise)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8 = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     if VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
@@ -131,7 +139,7 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
                                MASKED, FEATURES, False, True)
     # Only a band or an attention mask can leave a row with nothing visible yet.
     m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, MASKED or ATTN_MASK != NO_MASK,
-                                        FP8_P_LOG2_SCALE if FP8 else 0)
+                                        FP8_P_LOG2_SCALE if FP8 else 0, not SUM_MMA)
 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
@@ -145,8 +153,15 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     # each tile's P V in fresh registers and adds them to acc, one FADD an output element a tile
     # (with the scores' FADDs, 3,632 sm_90 instructions instead of 3,048 at D = 128, non-causal, no
     # LSE), and the second accumulator spills at Dv = 256 (521 LDL/STL on sm_90's 128x64 tile).
-    acc = ct.mma(p.astype(v.dtype), v, acc * alpha,
-                 use_fast_acc=FP8)  # [TILE_M, TILE_DV]
+    p = p.astype(v.dtype)
+    if SUM_MMA:
+        # The row sum of the rounded P on the tensor core too, P times a tile of ones: a few
+        # QGMMAs in place of a FADD a score. Summed in fresh registers and added to l_i (not
+        # use_fast_acc): added into l_i itself, the tensor core's fewer mantissa bits dropped
+        # the small weights of a long row against a large l_i (outputs off by up to 0.34 at
+        # 16k keys, against 0.002 summed per tile; H200, 2026-12-05).
+        l_i = ct.mma(p, ones, l_i)  # [TILE_M, FP8_SUM_N]
+    acc = ct.mma(p, v, acc * alpha, use_fast_acc=FP8)  # [TILE_M, TILE_DV]
     return m_new, l_i, acc
 
 
@@ -188,12 +203,19 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     offs_q = m_start + ct.arange(TILE_M, dtype=ct.int32)[:, None]  # [TILE_M, 1]
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
     drop = (dropout_seed, dropout_threshold, dropout_scale)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8)
+    # SUM_MMA: the tensor core sums each row of P into every column of l_i (FP8_SUM_N of
+    # them, the matmul's narrowest), against a tile of ones made here, once (made inside the
+    # K-loop it went through shared memory each step). It paid on wide unmasked key steps
+    # (FP8_SUM_MIN_N), not on narrower ones nor under a band mask (FP8_SUM_MIN_N's note).
+    SUM_MMA = FP8 and TILE_N >= FP8_SUM_MIN_N and not (MASK_LEFT or MASK_RIGHT)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
 
+    SUM_N = FP8_SUM_N if SUM_MMA else 1
+    ones = ct.full((TILE_N, SUM_N), 1.0, dtype=V.dtype)
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
-    l_i = ct.zeros((TILE_M, 1), dtype=ct.float32)
+    l_i = ct.zeros((TILE_M, SUM_N), dtype=ct.float32)
     if SINKS:
         # The head's sink is a score every row sees, with no value: the running max and sum
         # start from it (m = sink, l = exp2(0) = 1; under FP8 m runs P_LOG2_SCALE below the
@@ -202,7 +224,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
         if P_LOG2_SCALE != 0:
             sink = sink - P_LOG2_SCALE
         m_i = ct.zeros((TILE_M, 1), dtype=ct.float32) + sink
-        l_i = ct.full((TILE_M, 1), 2.0**P_LOG2_SCALE, dtype=ct.float32)
+        l_i = ct.full((TILE_M, SUM_N), 2.0**P_LOG2_SCALE, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
 
     # Key tiles: row i sees j in [i + diag_offset - left, i + diag_offset + right].
@@ -212,14 +234,17 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     if MASK_LEFT:
         for j in range(n_start, n_inner):
             m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j,
-                                            m_i, l_i, acc, band, drop, TILES, True, FEATURES)
+                                            m_i, l_i, acc, ones, band, drop, TILES, True,
+                                            FEATURES)
     for j in range(n_inner, n_outer):
         m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
-                                        l_i, acc, band, drop, TILES, False, FEATURES)
+                                        l_i, acc, ones, band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
         m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
-                                        l_i, acc, band, drop, TILES, True, FEATURES)
+                                        l_i, acc, ones, band, drop, TILES, True, FEATURES)
 
+    if SUM_MMA:  # its columns hold the same sum
+        l_i = ct.max(l_i, axis=-1, keepdims=True)
     # Rows that saw no key have l_i = 0 and acc = 0: divide by 1 to return zeros (with a sink
     # they have l_i = 2**P_LOG2_SCALE: the sink took all the weight, and the output is 0 too).
     empty = l_i == 0.0

@@ -515,15 +515,17 @@ def test_forward_schedule_fields_reach_the_machine_code():
                                                                           latency_v=1))
 
 
-# The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the two
-# matmuls tell apart by their A operand. Counts per compile [tileiras 13.4, 2026-12-03, the
-# arch's FP8 config; two copies of the K-loop body, the unmasked and the masked run]:
-# D=64 (64x128 o2) 2 + 4 a body, and the even non-causal loop unrolled twice; D=128 (128x256
-# nww8) 4 + 8 per warp group; D=256 (128x128 nww8) 8 + 4.
-FP8_QGMMA = {(64, False): (8, 16), (64, True): (4, 8), (128, False): (8, 16),
-             (128, True): (8, 16), (256, False): (16, 8), (256, True): (16, 8)}
+# The FP8 switch. QGMMA reads P from registers and Q from shared memory, so on sm_90 the
+# matmuls tell apart by their A operand, and the row sum (P times a ones tile, SUM_MMA: wide
+# unmasked key steps) by its 8 columns. Counts per compile (Q K^T, P V, row sum) [tileiras
+# 13.4, 2026-12-05, the arch's FP8 config; two copies of the K-loop body, the unmasked and
+# the masked run]: D=64 (64x128 o2) 2 + 4 a body, the even non-causal loop unrolled twice;
+# D=128 (128x256 nww8) 4 + 8 per warp group, + 8 without causal; D=256 (128x128 nww8) 8 + 4.
+FP8_QGMMA = {(64, False): (8, 16, 0), (64, True): (4, 8, 0), (128, False): (8, 16, 16),
+             (128, True): (8, 16, 0), (256, False): (16, 8, 0), (256, True): (16, 8, 0)}
 _QK = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, gdesc")  # A from shared memory: Q K^T
-_PV = re.compile(r"\bQGMMA\.\S+\.E4M3\.E4M3\s+R\d+, R\d+, gdesc")  # A from registers: P V
+_PV = re.compile(r"\bQGMMA\.64x(?!8x)\S+\.E4M3\.E4M3\s+R\d+, R\d+, gdesc")  # A from registers
+_SUM = re.compile(r"\bQGMMA\.64x8x32\.\S+\s+R\d+, R\d+, gdesc")  # P times the ones: the row sum
 
 
 @pytest.mark.parametrize("head_dim,causal", sorted(FP8_QGMMA))
@@ -532,7 +534,7 @@ def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, ca
                                                even_n=not causal, fp8=True))
     summary = aot.summarize(sass)
     counts = FP8_QGMMA[head_dim, causal]
-    assert (len(_QK.findall(sass)), len(_PV.findall(sass))) == counts
+    assert tuple(len(op.findall(sass)) for op in (_QK, _PV, _SUM)) == counts
     assert summary["tensor_core"] == sum(counts)  # no HGMMA left
     assert summary["local_memory"] == 0
     assert summary["tma_load"] > 0
