@@ -31,17 +31,19 @@ and the backward's:
                     dQ with Delta, then dK/dV): the autotuner's path
   sdpa              ``torch.autograd.grad`` through SDPA's output
 
-For each layer, ``host us`` is the wall time per call of ITERS calls issued back to back on
-a problem small enough that the GPU never holds the host up (B=1, H=1, L=128), the median of
-ROUNDS rounds that visit the layers in turn (so that a slow stretch of the host falls on
-every layer alike); ``with grad`` is the same with q, k and v needing their gradients (a
-training step's forward: autograd records the call). At the benchmark
-grid's row for ``--length`` and ``--head-dim``, ``ms per call`` is the wall time per call of
-back-to-back calls (synchronised at the end) and ``device ms`` the GPU's time per call with
-the calls queued behind a sleep kernel, so that no launch gap is counted (CUDA events around
-single calls, as the benchmarks take them, count the gap when the host is slower than the
-GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace. The backward's
-layers have no "with grad" column: every one of them is a training step's.
+For each layer, ``host us`` is the host's time per call to issue ITERS calls back to back
+(B=1, H=1, L=128), the GPU's work not waited for (``issue_us``): where a call's kernels take
+longer than its host path (a one-split decode of a 1k cache runs 8 programs), a wall time
+would be the GPU's; ITERS queued launches stay far below the depth at which the launch queue
+blocks the host. The median of ROUNDS rounds that visit the layers in turn (so that a slow
+stretch of the host falls on every layer alike); ``with grad`` is the same with q, k and v
+needing their gradients (a training step's forward: autograd records the call). At the
+benchmark grid's row for ``--length`` and ``--head-dim``, ``ms per call`` is the wall time
+per call of back-to-back calls (synchronised at the end) and ``device ms`` the GPU's time
+per call with the calls queued behind a sleep kernel, so that no launch gap is counted (CUDA
+events around single calls, as the benchmarks take them, count the gap when the host is
+slower than the GPU). Where ``ms per call`` exceeds ``device ms``, the host sets the pace.
+The backward's layers have no "with grad" column: every one of them is a training step's.
 
 A third table takes a decode step (``flash_attn_with_kvcache``) apart the same way
 (``decode_layers``). With ``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as
@@ -298,12 +300,27 @@ def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,
                         requires_grad=requires_grad) for _ in range(3)]
 
 
+def issue_us(fn, iters: int = ITERS) -> float:
+    """Host microseconds per call to issue ``iters`` back-to-back calls, from a quiet GPU, the
+    GPU's work not waited for (it is, after the clock stops): the host's cost whether or not
+    the GPU keeps up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
+
+
 def host_us(calls: dict) -> dict:
-    """Median over ROUNDS interleaved rounds of ``wall_us`` for each of ``calls``."""
+    """Median over ROUNDS interleaved rounds of ``issue_us`` for each of ``calls``."""
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
-            times[name].append(wall_us(fn))
+            times[name].append(issue_us(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
