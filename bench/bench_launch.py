@@ -282,37 +282,36 @@ def against_baseline(directory: str) -> list[dict]:
              "max_diff": diff} for name, diff in diffs.items()]
 
 
-def wall_us(fn, iters: int = ITERS) -> float:
-    """Wall microseconds per call of ``iters`` back-to-back calls, synchronised at the end."""
+def back_to_back_us(fn, iters: int = ITERS) -> tuple[float, float]:
+    """(issued, wall): microseconds per call of ``iters`` back-to-back calls from a quiet GPU,
+    to issue them (the clock stopped before the GPU's work is waited for: the host's cost
+    whether or not the GPU keeps up) and to finish them (synchronised at the end)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    issued = time.perf_counter() - start
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
+    wall = time.perf_counter() - start
+    return issued / iters * 1e6, wall / iters * 1e6
+
+
+def wall_us(fn, iters: int = ITERS) -> float:
+    """Wall microseconds per call of ``iters`` back-to-back calls, synchronised at the end."""
+    return back_to_back_us(fn, iters)[1]
+
+
+def issue_us(fn, iters: int = ITERS) -> float:
+    """Host microseconds per call to issue ``iters`` back-to-back calls (``back_to_back_us``)."""
+    return back_to_back_us(fn, iters)[0]
 
 
 def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,
            requires_grad: bool = False) -> list:
     return [torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype,
                         requires_grad=requires_grad) for _ in range(3)]
-
-
-def issue_us(fn, iters: int = ITERS) -> float:
-    """Host microseconds per call to issue ``iters`` back-to-back calls, from a quiet GPU, the
-    GPU's work not waited for (it is, after the clock stops): the host's cost whether or not
-    the GPU keeps up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
 
 
 def host_us(calls: dict) -> dict:
