@@ -31,10 +31,11 @@ Two ways to bring every rank the keys and values it needs (``communication=``):
   shard, output and LSE. The shard's LSE (``return_lse``) is the merged one, and its
   gradient reaches each pair's backward.
 - ``"all_gather"``: Llama 3's form. The keys and values are all-gathered (``_GatherShards``,
-  differentiable: in the backward their gradients come back to their owners by a
-  reduce-scatter, or an all-reduce where the backend has none, as gloo) and each local query
-  chunk attends to all of them in one kernel call, so nothing needs merging. It holds the
-  whole K/V on every rank (small under GQA) and does not overlap the gather with the kernels.
+  differentiable: in the backward their gradients come back to their owners, summed in
+  fp32, by a reduce-scatter, or an all-reduce where the backend has none, as gloo) and each
+  local query chunk attends to all of them in one kernel call, so nothing needs merging. It
+  holds the whole K/V on every rank (small under GQA) and does not overlap the gather with
+  the kernels.
 
 Which form is faster at a given size was not measured (no machine with two GPUs has run
 either).
@@ -79,9 +80,10 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 
 class _GatherShards(torch.autograd.Function):
     """Every rank's shard [B, L_local, ...] concatenated in rank order along dim 1; the
-    backward sums each shard's gradient over the ranks and hands it to its owner.
-    (``torch.distributed.nn.functional.all_gather`` sends non-contiguous gradients through
-    gloo's all-to-all as they lie in memory: wrong gradients, torch 2.13.)"""
+    backward sums each shard's gradient over the ranks in fp32 at least (as the ring sums its
+    dK/dV: a bf16 sum of W terms rounds W - 1 times) and hands it to its owner in the
+    gradient's dtype. (``torch.distributed.nn.functional.all_gather`` sends non-contiguous
+    gradients through gloo's all-to-all as they lie in memory: wrong gradients, torch 2.13.)"""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -94,16 +96,18 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = [p.contiguous() for p in grad.chunk(world, dim=1)]
+        wide = torch.promote_types(grad.dtype, torch.float32)
         if grad.is_cuda:  # NCCL has a reduce-scatter (a group may name no single backend)
+            parts = [p.to(wide, memory_format=torch.contiguous_format)
+                     for p in grad.chunk(world, dim=1)]
             mine = torch.empty_like(parts[rank])
             dist.reduce_scatter(mine, parts, group=ctx.group)
-            return mine, None
+            return mine.to(grad.dtype), None
         # gloo has no reduce-scatter: sum everything, keep ours (in a copy: autograd's
         # gradient may be handed to other functions too)
-        total = grad.clone(memory_format=torch.contiguous_format)
+        total = grad.to(wide, memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, group=ctx.group)
-        return total.chunk(world, dim=1)[rank], None
+        return total.chunk(world, dim=1)[rank].to(grad.dtype), None
 
 
 def gather_shards(x: torch.Tensor, group=None) -> torch.Tensor:

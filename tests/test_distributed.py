@@ -372,6 +372,19 @@ def _group_worker(rank, world, path):
         (distributed.gather_shards(x) + w).sum().backward()
         assert torch.equal(w.grad, torch.ones_like(w)) and torch.equal(
             x.grad, torch.full_like(x, world))
+        # A bf16 shard's gradient is summed over the ranks in fp32 and comes back in bf16.
+        scales = [torch.randn(2, 4 * world, 3, generator=torch.Generator().manual_seed(r),
+                              dtype=torch.bfloat16) for r in range(world)]
+        y = torch.randn(2, 4, 3, dtype=torch.bfloat16, requires_grad=True)
+        summed, all_reduce = [], dist.all_reduce
+        dist.all_reduce = lambda t, **kw: summed.append(t.dtype) or all_reduce(t, **kw)
+        try:
+            (distributed.gather_shards(y) * scales[rank]).sum().backward()
+        finally:
+            dist.all_reduce = all_reduce
+        assert summed == [torch.float32] and y.grad.dtype == torch.bfloat16
+        expect = sum(t.float() for t in scales).chunk(world, dim=1)[rank].to(torch.bfloat16)
+        assert torch.equal(y.grad, expect)
         # A backward that builds a graph (create_graph=True) is refused in both forms: the
         # local backwards' gradients carry no graph of their own.
         q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True)
