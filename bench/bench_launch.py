@@ -46,7 +46,7 @@ slower than the GPU). Where ``ms per call`` exceeds ``device ms``, the host sets
 The backward's layers have no "with grad" column: every one of them is a training step's.
 
 A third table takes a decode step (``flash_attn_with_kvcache``) apart the same way
-(``decode_layers``). With ``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as
+(``decode_layers``), each layer's synchronised wall time beside its issue time. With ``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as
 ``git archive <commit> flash_tile kernels | tar -x -C DIR`` unpacks them) a fourth table
 times the public calls a host-path change moves (``public_layers``) on this tree and on
 DIR's, imported side by side in this process (``load_package``), in the same interleaved
@@ -314,13 +314,20 @@ def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,
                         requires_grad=requires_grad) for _ in range(3)]
 
 
-def host_us(calls: dict) -> dict:
-    """Median over ROUNDS interleaved rounds of ``issue_us`` for each of ``calls``."""
+def issue_and_wall_us(calls: dict) -> tuple[dict, dict]:
+    """Medians over ROUNDS interleaved rounds of ``back_to_back_us`` for each of ``calls``:
+    ({name: issue us}, {name: wall us})."""
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
-            times[name].append(issue_us(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(back_to_back_us(fn))
+    return ({name: statistics.median(t[0] for t in ts) for name, ts in times.items()},
+            {name: statistics.median(t[1] for t in ts) for name, ts in times.items()})
+
+
+def host_us(calls: dict) -> dict:
+    """Median over ROUNDS interleaved rounds of ``issue_us`` for each of ``calls``."""
+    return issue_and_wall_us(calls)[0]
 
 
 def main():
@@ -341,7 +348,7 @@ def main():
                                args.causal))
     tiny_bwd = host_us(backward_layers(*inputs(1, 1, 128, args.head_dim, torch.bfloat16,
                                                True), args.causal))
-    decode = host_us(decode_layers(32, 8, 128))
+    decode, decode_wall = issue_and_wall_us(decode_layers(32, 8, 128))
     batch, heads = grid_shape(args.length, args.head_dim)
     problem = (batch, heads, args.length, args.head_dim, torch.bfloat16)
     row = layers(*inputs(*problem), args.causal)
@@ -370,9 +377,13 @@ def main():
     body += "\n\nThe backward (same shapes):\n\n" + md_table(
         ["layer", "host us (B=1, H=1, L=128)", f"ms per call ({shape})", "device ms (queued)"],
         [[r["layer"], r["host_us"], r["ms_per_call"], r["device_ms"]] for r in bwd_rows])
-    decode_rows = [{"layer": name, "host_us": round(us, 1)} for name, us in decode.items()]
-    body += ("\n\nA decode step (B=1, Lq=1, H=32, H_kv=8, D=128, a 1k cache, bf16):\n\n" +
-             md_table(["layer", "host us"], [[r["layer"], r["host_us"]] for r in decode_rows]))
+    decode_rows = [{"layer": name, "host_us": round(us, 1),
+                    "wall_us": round(decode_wall[name], 1)} for name, us in decode.items()]
+    body += ("\n\nA decode step (B=1, Lq=1, H=32, H_kv=8, D=128, a 1k cache, bf16); the "
+             "wall time waits for the GPU too: where it exceeds the host's, the GPU sets the "
+             "pace:\n\n" +
+             md_table(["layer", "host us", "wall us"],
+                      [[r["layer"], r["host_us"], r["wall_us"]] for r in decode_rows]))
     if baseline_rows:
         body += (f"\n\nPlanned public calls against {args.baseline} (same rounds):\n\n" +
                  md_table(["layer", "host us", "baseline host us", "ratio", "max |diff|"],
