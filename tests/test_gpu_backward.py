@@ -219,6 +219,54 @@ def test_sdpa_function_gradients_with_mask(kind, k_len, backward_form):
         assert report["ok"], f"{name}: {report}"
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_sdpa_gradients_with_a_per_head_mask_under_gqa(kind, backward_form):
+    """A mask of its own for every query head while K and V have fewer heads (enable_gqa): the
+    dK/dV programs walk a KV head's query group, each head under its own mask rows, which a
+    mask broadcast over heads cannot tell apart."""
+    q = torch.randn(2, 6, 77, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, 2, 113, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    if kind == "additive":
+        mask = torch.randn(2, 6, 77, 113, device="cuda", dtype=torch.bfloat16)
+    else:
+        mask = torch.rand(2, 6, 77, 113, device="cuda") > 0.3
+    dout = torch.randn(2, 6, 77, 64, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    ref_mask = mask if mask.dtype == torch.bool else mask.float()
+    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(
+        *t, attn_mask=mask, enable_gqa=True), q, k, v, dout)
+    ref = _grads(lambda *t: sdpa(*t, attn_mask=ref_mask, enable_gqa=True), q.float(),
+                 k.float(), v.float(), dout.float())
+    low = _grads(lambda *t: sdpa(*t, attn_mask=mask, enable_gqa=True), q, k, v, dout)
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+
+
+@pytest.mark.parametrize("q_len,k_len", [(113, 203), (203, 113)])
+def test_sdpa_is_causal_is_top_left_in_the_backward(q_len, k_len, backward_form):
+    """torch's ``is_causal`` is aligned top-left (query i sees keys j <= i), not bottom-right
+    as flash_attn_func's: with Lq != Lk the backward's band must be torch's too. With Lq > Lk
+    the rows past the last key see every key; with Lq < Lk the keys past the last row get
+    zero dK and dV."""
+    q = torch.randn(1, 4, q_len, 128, device="cuda", dtype=torch.float16).requires_grad_()
+    k, v = (torch.randn(1, 4, k_len, 128, device="cuda", dtype=torch.float16).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(1, 4, q_len, 128, device="cuda", dtype=torch.float16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(*t, is_causal=True),
+                 q, k, v, dout)
+    ref = _grads(lambda *t: sdpa(*t, is_causal=True), q.float(), k.float(), v.float(),
+                 dout.float())
+    low = _grads(lambda *t: sdpa(*t, is_causal=True), q, k, v, dout)
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+    if k_len > q_len:
+        assert not got[2][:, :, q_len:].any() and not got[3][:, :, q_len:].any()
+
+
 @pytest.mark.parametrize("pool", ["rows", "heads"])
 def test_pooled_losses(pool, backward_form):
     """A loss of the output summed over its rows (or heads), whose gradient autograd hands

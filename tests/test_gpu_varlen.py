@@ -216,6 +216,42 @@ def test_lse_and_rows_without_keys():
         torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_through_the_lse(causal, backward_form):
+    """A loss on the output and on the LSE, as ring attention's merge makes: dLSE shifts
+    Delta in the varlen backward, each sequence's rows by their own (GQA, Lq != Lk)."""
+    q, k, v, dout, cu_q, cu_k = _inputs([1, 17, 113, 203], [5, 17, 150, 203], 4, 2, 64, 64,
+                                        torch.bfloat16, 7)
+    dlse = torch.randn(4, q.shape[0], device="cuda")
+    window = (-1, 0) if causal else (-1, -1)
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        torch.autograd.backward((out, lse), (dout.to(out.dtype), dlse.to(lse.dtype)))
+        return lse.detach(), (out.detach(), *(t.grad for t in leaves))
+
+    def ours(q, k, v):
+        return flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 203, 203, causal=causal,
+                                                 return_lse=True)
+
+    def dense(q, k, v):  # each sequence alone, joined back in packed order
+        outs, lses = [], []
+        for _, _, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
+            o, lse = reference.attention_dense(*seq, diag_offset=diag, window=window,
+                                               return_lse=True)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    got_lse, got = grads(ours, torch.bfloat16)
+    ref_lse, ref = grads(dense, torch.float32)
+    _, low = grads(dense, torch.bfloat16)
+    # The LSE is fp32 on both sides: held to fp32's tolerance, not to bf16 torch's error.
+    torch.testing.assert_close(got_lse, ref_lse, rtol=1e-4, atol=1e-3)
+    _check_per_sequence(got, ref, low, cu_q, cu_k)
+
+
 @pytest.mark.parametrize("dim,v_dim,heads,kv_heads", [(64, 64, 8, 1), (80, 48, 4, 4),
                                                       (256, 256, 4, 2), (16, 16, 6, 3)])
 def test_softcap_alibi_head_dims_and_groups(dim, v_dim, heads, kv_heads, backward_form):
