@@ -192,6 +192,24 @@ def test_fp8_forward_within_the_rounding_bound(shape, feature, per):
     assert ((twin_out.transpose(1, 2) - ref.cpu()).abs() <= bound.cpu()).all()
 
 
+@pytest.mark.parametrize("head_dim,v_head_dim", [(72, 40), (96, 128), (128, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_head_dims_off_the_tiles_and_dv_not_d(head_dim, v_head_dim, causal):
+    """Head dims that pad the e4m3 matmuls' tiles, and Dv != D (the tiles follow the larger;
+    V^T is Dv rows of keys), against the dequantized inputs' attention within the rounding
+    bound; GQA, Lq != Lk."""
+    q = outlier_inputs(2, 77, 4, head_dim, 1)
+    k = outlier_inputs(2, 99, 2, head_dim, 2)
+    v = outlier_inputs(2, 99, 2, v_head_dim, 3)
+    q8, k8, v8, descales, stack = quantized(q, k, v)
+    out = flash_tile.flash_attn_func(q8, k8, v8, causal=causal, **descales)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 77, 4, v_head_dim)
+    ref, bound, _, _ = dequantized_reference(q8, k8, v8, stack, causal, (-1, -1), 0.0)
+    err = (out.double() - ref).abs()
+    assert not out.isnan().any()
+    assert (err <= bound).all(), (err - bound).max().item()
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_rmse_against_the_bf16_inputs(head_dim, causal):
