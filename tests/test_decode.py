@@ -392,15 +392,17 @@ def test_decode_table_marks_the_paged_target(monkeypatch):
         assert f"| {worst:.2f}x |" in line, (worst, line)
         assert ("paged < 0.95x" in line) == (worst < 0.95), line
     # A row whose flash_tile or cuDNN measurement failed gets no verdict, never "met".
+    why = "failed: No available kernel. Aborting execution."
+    gbps = {name: x for name, x in saved["rows"][0]["gbps"].items() if name != "sdpa_efficient"}
     unmeasured = dict(saved["rows"][0], ratio_vs_cudnn=None, fraction_of_bandwidth=None,
-                      paged_ratio={}, cache_mib=64.0)
+                      paged_ratio={}, cache_mib=64.0, gbps=gbps,
+                      skipped={"sdpa_efficient": why})
     text = bench_decode.table([unmeasured], 4000.0)
     line = [line for line in text.splitlines() if line.startswith("| ")][-1]
     assert line.endswith("| not measured: vs cuDNN, bandwidth |"), line
     assert "met" not in line.split("|")[-2]
     # A backend that ran on no row is named under the table, with its reason.
-    assert text.endswith("No column: sdpa_efficient (not measured on any row: failed: No "
-                         "available kernel. Aborting execution.).")
+    assert text.endswith(f"No column: sdpa_efficient (not measured on any row: {why}).")
     host = bench_decode.host_verdict({"flash_attn_with_kvcache": 53.4,
                                       "flash_attn_with_kvcache, one split": 19.0,
                                       "ct.launch": 8.0})

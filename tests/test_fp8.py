@@ -373,8 +373,9 @@ def test_twin_keeps_the_weights_far_below_the_max(sink, tile_n):
 
 
 def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
-    """bench_fp8's verdicts on the committed H200 results, and with the D = 128 4k row's
-    FP8 measurement gone (a failed check): that row is counted and not met, never dropped."""
+    """bench_fp8's verdicts on the committed H200 results' rows, the target rows' FP8 rates
+    set here (900 TFLOP/s: both missed), then one of them at 2,000 and the other's FP8
+    measurement gone (a failed check): that row is counted and not met, never dropped."""
     import json
     import pathlib
 
@@ -383,13 +384,15 @@ def test_bench_fp8_targets_count_unmeasured_rows(monkeypatch):
     import bench_fp8
 
     rows = json.loads((bench / "results" / "fp8-h200.json").read_text())["rows"]
-    text = bench_fp8.targets(rows)
-    assert "D=128, L >= 4k, non-causal: NOT met: 0 of 2 rows meet it" in text
     named = next(r for r in rows if r["head_dim"] == 128 and r["seqlen"] == 4096 and
                  not r["causal"])
-    named["tflops"] = dict(named["tflops"], flash_tile_fp8=2000.0)
     other = next(r for r in rows if r is not named and r["head_dim"] == 128 and
                  r["seqlen"] > 4096 and not r["causal"])
+    for row in (named, other):
+        row["tflops"] = dict(row["tflops"], flash_tile_fp8=900.0)
+    text = bench_fp8.targets(rows)
+    assert "D=128, L >= 4k, non-causal: NOT met: 0 of 2 rows meet it" in text
+    named["tflops"] = dict(named["tflops"], flash_tile_fp8=2000.0)
     other["tflops"] = dict(other["tflops"], flash_tile_fp8=None)
     text = bench_fp8.targets(rows)
     assert "non-causal: NOT met: 1 of 2 rows meet it, 1 not measured" in text
