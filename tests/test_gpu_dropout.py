@@ -1,6 +1,7 @@
 """Dropout on the GPU: the kernels' keep bits are the twin's (``reference.dropout_keep``), so
 the output and gradients match the fp32 dense reference with the same bits under flash-attn's
-rules (2x output, 3x gradients); ``torch.manual_seed`` reproduces a call exactly."""
+rules (2x output, 3x gradients), under both backward forms; ``torch.manual_seed`` reproduces
+a call exactly."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ CASES = [
     (1, 8, 2, 113, 250, 128, False, (-1, -1)),  # GQA, Lq != Lk
     (1, 4, 4, 300, 300, 64, True, (64, -1)),    # sliding window
     (1, 2, 2, 1, 77, 128, False, (-1, -1)),     # one query row
+    (1, 4, 2, 150, 150, 256, True, (-1, -1)),   # D = 256 (the one pass's default on sm_90)
 ]
 
 
@@ -39,7 +41,7 @@ def _check_grads(ours, dense, inputs, dout):
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_dropout_matches_the_dense_reference(case, p, monkeypatch):
+def test_dropout_matches_the_dense_reference(case, p, monkeypatch, backward_form):
     batch, heads, kv_heads, q_len, k_len, d, causal, window = case
     monkeypatch.setattr(api, "_dropout_seed", lambda dropout_p: SEED)
     q = torch.randn(batch, q_len, heads, d, device="cuda", dtype=torch.bfloat16)
