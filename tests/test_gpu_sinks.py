@@ -72,6 +72,37 @@ def test_flash_attn_func_with_sinks(case, dtype, monkeypatch, backward_form):
            _grads(dense, inputs, dout, dlse, dtype))
 
 
+@pytest.mark.parametrize("alibi,v_dim", [(True, 64), (False, 40), (True, 40)],
+                         ids=["alibi", "dv40", "alibi-dv40"])
+def test_sinks_with_alibi_and_dv_not_d(alibi, v_dim, backward_form):
+    """Sinks beside the switches the CASES leave out: ALiBi (its bias joins the scores the
+    sink competes with) and Dv != D (the sink has no value: dV's width is V's); GQA 2,
+    bottom-right causal, Lq != Lk."""
+    gen = torch.Generator(device="cuda").manual_seed(v_dim + alibi)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    inputs = (randn(2, 130, 4, 64).bfloat16(), randn(2, 190, 2, 64).bfloat16(),
+              randn(2, 190, 2, v_dim).bfloat16(), randn(4) * 2)
+    dout, dlse = randn(2, 130, 4, v_dim), randn(2, 4, 130)
+    slopes = torch.rand(2, 4, generator=gen, device="cuda") * 0.2 if alibi else None
+
+    def ours(q, k, v, sinks):
+        return flash_tile.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes,
+                                          return_lse=True, sinks=sinks)
+
+    def dense(q, k, v, sinks):
+        out, lse = reference.attention_dense(*(t.transpose(1, 2) for t in (q, k, v)), None,
+                                             60, (-1, 0), 0.0, slopes, return_lse=True,
+                                             sinks=sinks)
+        return out.transpose(1, 2), lse
+
+    got = _grads(ours, inputs, dout, dlse, torch.bfloat16)
+    _check(got, _grads(dense, inputs, dout, dlse, torch.float32),
+           _grads(dense, inputs, dout, dlse, torch.bfloat16))
+
+
 @pytest.mark.parametrize("tail", [False, True], ids=["covered", "uncovered-tail"])
 def test_varlen_with_sinks(monkeypatch, backward_form, tail):
     """Packed causal sequences with sinks (no key, no query, Lq != Lk), each against its own
