@@ -235,16 +235,19 @@ def test_attn_mask_broadcasts(shape):
     _check(q, k_cache, v_cache, out, None, [n + 2 for n in seqlens], attn_mask=mask)
 
 
-def test_append_then_attend():
+@pytest.mark.parametrize("v_dim", [64, 32])
+def test_append_then_attend(v_dim):
+    """New rows written at cache_seqlens, then attended, contiguous and paged; Dv = D and
+    Dv != D (the append writes V's rows at their own width)."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     batch, cap, kvh, d, new = 2, 600, 2, 64, 3
     seqlens = [10, 400]
     for page_size in (None, 16):
-        k_cache, v_cache, table = _cache(batch, cap, kvh, d, d, torch.bfloat16, page_size,
+        k_cache, v_cache, table = _cache(batch, cap, kvh, d, v_dim, torch.bfloat16, page_size,
                                          seqlens, gen)
         q = torch.randn(batch, new, 8, d, generator=gen, device="cuda").to(torch.bfloat16)
-        k_new, v_new = (torch.randn(batch, new, kvh, d, generator=gen, device="cuda").to(
-            torch.bfloat16) for _ in range(2))
+        k_new, v_new = (torch.randn(batch, new, kvh, dim, generator=gen, device="cuda").to(
+            torch.bfloat16) for dim in (d, v_dim))
         lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
         out = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                                  cache_seqlens=lens, block_table=table,
@@ -256,6 +259,25 @@ def test_append_then_attend():
             assert torch.equal(v[0, :, seqlens[b]:].transpose(0, 1), v_new[b])
         _check(q, k_cache, v_cache, out, None, grown, (-1, 0), block_table=table)
         assert torch.equal(lens.cpu(), torch.tensor(seqlens, dtype=torch.int32))  # unchanged
+
+
+def test_no_cache_seqlens_reads_every_cache_row():
+    """cache_seqlens=None: every sequence holds the cache's whole capacity (flash-attn)."""
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    k_cache, v_cache, _ = _cache(2, 203, 2, 64, 64, torch.bfloat16, None, [203, 203], gen)
+    q = torch.randn(2, 3, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    out, lse = flash_tile.flash_attn_with_kvcache(q, k_cache, v_cache, causal=True,
+                                                  return_softmax_lse=True)
+    _check(q, k_cache, v_cache, out, lse, [203, 203], (-1, 0))
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_paged_chunked_prefill(page_size):
+    """A prompt's chunk of 64 rows against a paged cache (gathered, joined and whole-page
+    loads at Lq past the decode's few rows); one sequence shorter than the chunk, whose first
+    rows see no key."""
+    _run(q_len=64, page_size=page_size, capacity=1000, seqlens=[40, 333, 999], causal=True,
+         table_tail=-1)
 
 
 def test_cache_batch_idx():
