@@ -472,14 +472,16 @@ def test_two_gpus_equal_one(length, causal, communication, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("communication", distributed.COMMUNICATIONS)
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)),
                                            (True, (300, -1))])
-def test_one_rank_ring_equals_one_call(causal, window, tmp_path):
-    """The ring on one rank (NCCL, no transfers): its two chunks' kernel calls with their LSEs,
-    the merge and the ring's backward (each pair's backward kernel on the merged output and
-    LSE, the sums in fp32) against one flash_attn_func call; the window
-    leaves rows of the late chunk with no key in one of its pairs (LSE +inf)."""
-    mp.spawn(_gpu_worker, args=(1, str(tmp_path / "rendezvous"), 4096, causal, "ring",
+def test_one_rank_ring_equals_one_call(causal, window, communication, tmp_path):
+    """Both forms on one rank (NCCL, no transfers) against one flash_attn_func call. The
+    ring: its two chunks' kernel calls with their LSEs, the merge and the ring's backward
+    (each pair's backward kernel on the merged output and LSE, the sums in fp32); the window
+    leaves rows of the late chunk with no key in one of its pairs (LSE +inf). The all-gather:
+    the gather, one kernel call a chunk and NCCL's reduce-scatter of the fp32 gradients."""
+    mp.spawn(_gpu_worker, args=(1, str(tmp_path / "rendezvous"), 4096, causal, communication,
                                 window), nprocs=1, join=True)
 
 
