@@ -271,10 +271,13 @@ def test_fp8_packed_and_per_tensor_forms_agree():
     assert torch.equal(flash_tile.flash_attn_func(q8, k8, v8, causal=True, **full), out)
 
 
-def test_fp8_varlen_matches_each_sequence_alone():
-    """Packed sequences of odd lengths (1, 17, 113, 203), GQA, causal, a descale per
-    sequence: each equals the dense forward of the sequence alone up to the bf16 output's last
-    bit (the VARLEN switch's tiles differ in masking, not in arithmetic)."""
+@pytest.mark.parametrize("feature", ["causal", "window-softcap", "alibi-sinks", "seqused_k"])
+def test_fp8_varlen_matches_each_sequence_alone(feature):
+    """Packed sequences of odd lengths (1, 17, 113, 203), GQA, a descale per sequence, crossed
+    with the switches FP8 shares with the bf16 body: each sequence's output and LSE equal the
+    dense forward of the sequence alone up to the bf16 output's last bit (the VARLEN switch's
+    tiles differ in masking, not in arithmetic); with seqused_k, the dense call on the used
+    keys alone."""
     lengths = [1, 17, 113, 203]
     heads, kv_heads, d = 4, 2, 128
     qs = [outlier_inputs(1, n, heads, d, 10 + i)[0] for i, n in enumerate(lengths)]
@@ -285,16 +288,28 @@ def test_fp8_varlen_matches_each_sequence_alone():
     descale = torch.rand(len(lengths), kv_heads, device="cuda") + 0.5
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                       device="cuda")
-    out = flash_tile.flash_attn_varlen_func(q8, k8, v8, cu, cu, max(lengths), max(lengths),
-                                            causal=True, q_descale=descale,
-                                            k_descale=descale, v_descale=descale)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    slopes = torch.rand(len(lengths), heads, generator=gen, device="cuda") * 0.1
+    sinks = torch.randn(heads, generator=gen, device="cuda")
+    used = [1, 9, 113, 150]
+    features = {"causal": dict(causal=True),
+                "window-softcap": dict(window_size=(40, 7), softcap=20.0),
+                "alibi-sinks": dict(causal=True, sinks=sinks)}.get(feature, dict(causal=True))
+    extra = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda")) \
+        if feature == "seqused_k" else {}
+    out, lse = flash_tile.flash_attn_varlen_func(
+        q8, k8, v8, cu, cu, max(lengths), max(lengths), q_descale=descale, k_descale=descale,
+        v_descale=descale, return_lse=True,
+        alibi_slopes=slopes if feature == "alibi-sinks" else None, **features, **extra)
     for b, n in enumerate(lengths):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        alone = flash_tile.flash_attn_func(
-            q8[rows][None], k8[rows][None], v8[rows][None], causal=True,
-            q_descale=descale[b:b + 1], k_descale=descale[b:b + 1],
-            v_descale=descale[b:b + 1])
+        keys = slice(int(cu[b]), int(cu[b]) + (used[b] if extra else n))
+        alone, alone_lse = flash_tile.flash_attn_func(
+            q8[rows][None], k8[keys][None], v8[keys][None], q_descale=descale[b:b + 1],
+            k_descale=descale[b:b + 1], v_descale=descale[b:b + 1], return_lse=True,
+            alibi_slopes=slopes[b:b + 1] if feature == "alibi-sinks" else None, **features)
         torch.testing.assert_close(out[rows], alone[0], rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(lse[:, rows], alone_lse[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 64), (2, 17, 3, 128), (1, 113, 2, 96),
