@@ -391,13 +391,13 @@ def test_leftpad(page_size, num_splits, window):
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("q_len, new_len, causal, rotary_dim",
                          [(3, 3, True, 128), (4, 1, False, 64), (1, 3, True, 64),
-                          (2, 0, False, 128)])
+                          (2, 0, False, 128), (4, 1, True, 64)])
 def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causal,
                                    rotary_dim):
     """The fused rotary embedding: the new keys land in the cache rotated at their positions,
-    q is rotated at cache_seqlens (+ its row when causal), as
-    ``reference_decode.rotary_embedding`` does; with left pads, a group of 6 heads, and no
-    new rows (q alone rotated)."""
+    q is rotated at cache_seqlens (+ its row when causal, past the new keys where q has
+    more rows than they), as ``reference_decode.rotary_embedding`` does; with left pads, a
+    group of 6 heads, and no new rows (q alone rotated)."""
     gen = torch.Generator(device="cuda").manual_seed(23)
     batch, cap, kvh, heads, d = 3, 512, 2, 12, 128
     seqlens, leftpad = [0, 250, 509 - new_len], [0, 20, 100]
