@@ -406,7 +406,8 @@ def test_rotary_append_then_attend(interleaved, page_size, q_len, new_len, causa
     q = torch.randn(batch, q_len, heads, d, generator=gen, device="cuda").to(torch.bfloat16)
     k_new, v_new = (torch.randn(batch, new_len, kvh, d, generator=gen, device="cuda").to(
         torch.bfloat16) for _ in range(2))
-    angle = torch.rand(cap, rotary_dim // 2, generator=gen, device="cuda") * 2 * math.pi
+    rows = cap + max(0, q_len - new_len)  # q's rows step past the new keys' positions
+    angle = torch.rand(rows, rotary_dim // 2, generator=gen, device="cuda") * 2 * math.pi
     cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
     lens, pads = (torch.tensor(x, dtype=torch.int32, device="cuda") for x in (seqlens, leftpad))
     q_before = q.clone()
