@@ -106,15 +106,18 @@ def test_forward_and_backward_against_each_sequence(lengths, causal, window, dty
     _check_per_sequence(got, ref, low, cu_q, cu_k)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_seqused_k(causal, backward_form):
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (20, 5)), (True, (30, -1))])
+def test_seqused_k(causal, window, backward_form):
     """Each sequence uses only its first seqused_k[b] keys (FA3's): output and gradients as
-    attention on those keys alone (the band aligned to them), zero gradients past them."""
+    attention on those keys alone (the band, causal or a window, aligned to them), zero
+    gradients past them."""
     lengths = ([5, 1, 40, 113, 130], [30, 60, 40, 250, 9])
     q, k, v, dout, cu_q, cu_k = _inputs(*lengths, 8, 2, 64, 64, torch.bfloat16, 10)
     used = torch.tensor([30, 0, 17, 113, 9], dtype=torch.int32, device="cuda")
-    got = _ours(q, k, v, dout, cu_q, cu_k, 130, 250, causal=causal, seqused_k=used)
-    features = _features(causal, (-1, -1))
+    got = _ours(q, k, v, dout, cu_q, cu_k, 130, 250, causal=causal, window_size=window,
+                seqused_k=used)
+    features = _features(causal, window)
     ref = _reference(q, k, v, dout, cu_q, cu_k, torch.float32, features, used)
     low = _reference(q, k, v, dout, cu_q, cu_k, torch.bfloat16, features, used)
     cu_used = torch.tensor([0, *used.cumsum(0).tolist()], dtype=torch.int32, device="cuda")
