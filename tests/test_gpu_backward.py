@@ -193,6 +193,24 @@ def test_more_than_2_31_elements(backward_form):
         assert report["ok"], f"{name}: {report}"
 
 
+def _check_against_sdpa(q, k, v, dout, **kwargs):
+    """flash_tile's SDPA drop-in against torch's with the same keyword arguments, gradients
+    included: the fp32 reference (an additive mask widened too) and torch's own error in the
+    inputs' dtype, flash-attn's 3x rule. Returns ours (out, dq, dk, dv)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    mask = kwargs.get("attn_mask")
+    wide = dict(kwargs, attn_mask=mask.float()) if mask is not None and \
+        mask.dtype != torch.bool else kwargs
+    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(*t, **kwargs), q, k, v,
+                 dout)
+    ref = _grads(lambda *t: sdpa(*t, **wide), q.float(), k.float(), v.float(), dout.float())
+    low = _grads(lambda *t: sdpa(*t, **kwargs), q, k, v, dout)
+    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
+        report = check_error(g, r, p, 3)
+        assert report["ok"], f"{name}: {report}"
+    return got
+
+
 @pytest.mark.parametrize("k_len", [150, 160, 512])  # ragged; multiples of 16 (TMA-aligned)
 @pytest.mark.parametrize("kind", ["bool", "bool-full", "additive"])
 def test_sdpa_function_gradients_with_mask(kind, k_len, backward_form):
@@ -207,16 +225,7 @@ def test_sdpa_function_gradients_with_mask(kind, k_len, backward_form):
     else:
         mask = torch.rand(2, 1 if kind == "bool" else 4, 150, k_len, device="cuda") > 0.3
     dout = torch.randn(2, 4, 150, 64, device="cuda", dtype=torch.float16)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    ref_mask = mask if mask.dtype == torch.bool else mask.float()
-    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(*t, attn_mask=mask),
-                 q, k, v, dout)
-    ref = _grads(lambda *t: sdpa(*t, attn_mask=ref_mask), q.float(), k.float(), v.float(),
-                 dout.float())
-    low = _grads(lambda *t: sdpa(*t, attn_mask=mask), q, k, v, dout)
-    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
-        report = check_error(g, r, p, 3)
-        assert report["ok"], f"{name}: {report}"
+    _check_against_sdpa(q, k, v, dout, attn_mask=mask)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
@@ -232,16 +241,7 @@ def test_sdpa_gradients_with_a_per_head_mask_under_gqa(kind, backward_form):
     else:
         mask = torch.rand(2, 6, 77, 113, device="cuda") > 0.3
     dout = torch.randn(2, 6, 77, 64, device="cuda", dtype=torch.bfloat16)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    ref_mask = mask if mask.dtype == torch.bool else mask.float()
-    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(
-        *t, attn_mask=mask, enable_gqa=True), q, k, v, dout)
-    ref = _grads(lambda *t: sdpa(*t, attn_mask=ref_mask, enable_gqa=True), q.float(),
-                 k.float(), v.float(), dout.float())
-    low = _grads(lambda *t: sdpa(*t, attn_mask=mask, enable_gqa=True), q, k, v, dout)
-    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
-        report = check_error(g, r, p, 3)
-        assert report["ok"], f"{name}: {report}"
+    _check_against_sdpa(q, k, v, dout, attn_mask=mask, enable_gqa=True)
 
 
 @pytest.mark.parametrize("q_len,k_len", [(113, 203), (203, 113)])
@@ -254,15 +254,7 @@ def test_sdpa_is_causal_is_top_left_in_the_backward(q_len, k_len, backward_form)
     k, v = (torch.randn(1, 4, k_len, 128, device="cuda", dtype=torch.float16).requires_grad_()
             for _ in range(2))
     dout = torch.randn(1, 4, q_len, 128, device="cuda", dtype=torch.float16)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    got = _grads(lambda *t: flash_tile.scaled_dot_product_attention(*t, is_causal=True),
-                 q, k, v, dout)
-    ref = _grads(lambda *t: sdpa(*t, is_causal=True), q.float(), k.float(), v.float(),
-                 dout.float())
-    low = _grads(lambda *t: sdpa(*t, is_causal=True), q, k, v, dout)
-    for name, g, r, p in zip(("out", "dq", "dk", "dv"), got, ref, low):
-        report = check_error(g, r, p, 3)
-        assert report["ok"], f"{name}: {report}"
+    got = _check_against_sdpa(q, k, v, dout, is_causal=True)
     if k_len > q_len:
         assert not got[2][:, :, q_len:].any() and not got[3][:, :, q_len:].any()
 
