@@ -19,7 +19,7 @@ time per call with the calls queued behind a sleep (``bench_attention.device_ms`
 launch gaps do not count, the best of ROUNDS rounds that time the backends in turn;
 ``fraction_of_bandwidth`` divides by the read bandwidth measured in the same run (a sum over
 a 4 GiB tensor). ``host_us`` is the host's time per call to issue back-to-back calls (B = 1,
-L = 1k), the GPU's work not waited for (``bench_launch.issue_us``): the host's cost.
+L = 1k), the GPU's work not waited for (``bench_launch.back_to_back_us``): the host's cost.
 
     python bench/bench_decode.py                       # bench/results/decode-<gpu>.*
     python bench/bench_decode.py --batches 1 --lengths 131072 --pages 64 --out /tmp/d

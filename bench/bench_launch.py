@@ -32,7 +32,7 @@ and the backward's:
   sdpa              ``torch.autograd.grad`` through SDPA's output
 
 For each layer, ``host us`` is the host's time per call to issue ITERS calls back to back
-(B=1, H=1, L=128), the GPU's work not waited for (``issue_us``): where a call's kernels take
+(B=1, H=1, L=128), the GPU's work not waited for (``back_to_back_us``): where a call's kernels take
 longer than its host path (a one-split decode of a 1k cache runs 8 programs), a wall time
 would be the GPU's; ITERS queued launches stay far below the depth at which the launch queue
 blocks the host. The median of ROUNDS rounds that visit the layers in turn (so that a slow
@@ -46,11 +46,12 @@ slower than the GPU). Where ``ms per call`` exceeds ``device ms``, the host sets
 The backward's layers have no "with grad" column: every one of them is a training step's.
 
 A third table takes a decode step (``flash_attn_with_kvcache``) apart the same way
-(``decode_layers``), each layer's synchronised wall time beside its issue time. With ``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as
-``git archive <commit> flash_tile kernels | tar -x -C DIR`` unpacks them) a fourth table
-times the public calls a host-path change moves (``public_layers``) on this tree and on
-DIR's, imported side by side in this process (``load_package``), in the same interleaved
-rounds, with each pair's outputs compared first: the one-command A/B of such a change.
+(``decode_layers``), each layer's synchronised wall time beside its issue time. With
+``--baseline DIR`` (a tree's ``flash_tile/`` and ``kernels/``, as ``git archive <commit>
+flash_tile kernels | tar -x -C DIR`` unpacks them) a fourth table times the public calls a
+host-path change moves (``public_layers``) on this tree and on DIR's, imported side by side
+in this process (``load_package``), in the same interleaved rounds, with each pair's outputs
+compared first: the one-command A/B of such a change.
 
     python bench/bench_launch.py --length 1024 --head-dim 64 --out /tmp/launch
     mkdir -p ab/base && git archive HEAD~1 flash_tile kernels | tar -x -C ab/base
@@ -303,11 +304,6 @@ def wall_us(fn, iters: int = ITERS) -> float:
     return back_to_back_us(fn, iters)[1]
 
 
-def issue_us(fn, iters: int = ITERS) -> float:
-    """Host microseconds per call to issue ``iters`` back-to-back calls (``back_to_back_us``)."""
-    return back_to_back_us(fn, iters)[0]
-
-
 def inputs(batch: int, heads: int, length: int, head_dim: int, dtype,
            requires_grad: bool = False) -> list:
     return [torch.randn(batch, length, heads, head_dim, device="cuda", dtype=dtype,
@@ -326,7 +322,8 @@ def issue_and_wall_us(calls: dict) -> tuple[dict, dict]:
 
 
 def host_us(calls: dict) -> dict:
-    """Median over ROUNDS interleaved rounds of ``issue_us`` for each of ``calls``."""
+    """Median over ROUNDS interleaved rounds of the issue time (``back_to_back_us``) for each
+    of ``calls``."""
     return issue_and_wall_us(calls)[0]
 
 

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from flash_tile.kernels._tiles import (COL_MULT, FP8_P_LOG2_SCALE, FP8_SUM_MIN_N, MIX_MULT_1,
-                                      MIX_MULT_2, ROW_MULT, dropout_threshold, tile_runs)
+from flash_tile.kernels._tiles import (COL_MULT, FP8_P_LOG2_SCALE, MIX_MULT_1, MIX_MULT_2,
+                                      ROW_MULT, dropout_threshold, fp8_sum_mma, tile_runs)
 
 LOG2_E = 1.0 / math.log(2.0)
 _M32 = 0xFFFFFFFF
@@ -193,8 +193,8 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     ``fp8_descale`` [3, B, H_kv] (the kernel's FP8 switch: q, k, v are the e4m3 values,
     these their descale factors) dequantizes q and k, scales each tile's P by
     2**FP8_P_LOG2_SCALE and rounds it to e4m3 for P V as the kernel does (from its fp32
-    value; l sums the unrounded, scaled P, but the rounded P on ``tile_n`` >= FP8_SUM_MIN_N
-    without a window, as the kernel's SUM_MMA) and multiplies the output by v's factor.
+    value; l sums the unrounded, scaled P, but the rounded P where the kernel's SUM_MMA does,
+    ``_tiles.fp8_sum_mma``) and multiplies the output by v's factor.
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -211,8 +211,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         descale = fp8_descale.to("cpu", torch.float64).repeat_interleave(group, dim=2)
         q, k, v_descale = q * descale[0, ..., None, None], k * descale[1, ..., None, None], \
             descale[2, ..., None, None]
-    rounded_l = (fp8_descale is not None and tile_n >= FP8_SUM_MIN_N and window[0] < 0 and
-                 window[1] < 0)
+    rounded_l = fp8_descale is not None and fp8_sum_mma(tile_n, max(window) >= 0)
     out = torch.empty(batch, heads, q_len, v.shape[3], dtype=torch.float64)
     lse = torch.empty(batch, heads, q_len, dtype=torch.float64)
     keep = dropout_keep(dropout_p, dropout_seed, batch, heads, q_len, k_len,

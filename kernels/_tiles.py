@@ -413,6 +413,13 @@ def log2_scores(s, rows, offs_k, Mask, tile_q, tile_k, band, TILE_Q: ConstInt,
     return s, factor, dscore
 
 
+def fp8_sum_mma(TILE_N: ConstInt, BANDED: ConstBool):
+    """Whether the FP8 forward sums l_i on the tensor core, from the rounded P (SUM_MMA):
+    on key steps of FP8_SUM_MIN_N keys or more with no band mask (a window or causal). One
+    rule for the kernel, its float64 twin and their tests."""
+    return TILE_N >= FP8_SUM_MIN_N and not BANDED
+
+
 def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
                  ROW_SUM: ConstBool):
     """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor

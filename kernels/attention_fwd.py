@@ -101,8 +101,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (FP8_P_LOG2_SCALE, FP8_SUM_MIN_N, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool,
-                     ConstInt, descale, dropout_keep, heaviest_first, load_keys_major,
+from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+                     descale, dropout_keep, fp8_sum_mma, heaviest_first, load_keys_major,
                      load_seq_rows, log2_scores, program_tile, query_rows, sequence_bounds,
                      softmax_step, store_seq_rows, tile_runs)
 
@@ -207,7 +207,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     # them, the matmul's narrowest), against a tile of ones made here, once (made inside the
     # K-loop it went through shared memory each step). It paid on wide unmasked key steps
     # (FP8_SUM_MIN_N), not on narrower ones nor under a band mask (FP8_SUM_MIN_N's note).
-    SUM_MMA = FP8 and TILE_N >= FP8_SUM_MIN_N and not (MASK_LEFT or MASK_RIGHT)
+    SUM_MMA = FP8 and fp8_sum_mma(TILE_N, MASK_LEFT or MASK_RIGHT)
     TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)

@@ -9,7 +9,7 @@ import torch
 import flash_tile
 from flash_tile import _launch, _ops_fp8, _validate, api, variants
 from flash_tile.fp8 import E4M3_MAX, hadamard_matrix
-from flash_tile.kernels._tiles import FP8_SUM_MIN_N
+from flash_tile.kernels._tiles import fp8_sum_mma
 from flash_tile.kernels.attention_fwd import keys_major_copy, keys_major_copy_int64
 from flash_tile.reference import (attention_dense, attention_tiles, outlier_inputs,
                                   peaked_inputs, round_e4m3, visible_keys)
@@ -90,7 +90,7 @@ def test_twin_is_dequantized_attention_within_the_rounding_of_p(name, tile_n):
     # One key: P = 2^8, exact in e4m3 (float64's last bits only).
     assert (err.max() > 1e-9) == (case["k_len"] > 1)
     lse_err = (lse - ref_lse).abs()
-    if tile_n >= FP8_SUM_MIN_N and case["window"] == (-1, -1):  # ln of the rounded sum
+    if fp8_sum_mma(tile_n, max(case["window"]) >= 0):  # ln of the rounded sum
         lse_bound = -torch.log1p(-err_l[..., 0] / p.sum(-1))
         assert (lse_err <= lse_bound + 1e-12).all(), (lse_err - lse_bound).max()
         assert (lse_err.max() > 1e-9) == (case["k_len"] > 1)
@@ -365,7 +365,7 @@ def test_twin_keeps_the_weights_far_below_the_max(sink, tile_n):
     ref, ref_lse = attention_dense(*_dequantized(q8, k8, v8, descale), sinks=sinks,
                                    return_lse=True)
     assert (out - ref).norm() / ref.norm() < (1e-2 if sink is None else 5e-2)
-    if tile_n < FP8_SUM_MIN_N:
+    if not fp8_sum_mma(tile_n, False):
         assert torch.allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
     else:  # l sums the rounded weights: 2^-4 of each, 2^-18 of the max (measured 1.4e-3
         # and 6.2e-3, 2026-12-05)
