@@ -294,7 +294,8 @@ def test_fp8_varlen_matches_each_sequence_alone(feature):
     used = [1, 9, 113, 150]
     features = {"causal": dict(causal=True),
                 "window-softcap": dict(window_size=(40, 7), softcap=20.0),
-                "alibi-sinks": dict(causal=True, sinks=sinks)}.get(feature, dict(causal=True))
+                "alibi-sinks": dict(causal=True, sinks=sinks),
+                "seqused_k": dict(causal=True)}[feature]
     extra = dict(seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda")) \
         if feature == "seqused_k" else {}
     out, lse = flash_tile.flash_attn_varlen_func(

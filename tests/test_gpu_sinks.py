@@ -93,8 +93,9 @@ def test_sinks_with_alibi_and_dv_not_d(alibi, v_dim, backward_form):
                                           return_lse=True, sinks=sinks)
 
     def dense(q, k, v, sinks):
-        out, lse = reference.attention_dense(*(t.transpose(1, 2) for t in (q, k, v)), None,
-                                             60, (-1, 0), 0.0, slopes, return_lse=True,
+        out, lse = reference.attention_dense(*(t.transpose(1, 2) for t in (q, k, v)),
+                                             diag_offset=190 - 130, window=(-1, 0),
+                                             alibi_slopes=slopes, return_lse=True,
                                              sinks=sinks)
         return out.transpose(1, 2), lse
 
