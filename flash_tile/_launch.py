@@ -48,6 +48,7 @@ class ForwardSpec:
     sinks: bool = False  # a learnt sink logit per head joins each row's softmax
     seqused_k: bool = False  # under varlen, each sequence uses only its first keys
     fp8: bool = False  # e4m3 q, k and V^T with descale factors; the forward's alone
+    exp2_fma: int = 0  # under fp8, the share of the exp2 on the FMA pipe (TileConfig's)
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -55,7 +56,7 @@ class ForwardSpec:
 
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.varlen, self.sinks, self.seqused_k, self.fp8)
+                self.varlen, self.sinks, self.seqused_k, self.fp8, self.exp2_fma)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -161,15 +162,17 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, even_n: boo
 
     ``window`` is (left, right) with -1 for unbounded; causal is a right bound of 0.
     ``attn_mask`` is the ATTN_MASK switch (``mask_kind``); ``fp8`` the FP8 switch, whose
-    head-dim tiles are at least 32 wide (the K of an e4m3 tensor-core matmul). Made once per
-    set of arguments.
+    head-dim tiles are at least 32 wide (the K of an e4m3 tensor-core matmul) and which alone
+    reads the config's ``exp2_fma`` (0 otherwise: one kernel instance for the other dtypes).
+    Made once per set of arguments.
     """
     left, right = window
     least = 32 if fp8 else 16
     return ForwardSpec(config.tile_m, config.tile_n, tile_width(head_dim, least),
                        tile_width(v_head_dim, least), left >= 0, right >= 0,
                        even_n, softcap, alibi, attn_mask, store_lse,
-                       dropout, config.latency_k, config.latency_v, sinks=sinks, fp8=fp8)
+                       dropout, config.latency_k, config.latency_v, sinks=sinks, fp8=fp8,
+                       exp2_fma=config.exp2_fma if fp8 else 0)
 
 
 @functools.cache

@@ -206,7 +206,7 @@ def _failed(results: dict, name: str, error: Exception, log: Callable[[str], Non
 def describe(config: variants.TileConfig) -> str:
     """``64x64 occupancy=2``: the tile shape, the hints and switches that are set and the dQ
     kernel's tiles when they are (``64x128 num_worker_warps=8 dq=128x64``, ``64x128
-    num_worker_warps=8 one_pass``)."""
+    num_worker_warps=8 one_pass``, ``128x256 num_worker_warps=8 exp2_fma=4``)."""
     hints = [f"{k}={v}" for k, v in config.hints().items()]
     default = variants.TileConfig()
     if (config.latency_k, config.latency_v) != (default.latency_k, default.latency_v):
@@ -215,6 +215,8 @@ def describe(config: variants.TileConfig) -> str:
         hints.append("group_inner")
     if config.one_pass:
         hints.append("one_pass")
+    if config.exp2_fma:
+        hints.append(f"exp2_fma={config.exp2_fma}")
     # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.
     if (config.dq_tile_m, config.dq_tile_n) != (None, None):
         dq = config.dq_kernel()

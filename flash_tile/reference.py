@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from flash_tile.kernels._tiles import (COL_MULT, FP8_P_LOG2_SCALE, MIX_MULT_1, MIX_MULT_2,
-                                      ROW_MULT, dropout_threshold, fp8_sum_mma, tile_runs)
+from flash_tile.kernels._tiles import (COL_MULT, EXP2_C0, EXP2_C1, EXP2_C2, FP8_P_LOG2_SCALE,
+                                      MIX_MULT_1, MIX_MULT_2, ROW_MULT, dropout_threshold,
+                                      fp8_sum_mma, tile_runs)
 
 LOG2_E = 1.0 / math.log(2.0)
 _M32 = 0xFFFFFFFF
@@ -133,6 +134,29 @@ def round_e4m3(p: torch.Tensor) -> torch.Tensor:
     return p.to(torch.float32).to(torch.float8_e4m3fn).to(torch.float64)
 
 
+#: The largest relative error of ``exp2_fma`` (its quadratic's, fitted to 1.73e-3).
+EXP2_FMA_ERROR = 1.75e-3
+
+
+def exp2_fma(x: torch.Tensor) -> torch.Tensor:
+    """2**x as the kernels' FMA-pipe exp2 (``_tiles.exp2_fma``) forms it, in float64: x
+    clamped to -126 and rounded to the nearest integer j, 2**j times the quadratic in x - j."""
+    x = x.clamp(min=-126.0)
+    j = torch.round(x)
+    f = x - j
+    return torch.ldexp((EXP2_C2 * f + EXP2_C1) * f + EXP2_C0, j)
+
+
+def exp2_split(x: torch.Tensor, share: int) -> torch.Tensor:
+    """2**x of a [..., N] tile as ``_tiles.exp2_split``: the last N / share columns (none when
+    share is 0) from ``exp2_fma``, the rest exact."""
+    p = torch.exp2(x)
+    if share:
+        first = x.shape[-1] - x.shape[-1] // share
+        p[..., first:] = exp2_fma(x[..., first:])
+    return p
+
+
 def _prepare(q, k, v, scale, alibi_slopes, attn_mask):
     """float64 CPU copies with K/V expanded to every query head (GQA), the default scale, and
     slopes and mask broadcast to [B, H, ...]."""
@@ -176,7 +200,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     attn_mask: torch.Tensor | None = None, tile_m: int = 64,
                     tile_n: int = 64, dropout_p: float = 0.0, dropout_seed: int = 0,
                     dropout_batch: int = 0, sinks: torch.Tensor | None = None,
-                    fp8_descale: torch.Tensor | None = None
+                    fp8_descale: torch.Tensor | None = None, exp2_fma: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-attention forward walking the kernel's tiles, in float64 on the CPU.
 
@@ -194,7 +218,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     these their descale factors) dequantizes q and k, scales each tile's P by
     2**FP8_P_LOG2_SCALE and rounds it to e4m3 for P V as the kernel does (from its fp32
     value; l sums the unrounded, scaled P, but the rounded P where the kernel's SUM_MMA does,
-    ``_tiles.fp8_sum_mma``) and multiplies the output by v's factor.
+    ``_tiles.fp8_sum_mma``) and multiplies the output by v's factor; ``exp2_fma`` (the
+    config's, read with ``fp8_descale`` alone) takes the exp2 of the last 1 / exp2_fma of each
+    unmasked step's columns from the kernel's FMA-pipe quadratic (``exp2_split``).
 
     Returns (out [B, H, Lq, Dv], lse [B, H, Lq]) in float64; lse is the natural-log
     log-sum-exp of the final scores, +inf (and out 0) for rows that see no key.
@@ -235,7 +261,10 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                 j * tile_n, diag_offset, window, not n_inner <= j < n_outer)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True) - p_scale)
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
-            p = torch.exp2(s - m_sub)  # [B, H, rows, cols]
+            # FP8's unmasked steps take part of their exp2 from the FMA pipe
+            unmasked = n_inner <= j < n_outer and attn_mask is None
+            p = exp2_split(s - m_sub, exp2_fma if fp8_descale is not None and unmasked
+                           else 0)  # [B, H, rows, cols]
             alpha = torch.exp2(m_i - m_sub)  # [B, H, rows, 1]
             if rounded_l:
                 p = round_e4m3(p)

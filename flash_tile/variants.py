@@ -25,7 +25,9 @@ class TileConfig:
     an fp32 accumulator (TMA reduce-adds), with no dQ kernel; the dQ tiles then size the small
     preprocess and convert kernels. Its dQ is not bitwise reproducible.
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
-    (1-10) of its K and V tile loads.
+    (1-10) of its K and V tile loads; ``exp2_fma`` (the FP8 forward's alone: 0, 2 or 4) takes
+    the exp2 of the last 1 / exp2_fma of each unmasked key step's columns from the FMA pipe
+    (``_tiles.exp2_fma``), 0 none.
     """
 
     tile_m: int = 64
@@ -39,6 +41,7 @@ class TileConfig:
     latency_k: int = 2
     latency_v: int = 4
     one_pass: bool = False
+    exp2_fma: int = 0
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
@@ -49,6 +52,8 @@ class TileConfig:
             if not 1 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in 1..10 (cuTile's range), got "
                                  f"{getattr(self, name)}")
+        if self.exp2_fma not in (0, 2, 4):
+            raise ValueError(f"exp2_fma must be 0, 2 or 4, got {self.exp2_fma}")
 
     def hints(self) -> dict:
         """The ``kernel.replace_hints`` keywords this config sets (None ones are left out)."""
@@ -138,8 +143,17 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # docs/experiments/evidence/2026-12-03-fp8-fast-acc-h200.md]. All compile to QGMMA for both
 # matmuls with no spills (D=64: 128 registers, D=128 and 256: 168); 128x256 spills 31 LDL/STL
 # on sm_120, so other GPUs launch the bf16 defaults, untimed [tileiras 13.4 SASS].
+# exp2_fma=4 (a quarter of each unmasked step's exp2 on the FMA pipe) at D=128, where the
+# MUFU's exp2 of a 128x256 tile take as long as its matmuls: 0.91-0.999x the time non-causal
+# (8 measurements of 4k-16k rows in three runs), 1.02x causal at 4k and 8k (0.965-1.033x at
+# 16k); head dims 65-127 share it, untimed; bench_fp8 at
+# 16k 895 -> 919 TFLOP/s non-causal, 889 -> 887 causal. A half lost everywhere (1.02-1.14x);
+# at D=64 a quarter lost too (1.03-1.05x); at D=256 0.92-0.99x causal, 0.96-1.02x non-causal,
+# left off (one config serves both) [H100, 2026-12-07,
+# bench_variants.py --dtype fp8 --baseline;
+# docs/experiments/evidence/2026-12-07-fp8-exp2-fma-h100.md].
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
-SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8)
+SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.

@@ -65,6 +65,17 @@ FP8_P_LOG2_SCALE = 8
 # docs/experiments/evidence/2026-12-05-fp8-row-sum-h200.md, 2026-12-06-fp8-row-sum-h100.md]
 FP8_SUM_MIN_N = 256
 
+# FP8's exp2 on the FMA pipe (``exp2_fma``): on a 128x256 e4m3 step the MUFU's 16 exp2 a
+# cycle and SM take as long as the tensor cores' two matmuls of the tile. Adding 1.5 * 2**23
+# to |x| < 2**22 rounds x to the nearest integer j, left in the low mantissa bits; 2**f for
+# f = x - j in [-0.5, 0.5] is a quadratic fitted for relative error (at most 1.73e-3, against
+# e4m3's rounding of P, up to 6.3e-2). The share of each unmasked FP8 step's columns that
+# take it is the forward's EXP2_FMA switch (``variants.TileConfig.exp2_fma``).
+EXP2_ROUND = 12582912.0
+EXP2_C0 = 1.0004426
+EXP2_C1 = 0.7034351
+EXP2_C2 = 0.2384218
+
 # ATTN_MASK: no mask, a boolean mask (True = attend, as torch), or an additive float mask.
 # A boolean mask comes as bool or as its uint8 view (nonzero = attend). TMA loads of bool tiles
 # were misread on the H200 (cuda-tile 1.7.0, tileiras 13.4: whenever the mask's rows were
@@ -420,8 +431,40 @@ def fp8_sum_mma(TILE_N: ConstInt, BANDED: ConstBool):
     return TILE_N >= FP8_SUM_MIN_N and not BANDED
 
 
+def exp2_fma(x):
+    """2**x of an fp32 tile of finite x <= 126 without the MUFU: x clamped to -126 (2**-126
+    stands for anything smaller, 0 once rounded to e4m3), rounded, a quadratic in the rest,
+    and the integer part added to the exponent bits."""
+    x = ct.maximum(x, -126.0, propagate_nan=True)
+    t = x + EXP2_ROUND  # its bits: EXP2_ROUND's plus j, the rounded x
+    f = x - (t - EXP2_ROUND)
+    p = (EXP2_C2 * f + EXP2_C1) * f + EXP2_C0  # 2**f
+    # bits(t) << 23 is j << 23: EXP2_ROUND's own bits shift out.
+    bits = ct.bitcast(p, ct.int32) + ct.bitwise_lshift(ct.bitcast(t, ct.int32), 23)
+    return ct.bitcast(bits, ct.float32)
+
+
+def exp2_split(x, EXP2_FMA: ConstInt):
+    """2**x of a [M, N] fp32 tile: the last N / EXP2_FMA columns (none when 0; else 2 or 4)
+    from ``exp2_fma``, the rest from the MUFU, flushing denormals to 0 (tiles are split in
+    halves: their widths stay powers of two)."""
+    if EXP2_FMA == 0:
+        return ct.exp2(x, flush_to_zero=True)
+    rows, cols = x.shape
+    half = cols // 2
+    hi = ct.extract(x, (0, 1), shape=(rows, half))
+    if EXP2_FMA == 2:
+        hi = exp2_fma(hi)
+    else:
+        hi = ct.cat((ct.exp2(ct.extract(hi, (0, 0), shape=(rows, half // 2)),
+                             flush_to_zero=True),
+                     exp2_fma(ct.extract(hi, (0, 1), shape=(rows, half // 2)))), 1)
+    lo = ct.exp2(ct.extract(x, (0, 0), shape=(rows, half)), flush_to_zero=True)
+    return ct.cat((lo, hi), 1)
+
+
 def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
-                 ROW_SUM: ConstBool):
+                 ROW_SUM: ConstBool, EXP2_FMA: ConstInt = 0):
     """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor
     (``log2_scores``): (m_new, p, alpha, l_i), the new row max, the tile's exp2 weights, the
     rescale of what came before and the new row sum. The max is taken before the factor is
@@ -432,7 +475,9 @@ def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
     by 2**P_LOG2_SCALE (the output's 1 / l_i cancels it, and the LSE m ln 2 + ln l_i is the
     same): the shift rides on the max's multiply, no instruction of its own. Without ROW_SUM
     l_i comes back rescaled only (l_i * alpha): the caller adds the tile's sum (FP8 does it on
-    the tensor core, ``attention_fwd``)."""
+    the tensor core, ``attention_fwd``). EXP2_FMA (0, 2 or 4; ``exp2_split``) takes the last
+    1 / EXP2_FMA of the weights' columns from the FMA pipe; never under GUARD, where a -inf
+    score would come out of its clamp as 2**-126 instead of 0."""
     m_tile = ct.max(s, axis=-1, keepdims=True) * factor  # [ROWS, 1]
     if P_LOG2_SCALE != 0:
         m_tile = m_tile - P_LOG2_SCALE
@@ -440,7 +485,7 @@ def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
     m_sub = m_new
     if GUARD:
         m_sub = ct.where(m_new == -math.inf, 0.0, m_new)
-    p = ct.exp2(s * factor - m_sub, flush_to_zero=True)
+    p = exp2_split(s * factor - m_sub, 0 if GUARD else EXP2_FMA)
     alpha = ct.exp2(m_i - m_sub, flush_to_zero=True)
     l_i = l_i * alpha
     if ROW_SUM:

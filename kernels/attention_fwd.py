@@ -69,15 +69,18 @@ unrounded p, but on key steps of FP8_SUM_MIN_N keys or more without a band mask 
 core forms l_i too, from the rounded P (P times a ones tile, FP8_SUM_N equal columns), so
 that the output there is the average of V under the rounded weights and the LSE theirs
 (within -ln(1 - 2^-4) of the exact one); d_v multiplies the output with 1 / l_i (the 2^8
-cancels, and the LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. An e4m3
-matmul wants both operands K-major, its reduction axis contiguous in shared memory: Q [.., D]
-and K^T (loaded from K [.., Lk, D] through the permuted order) are, V [.., Lk, Dv] is not,
-so the launcher passes V^T [.., Dv, Lk] and the tile is read back as [TILE_N, TILE_DV]
-through the permuted order (``load_keys_major``): reading V as stored costs a shared-memory
-transpose on the hot path (sm_90 SASS: 240-390 more instructions, 70-140 STS and 5-6
-barriers a program against 1-2; tileiras 13.4, 2026-12-02). ``keys_major_copy`` writes V^T
-once a call, [TILE_DV, TILE_N] tiles read through the permuted order: torch's strided copy
-of the same tensor ran at 0.35 TB/s.
+cancels, and the LSE m_i ln 2 + ln l_i is unchanged); the output is bfloat16. Under EXP2_FMA
+the exp2 of the last 1 / EXP2_FMA of each unmasked step's columns comes from a quadratic on
+the FMA pipe (``_tiles.exp2_fma``, relative error <= 1.73e-3, below P's rounding): on sm_90
+the MUFU's exp2 of a 128x256 tile take as long as its two e4m3 matmuls, and the share moved
+leaves the MUFU less than theirs. An e4m3 matmul wants both operands K-major, its reduction
+axis contiguous in shared memory: Q [.., D] and K^T (loaded from K [.., Lk, D] through the
+permuted order) are, V [.., Lk, Dv] is not, so the launcher passes V^T [.., Dv, Lk] and the
+tile is read back as [TILE_N, TILE_DV] through the permuted order (``load_keys_major``):
+reading V as stored costs a shared-memory transpose on the hot path (sm_90 SASS: 240-390
+more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 13.4,
+2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV, TILE_N] tiles read
+through the permuted order: torch's strided copy of the same tensor ran at 0.35 TB/s.
 
 Masking. Row i sees key j iff
 
@@ -115,11 +118,12 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
                     band, drop, TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
     ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA); under VARLEN the sequence's keys
-    start at row ``k_start`` of K, under FP8 V is V^T; under SUM_MMA l_i is [TILE_M,
-    FP8_SUM_N] and ``ones`` the row sum's [TILE_N, FP8_SUM_N] operand (unread otherwise)."""
+    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA); under VARLEN the
+    sequence's keys start at row ``k_start`` of K, under FP8 V is V^T; under SUM_MMA l_i is
+    [TILE_M, FP8_SUM_N] and ``ones`` the row sum's [TILE_N, FP8_SUM_N] operand (unread
+    otherwise)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA = TILES
+    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
     if VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
@@ -137,9 +141,11 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
     offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]  # [1, TILE_N]
     s, factor, _ = log2_scores(s, rows, offs_k, Mask, tile_m, j, band, q.shape[0], TILE_N,
                                MASKED, FEATURES, False, True)
-    # Only a band or an attention mask can leave a row with nothing visible yet.
+    # Only a band or an attention mask can leave a row with nothing visible yet; EXP2_FMA
+    # (FP8's alone) then stays on the MUFU, whose exp2(-inf) is 0.
     m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, MASKED or ATTN_MASK != NO_MASK,
-                                        FP8_P_LOG2_SCALE if FP8 else 0, not SUM_MMA)
+                                        FP8_P_LOG2_SCALE if FP8 else 0, not SUM_MMA,
+                                        EXP2_FMA if FP8 else 0)
 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
@@ -173,7 +179,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
-                        SINKS: ConstBool, SEQUSED_K: ConstBool, FP8: ConstBool):
+                        SINKS: ConstBool, SEQUSED_K: ConstBool, FP8: ConstBool,
+                        EXP2_FMA: ConstInt):
     """The forward for query tile ``heaviest_first`` of head bid(1) of the batch (or, under
     VARLEN, sequence) and tile index of ``program_tile``."""
     # Under VARLEN ``batch`` is the sequence: its rows of the packed [1, H, total, D] arrays,
@@ -208,7 +215,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     # K-loop it went through shared memory each step). It paid on wide unmasked key steps
     # (FP8_SUM_MIN_N), not on narrower ones nor under a band mask (FP8_SUM_MIN_N's note).
     SUM_MMA = FP8 and fp8_sum_mma(TILE_N, MASK_LEFT or MASK_RIGHT)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
 
@@ -284,7 +291,7 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
                   LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool,
-                  SEQUSED_K: ConstBool, FP8: ConstBool):
+                  SEQUSED_K: ConstBool, FP8: ConstBool, EXP2_FMA: ConstInt):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -296,12 +303,15 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Under FP8 Q and K
     are float8_e4m3fn, V comes transposed, V^T [B, H_kv, Dv, Lk] e4m3 (packed [1, H_kv, Dv,
     total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
-    v descale factors (read only then). Shapes and strides are 32-bit."""
+    v descale factors (read only then); EXP2_FMA (0, 2 or 4; FP8 only) takes the exp2 of the
+    last 1 / EXP2_FMA of each unmasked key step's columns from the FMA pipe
+    (``_tiles.exp2_fma``). Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, qk_scale, softcap, diag_offset, window_left, window_right,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)
+                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
+                        EXP2_FMA)
 
 
 @ct.kernel
@@ -318,14 +328,15 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
                         VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool,
-                        FP8: ConstBool):
+                        FP8: ConstBool, EXP2_FMA: ConstInt):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, qk_scale, softcap, diag_offset, window_left, window_right,
                         dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
                         TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8)
+                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
+                        EXP2_FMA)
 
 
 @ct.kernel

@@ -540,6 +540,25 @@ def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, ca
     assert summary["tma_load"] > 0
 
 
+def test_fp8_exp2_fma_moves_exp2_from_the_mufu_to_the_fma_pipe():
+    """The FP8 config's exp2_fma reaches the sm_90 machine code: at D = 128 (128x256 nww8,
+    a quarter) the unmasked body's MUFU.EX2 fall by 32 (of 128 a thread and step) and its FFMA
+    grow, with no spills and the same registers [tileiras 13.4, 2026-12-06: 260 -> 228 MUFU,
+    305 -> 369 FFMA, 168 registers]."""
+    def compiled(exp2_fma):
+        config = dataclasses.replace(variants.fp8_config((9, 0), 128), exp2_fma=exp2_fma)
+        cubin = aot.compile_forward("sm_90", head_dim=128, causal=False, even_n=True, fp8=True,
+                                    config=config)
+        ops = dict(aot.opcode_histogram(aot.disassemble(cubin), top=400))
+        return ops, aot.summarize(aot.disassemble(cubin)), aot.resource_usage(cubin)
+
+    assert variants.fp8_config((9, 0), 128).exp2_fma == 4
+    (off, off_sum, off_res), (on, on_sum, on_res) = compiled(0), compiled(4)
+    assert off["MUFU.EX2"] - on["MUFU.EX2"] == 32 and on["FFMA"] > off["FFMA"] + 32
+    assert on_sum["local_memory"] == off_sum["local_memory"] == 0
+    assert on_res["registers"] == off_res["registers"]
+
+
 @pytest.mark.parametrize("arch,op", [("sm_100", "UTCQMMA"), ("sm_120", "QMMA")])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_forward_uses_e4m3_tensor_cores_on_blackwell(arch, op, head_dim):

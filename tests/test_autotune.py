@@ -41,6 +41,7 @@ def test_describe_tells_every_registered_variant_apart():
                                                  group_inner=True, dq_tile_m=128)) == \
         "64x128 num_worker_warps=8 group_inner dq=128x128"
     assert autotune.describe(variants.TileConfig(dq_tile_m=64)) == "64x64 dq=64x64"
+    assert autotune.describe(variants.SM90_FP8) == "128x256 num_worker_warps=8 exp2_fma=4"
     for backward in (False, True):
         for capability in ((8, 0), (9, 0), (10, 0), (12, 0)):
             configs = {c for _, c in variants.registered(capability, backward)}

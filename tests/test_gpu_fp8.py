@@ -6,9 +6,11 @@ Inputs as FA3's Table 3: N(0, 1) with 0.1% of the entries N(0, 10), bf16, quanti
 - from the dequantized FP8 inputs (d * x8): the kernel differs from it by its rounding of P
   alone (plus fp32 arithmetic and the bf16 output). P, scaled by 2^8 into [0, 256], rounds
   to e4m3 with a relative error <= 2^-4 where it is normal (>= 2^-6, p >= 2^-14 of the row's
-  max) and an absolute one <= 2^-10 below (2^-18 of the max), and l sums the rounded P as
-  P V does (the output averages v under the rounded weights), so with e_ij <= max(2^-4 p_ij,
-  2^-18) (p with row max 1) and e_i = sum_j e_ij
+  max) and an absolute one <= 2^-10 below (2^-18 of the max); where the config's exp2_fma
+  is set, the last columns of the unmasked key steps take the FMA pipe's exp2 first
+  (``_tiles.exp2_fma``, within e = ``reference.EXP2_FMA_ERROR`` relative; e = 0 elsewhere),
+  and l sums the rounded P as P V does (the output averages v under the rounded weights), so
+  with e_ij <= max((2^-4 + 2 e) p_ij, 2^-18 + e p_ij) (p with row max 1) and e_i = sum_j e_ij
 
       |o_i - ref_i| <= sum_j e_ij (|v_j| + |ref_i|) / (l_i - e_i)
 
@@ -32,7 +34,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, _validate, reference
+from flash_tile import _launch, _validate, reference, variants
 
 pytestmark = pytest.mark.gpu
 
@@ -105,7 +107,11 @@ def dequantized_reference(q8, k8, v8, stack, causal, window, softcap, slopes=Non
     if sinks is not None:
         l_i = l_i + torch.exp(sinks.double()[None, :, None, None] - row_max)
     ref = (p @ v) / l_i.clamp(min=1e-300)
-    err_p = torch.maximum(p * 2.0**-4, torch.full_like(p, 2.0**-18)) * (p > 0)
+    # The FMA pipe's exp2 where the kernel's config takes it (variants.fp8_config)
+    config = variants.fp8_config(torch.cuda.get_device_capability(q8.device),
+                                 max(q8.shape[-1], v8.shape[-1]))
+    fma_err = reference.EXP2_FMA_ERROR if config.exp2_fma else 0.0
+    err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p) * (p > 0)
     err_l = err_p.sum(-1, keepdim=True)
     bound = (1.1 * (err_p @ v.abs() + err_l * ref.abs()) / (l_i - err_l).clamp(min=0.5) +
              2.0**-8 * ref.abs() + 1e-4)

@@ -264,3 +264,5 @@ def test_variant_lookup():
         variants.TileConfig(tile_m=48)
     with pytest.raises(ValueError, match="latency_v must be in 1..10"):
         variants.TileConfig(latency_v=0)
+    with pytest.raises(ValueError, match="exp2_fma must be 0, 2 or 4"):
+        variants.TileConfig(exp2_fma=3)
