@@ -261,7 +261,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                                 j * tile_n, diag_offset, window, not n_inner <= j < n_outer)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True) - p_scale)
             m_sub = torch.where(m_new == -math.inf, 0.0, m_new)
-            # FP8's unmasked steps take part of their exp2 from the FMA pipe
+            # under exp2_fma FP8's unmasked steps take part of their exp2 from the FMA pipe
             unmasked = n_inner <= j < n_outer and attn_mask is None
             p = exp2_split(s - m_sub, exp2_fma if fp8_descale is not None and unmasked
                            else 0)  # [B, H, rows, cols]
