@@ -549,8 +549,9 @@ def test_fp8_exp2_fma_moves_exp2_from_the_mufu_to_the_fma_pipe():
         config = dataclasses.replace(variants.fp8_config((9, 0), 128), exp2_fma=exp2_fma)
         cubin = aot.compile_forward("sm_90", head_dim=128, causal=False, even_n=True, fp8=True,
                                     config=config)
-        ops = dict(aot.opcode_histogram(aot.disassemble(cubin), top=400))
-        return ops, aot.summarize(aot.disassemble(cubin)), aot.resource_usage(cubin)
+        sass = aot.disassemble(cubin)
+        ops = dict(aot.opcode_histogram(sass, top=400))
+        return ops, aot.summarize(sass), aot.resource_usage(cubin)
 
     assert variants.fp8_config((9, 0), 128).exp2_fma == 4
     (off, off_sum, off_res), (on, on_sum, on_res) = compiled(0), compiled(4)

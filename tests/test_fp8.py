@@ -106,10 +106,9 @@ def test_twin_is_dequantized_attention_within_the_rounding_of_p(name, tile_n, ex
                                               case["window"]), -math.inf)
     p = torch.exp(scores - scores.amax(-1, keepdim=True)).nan_to_num(0.0)
     fma_err = EXP2_FMA_ERROR if exp2_fma else 0.0
-    err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p)
-    err_l = (err_p * (p > 0)).sum(-1, keepdim=True)
-    bound = ((err_p * (p > 0)) @ vr.abs() + err_l * ref.abs()) / (p.sum(-1, keepdim=True)
-                                                                  - err_l)
+    err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p) * (p > 0)
+    err_l = err_p.sum(-1, keepdim=True)
+    bound = (err_p @ vr.abs() + err_l * ref.abs()) / (p.sum(-1, keepdim=True) - err_l)
     err = (out - ref).abs()
     assert (err <= bound + 1e-12).all(), (err - bound).max()
     # One key: P = 2^8, exact in e4m3 (float64's last bits only).

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, _validate, reference, variants
+from flash_tile import _launch, _ops_fp8, _validate, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -107,10 +107,8 @@ def dequantized_reference(q8, k8, v8, stack, causal, window, softcap, slopes=Non
     if sinks is not None:
         l_i = l_i + torch.exp(sinks.double()[None, :, None, None] - row_max)
     ref = (p @ v) / l_i.clamp(min=1e-300)
-    # The FMA pipe's exp2 where the kernel's config takes it (variants.fp8_config)
-    config = variants.fp8_config(torch.cuda.get_device_capability(q8.device),
-                                 max(q8.shape[-1], v8.shape[-1]))
-    fma_err = reference.EXP2_FMA_ERROR if config.exp2_fma else 0.0
+    # The FMA pipe's exp2 where the config the op launches takes it
+    fma_err = reference.EXP2_FMA_ERROR if _ops_fp8._config(q8, v8).exp2_fma else 0.0
     err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p) * (p > 0)
     err_l = err_p.sum(-1, keepdim=True)
     bound = (1.1 * (err_p @ v.abs() + err_l * ref.abs()) / (l_i - err_l).clamp(min=0.5) +

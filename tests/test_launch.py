@@ -3,6 +3,8 @@
 checked against the AOT signatures the compiled kernels were checked in; the call plans and the
 stream table."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -171,7 +173,10 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
     for got in (fwd[6], dq[10], dkdv[10]):
         assert got.dtype == (torch.uint8 if as_uint8 else torch.bool), layout
         assert got.data_ptr() == mask.data_ptr() and got.stride() == mask.stride()
-    assert fwd[-10] == _launch.BOOL_MASK  # ATTN_MASK: from the mask, whatever its view
+    # The forward's constants end its arguments, in ForwardSpec's field order.
+    names = [field.name for field in dataclasses.fields(_launch.ForwardSpec)]
+    constants = dict(zip(names, fwd[-len(names):]))
+    assert constants["attn_mask"] == _launch.BOOL_MASK  # from the mask, whatever its view
 
 
 _TORCH_OF = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16,
