@@ -146,8 +146,8 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # exp2_fma=4 (a quarter of each unmasked step's exp2 on the FMA pipe) at D=128, where the
 # MUFU's exp2 of a 128x256 tile take as long as its matmuls: 0.91-0.999x the time non-causal
 # (8 measurements of 4k-16k rows in three runs), 1.02x causal at 4k and 8k (0.965-1.033x at
-# 16k); head dims 65-127 share it, untimed; bench_fp8 at
-# 16k 895 -> 919 TFLOP/s non-causal, 889 -> 887 causal. A half lost everywhere (1.02-1.14x);
+# 16k); head dims 65-127 share it, untimed; bench_fp8 at 16k, two runs back to back,
+# 895 -> 919 TFLOP/s non-causal, 889 -> 887 causal. A half lost everywhere (1.02-1.14x);
 # at D=64 a quarter lost too (1.03-1.05x); at D=256 0.92-0.99x causal, 0.96-1.02x non-causal,
 # left off (one config serves both) [H100, 2026-12-07,
 # bench_variants.py --dtype fp8 --baseline;
