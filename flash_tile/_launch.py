@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import cuda.tile as ct
 import torch
 
+from flash_tile._arrays import Array, layout as array_layout
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import (
     attention_bwd_dkdv, attention_bwd_dkdv_int64, attention_bwd_dq, attention_bwd_dq_convert,
@@ -452,30 +453,41 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 class ForwardPlan:
     """A forward launch with everything but its q, k, v, out and LSE settled: the grid, the
     kernel and the rest of the argument tuple (``ABSENT`` ints, scalars, constants) that
-    ``forward_launch`` built for one call signature, and the outputs' shapes: out
-    [B, Lq, H, Dv] (the kernel writes its [B, H, Lq, Dv] transpose) and the LSE [B, H, Lq]
-    or None. Valid for every call of that signature (the same shapes, strides, dtypes,
-    device and scalars) without ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays
-    or seeds change from call to call (``flash_tile._plans``)."""
+    ``forward_launch`` built for one call signature, the layouts of the five arrays as the
+    kernel reads them (``_arrays.layout``), and the outputs' templates: out [B, Lq, H, Dv]
+    (the kernel writes its [B, H, Lq, Dv] transpose) and the LSE [B, H, Lq] or None, each a
+    one-element tensor expanded to its shape, which ``torch.empty_like`` copies in about half
+    the host time of ``torch.empty`` with its keywords (``flash_tile._plans.outputs``). Valid
+    for every call of that signature (the same shapes, strides, dtypes, device and scalars)
+    without ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays or seeds change from
+    call to call (``flash_tile._plans``)."""
 
-    __slots__ = ("grid", "kernel", "tail", "device", "dtype", "out_shape", "lse_shape",
+    __slots__ = ("grid", "kernel", "tail", "layouts", "device", "out_like", "lse_like",
                  "no_lse")
 
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
         self.grid, self.kernel, self.tail = grid, kernel, args[5:]
-        self.device, self.dtype = out.device, out.dtype
+        self.layouts = tuple(array_layout(t) for t in args[:4]) + \
+            (None if lse is None else array_layout(lse),)
+        self.device = out.device
         batch, heads, q_len, v_head_dim = out.shape
-        self.out_shape = (batch, q_len, heads, v_head_dim)
-        self.lse_shape = None if lse is None else tuple(lse.shape)
+        self.out_like = out.new_empty(1).expand(batch, q_len, heads, v_head_dim)
+        self.lse_like = None if lse is None else lse.new_empty(1).expand(lse.shape)
         # What a call without an LSE passes: ABSENT, or the 64-bit entry point's placeholder.
         self.no_lse = args[4] if lse is None else None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None) -> None:
-        """``launch_forward`` of the planned call on these arrays (out [B, H, Lq, Dv])."""
+        """``launch_forward`` of the planned call on these arrays, each passed by address in
+        the plan's layout (``_arrays.Array``): q, k, v and out as the call's [B, L, H, D]
+        tensors or their [B, H, L, D] views alike."""
+        q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
         launch_on(self.device, self.grid, self.kernel,
-                  (q, k, v, out, self.no_lse if lse is None else lse, *self.tail))
+                  (Array(q_layout, q.data_ptr()), Array(k_layout, k.data_ptr()),
+                   Array(v_layout, v.data_ptr()), Array(out_layout, out.data_ptr()),
+                   self.no_lse if lse is None else Array(lse_layout, lse.data_ptr()),
+                   *self.tail))
 
 
 def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

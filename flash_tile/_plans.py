@@ -105,17 +105,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
 
 def outputs(plan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fresh outputs of a planned forward: out [B, Lq, H, Dv], contiguous, and the LSE
-    [B, H, Lq] fp32 where the plan stores one, else None."""
-    out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
-    return out, (None if plan.lse_shape is None else
-                 torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device))
+    [B, H, Lq] fp32 where the plan stores one, else None (empty like the plan's templates)."""
+    out = torch.empty_like(plan.out_like, memory_format=torch.contiguous_format)
+    return out, (None if plan.lse_like is None else
+                 torch.empty_like(plan.lse_like, memory_format=torch.contiguous_format))
 
 
 def run_forward(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(out [B, Lq, H, Dv], lse or None) of a planned forward (``forward``'s plan) on
-    [B, H, L, D] views of a call with the plan's signature: fresh outputs, one launch."""
+    """(out [B, Lq, H, Dv], lse or None) of a planned forward (``forward``'s plan) on the q, k
+    and v of a call with the plan's signature, as [B, L, H, D] tensors or [B, H, L, D] views
+    alike (the launch reads their addresses): fresh outputs, one launch."""
     out, lse = outputs(plan)
-    plan.launch(q, k, v, out.transpose(1, 2), lse)
+    plan.launch(q, k, v, out, lse)
     return out, lse
 
 

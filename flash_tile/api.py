@@ -123,8 +123,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                                          softcap, return_lse))
         plan = _plans.find(plan_key)
         if plan is not None:
-            out, lse = _plans.run_forward(plan, q.transpose(1, 2), k.transpose(1, 2),
-                                          v.transpose(1, 2))
+            out, lse = _plans.run_forward(plan, q, k, v)
             return (out, lse) if return_lse else out
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))

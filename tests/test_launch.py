@@ -106,7 +106,7 @@ def test_forward_past_2_31_elements_matches_the_64_bit_signature(launched, retur
         for _, kernel, args in launched:
             assert kernel is _launch.hinted_kernel(config, int64)
             _matches(args, sig)
-            assert isinstance(args[4], torch.Tensor) == (int64 or return_lse)
+            assert (not isinstance(args[4], int)) == (int64 or return_lse)
 
 
 def test_one_pass_backward_launches_preprocess_dkdv_convert(launched):
@@ -185,16 +185,25 @@ _TORCH_OF = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.b
 
 def _matches(args, signature):
     """Each launch argument against the AOT signature's parameter at its place (the order the
-    compiled kernels were checked in): arrays of the rank, and of the dtype unless they are an
-    unused switch's placeholder (one element, never read), scalars, equal constants."""
+    compiled kernels were checked in): arrays (tensors, or a plan's by address) of the rank,
+    and of the dtype unless they are an unused switch's placeholder (one element, never
+    read), scalars, equal constants."""
+    from flash_tile import _arrays
+
     params = signature.parameters
     assert len(args) == len(params)
     for i, (arg, param) in enumerate(zip(args, params)):
         kind = type(param).__name__
         if kind == "ArrayConstraint":
+            dtype = _TORCH_OF[param.dtype.name]
+            if isinstance(arg, _arrays.Array):
+                face = arg.__cuda_array_interface__
+                assert len(face["shape"]) == param.ndim, i
+                assert face["typestr"] == _arrays.TYPESTRS[dtype], (i, face, param.dtype)
+                continue
             assert isinstance(arg, torch.Tensor) and arg.dim() == param.ndim, i
             if arg.numel() > 1:
-                assert arg.dtype == _TORCH_OF[param.dtype.name], (i, arg.dtype, param.dtype)
+                assert arg.dtype == dtype, (i, arg.dtype, param.dtype)
         elif kind == "ScalarConstraint":
             assert isinstance(arg, (int, float)) and not isinstance(arg, bool), (i, arg)
         else:
@@ -296,38 +305,52 @@ def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
     assert not autotune.plans
 
 
-@pytest.mark.parametrize("return_lse,window,softcap", [(False, (-1, 0), 0.0),
-                                                        (True, (16, 3), 20.0)])
+def _interface(t: torch.Tensor) -> dict:
+    """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
+    typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2"}[t.dtype]
+    return {"shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
+            "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
+
+
+@pytest.mark.parametrize("return_lse,window,softcap,dtype", [
+    (False, (-1, 0), 0.0, torch.bfloat16), (True, (16, 3), 20.0, torch.float16)])
 def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkeypatch,
-                                                                 return_lse, window, softcap):
+                                                                 return_lse, window, softcap,
+                                                                 dtype):
     """``ForwardPlan.launch`` on a call's arrays passes ``ct.launch`` the grid, kernel and
-    argument tuple that ``launch_forward`` passes for the same call (arrays by identity,
-    everything else equal), on odd lengths, GQA, with and without the LSE."""
+    argument tuple that ``launch_forward`` passes for the same call: each array by its CUDA
+    Array Interface, the layout of the tensor the full path passes at that tensor's address,
+    whether the plan is handed the [B, H, L, D] views or the [B, L, H, D] tensors under them;
+    everything else equal. Odd lengths, GQA, with and without the LSE."""
     from flash_tile import _launch, variants
 
-    q = torch.randn(2, 8, 113, 64).transpose(1, 2).contiguous().transpose(1, 2)
-    k, v = (torch.randn(2, 203, 2, 64).transpose(1, 2) for _ in range(2))
-    out = torch.empty(2, 113, 8, 64).transpose(1, 2)  # [B, H, Lq, Dv] laid out as BLHD
+    def bhld(*shape):  # a [B, H, L, D] view of a fresh [B, L, H, D] tensor
+        return torch.randn(*shape, dtype=dtype).transpose(1, 2)
+
+    q = bhld(2, 113, 8, 64)
+    k, v = bhld(2, 203, 2, 64), bhld(2, 203, 2, 64)
+    out = torch.empty(2, 113, 8, 64, dtype=dtype).transpose(1, 2)
     lse = torch.empty(2, 8, 113) if return_lse else None
     config = variants.default_config((9, 0), 64)
     scalars = (0.125, softcap, 203 - 113, window, config)
     _launch.launch_forward(q, k, v, out, lse, None, None, *scalars)
     plan = _launch.forward_plan(q, k, v, out, lse, *scalars)
-    assert plan.out_shape == (2, 113, 8, 64)
-    assert plan.lse_shape == ((2, 8, 113) if return_lse else None)
-    q2, k2, v2, out2 = (torch.randn_like(t) for t in (q, k, v, out))  # another call's arrays
+    assert plan.out_like.shape == (2, 113, 8, 64) and plan.out_like.dtype == dtype
+    assert (plan.lse_like.shape == (2, 8, 113)) if return_lse else plan.lse_like is None
+    q2, k2, v2, out2 = (bhld(*t.transpose(1, 2).shape) for t in (q, k, v, out))
     lse2 = torch.empty_like(lse) if return_lse else None
     _launch.launch_forward(q2, k2, v2, out2, lse2, None, None, *scalars)
     plan.launch(q2, k2, v2, out2, lse2)
-    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
-    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
-    for full, planned in zip(args, plan_args):  # the arrays by identity, the rest by value
-        if isinstance(full, torch.Tensor):
-            assert planned is full
-        else:
-            assert planned == full and type(planned) is type(full)
-    lse_arg = lse2 if return_lse else args[4]  # ABSENT without an LSE
-    assert all(a is b for a, b in zip(plan_args[:5], (q2, k2, v2, out2, lse_arg)))
+    plan.launch(*(t.transpose(1, 2) for t in (q2, k2, v2, out2)), lse2)
+    (grid, kernel, args), *planned = launched[1:]
+    for plan_grid, plan_kernel, plan_args in planned:
+        assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+        for full, passed in zip(args, plan_args):
+            if isinstance(full, torch.Tensor):
+                assert passed.__cuda_array_interface__ == _interface(full)
+            else:
+                assert passed == full and type(passed) is type(full)
+    assert return_lse == isinstance(args[4], torch.Tensor)  # ABSENT without an LSE
 
 
 def test_current_stream_is_made_once_per_raw_handle(monkeypatch):
@@ -389,3 +412,32 @@ def test_a_planned_forward_without_keys_launches_nothing_and_keeps_no_plan(launc
     assert plan is None and not launched
     assert out.shape == (2, 17, 4, 64) and bool((out == 0).all())
     assert lse.shape == (2, 4, 17) and bool((lse == torch.inf).all())
+
+
+def test_cupy_arguments_are_looked_for_once_cupy_is_imported(monkeypatch):
+    """``accepts_cupy`` passes a call straight on while CuPy is not imported (no argument can
+    be a CuPy array then) and converts a CuPy-typed argument once it is (here the conversion
+    is stopped at its first step, ``torch.from_dlpack``)."""
+    import sys
+
+    from flash_tile import _interop
+
+    array = type("ndarray", (), {"__module__": "cupy._core.core"})()
+    calls = []
+    wrapped = _interop.accepts_cupy(lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    wrapped(array, scale=array)
+    assert calls == [((array,), {"scale": array})]
+
+    class Converted(Exception):
+        pass
+
+    def from_dlpack(a):
+        raise Converted
+
+    monkeypatch.setitem(sys.modules, "cupy", type(sys)("cupy"))
+    monkeypatch.setattr(_interop.torch, "from_dlpack", from_dlpack)
+    with pytest.raises(Converted):
+        wrapped(array)
+    wrapped(torch.zeros(1), 2.0, None)  # plain arguments: passed on as they are
+    assert len(calls) == 2
