@@ -37,3 +37,13 @@ class Array:
         self.__cuda_array_interface__ = {"shape": shape, "strides": strides,
                                          "typestr": typestr, "data": (address, False),
                                          "version": 3}
+
+
+def contiguous(shape: tuple, dtype: torch.dtype) -> tuple[tuple, tuple, str]:
+    """The layout (``layout()``'s tuple) of a contiguous array of ``shape`` and ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    strides = []
+    for n in reversed(shape):
+        strides.append(size)
+        size *= n
+    return tuple(shape), tuple(reversed(strides)), TYPESTRS[dtype]

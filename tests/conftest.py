@@ -81,7 +81,7 @@ def poison_outputs(patch=setattr):
     patch(_plans, "outputs", poisoned(_plans.outputs))
     patch(_ops, "_backward_outputs", poisoned(_ops._backward_outputs))
     patch(_ops_decode, "_decode_outputs", poisoned(_ops_decode._decode_outputs))
-    patch(_launch_decode, "decode_workspace", poisoned(_launch_decode.decode_workspace))
+    patch(_launch_decode, "decode_workspace", poisoned_tensor(_launch_decode.decode_workspace))
     # The rotated q: the append must write every element the decode reads.
     patch(_ops_decode, "rotated_q_workspace",
           poisoned_tensor(_ops_decode.rotated_q_workspace))
