@@ -454,26 +454,28 @@ class ForwardPlan:
     """A forward launch with everything but its q, k, v, out and LSE settled: the grid, the
     kernel and the rest of the argument tuple (``ABSENT`` ints, scalars, constants) that
     ``forward_launch`` built for one call signature, the layouts of the five arrays as the
-    kernel reads them (``_arrays.layout``), and the outputs' templates: out [B, Lq, H, Dv]
-    (the kernel writes its [B, H, Lq, Dv] transpose) and the LSE [B, H, Lq] or None, each a
-    one-element tensor expanded to its shape, which ``torch.empty_like`` copies in about half
-    the host time of ``torch.empty`` with its keywords (``flash_tile._plans.outputs``). Valid
-    for every call of that signature (the same shapes, strides, dtypes, device and scalars)
-    without ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays or seeds change from
-    call to call (``flash_tile._plans``)."""
+    kernel reads them (``_arrays.layout``), and the outputs' (shape, strides) for
+    ``torch.empty_strided``: out [B, Lq, H, Dv] contiguous (``out``) or, the same memory, as
+    its [B, H, Lq, Dv] view (``out_bhld``: SDPA's layout, which the kernel writes), and the
+    LSE [B, H, Lq] contiguous or None. Valid for every call of that signature (the same
+    shapes, strides, dtypes, device and scalars) without ALiBi, a mask, varlen, sinks,
+    dropout or FP8, whose arrays or seeds change from call to call
+    (``flash_tile._plans``)."""
 
-    __slots__ = ("grid", "kernel", "tail", "layouts", "device", "out_like", "lse_like",
-                 "no_lse")
+    __slots__ = ("grid", "kernel", "tail", "layouts", "device", "dtype", "out", "out_bhld",
+                 "lse", "no_lse")
 
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
         self.grid, self.kernel, self.tail = grid, kernel, args[5:]
         self.layouts = tuple(array_layout(t) for t in args[:4]) + \
             (None if lse is None else array_layout(lse),)
-        self.device = out.device
+        self.device, self.dtype = out.device, out.dtype
         batch, heads, q_len, v_head_dim = out.shape
-        self.out_like = out.new_empty(1).expand(batch, q_len, heads, v_head_dim)
-        self.lse_like = None if lse is None else lse.new_empty(1).expand(lse.shape)
+        row = heads * v_head_dim
+        self.out = (batch, q_len, heads, v_head_dim), (q_len * row, row, v_head_dim, 1)
+        self.out_bhld = (batch, heads, q_len, v_head_dim), (q_len * row, v_head_dim, row, 1)
+        self.lse = None if lse is None else ((batch, heads, q_len), (heads * q_len, q_len, 1))
         # What a call without an LSE passes: ABSENT, or the 64-bit entry point's placeholder.
         self.no_lse = args[4] if lse is None else None
 

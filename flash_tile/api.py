@@ -339,7 +339,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         plan_key = _plans.key("sdpa", (query, key, value), (is_causal, scale, enable_gqa))
         plan = _plans.find(plan_key)
         if plan is not None:
-            return _plans.run_forward(plan, query, key, value)[0].transpose(1, 2)
+            return _plans.run_forward(plan, query, key, value, bhld=True)[0]
     dropout_p = _validate.check_dropout(dropout_p)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 3:

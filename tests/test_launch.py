@@ -321,8 +321,9 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
     argument tuple that ``launch_forward`` passes for the same call: each array by its CUDA
     Array Interface, the layout of the tensor the full path passes at that tensor's address,
     whether the plan is handed the [B, H, L, D] views or the [B, L, H, D] tensors under them;
-    everything else equal. Odd lengths, GQA, with and without the LSE."""
-    from flash_tile import _launch, variants
+    everything else equal; the outputs it allocates are laid out as the plan says. Odd
+    lengths, GQA, with and without the LSE."""
+    from flash_tile import _launch, _plans, variants
 
     def bhld(*shape):  # a [B, H, L, D] view of a fresh [B, L, H, D] tensor
         return torch.randn(*shape, dtype=dtype).transpose(1, 2)
@@ -335,8 +336,16 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
     scalars = (0.125, softcap, 203 - 113, window, config)
     _launch.launch_forward(q, k, v, out, lse, None, None, *scalars)
     plan = _launch.forward_plan(q, k, v, out, lse, *scalars)
-    assert plan.out_like.shape == (2, 113, 8, 64) and plan.out_like.dtype == dtype
-    assert (plan.lse_like.shape == (2, 8, 113)) if return_lse else plan.lse_like is None
+    blhd = torch.empty(2, 113, 8, 64)
+    assert plan.out == (blhd.shape, blhd.stride()) and plan.dtype == dtype
+    assert plan.out_bhld == (blhd.transpose(1, 2).shape, blhd.transpose(1, 2).stride())
+    assert plan.lse == (((2, 8, 113), (8 * 113, 113, 1)) if return_lse else None)
+    fresh, fresh_lse = _plans.outputs(plan)  # what a planned call allocates
+    assert fresh.shape == (2, 113, 8, 64) and fresh.is_contiguous() and fresh.dtype == dtype
+    view = _plans.outputs(plan, bhld=True)[0]  # SDPA's layout, the same memory order
+    assert view.shape == (2, 8, 113, 64) and view.transpose(1, 2).is_contiguous()
+    assert fresh_lse.is_contiguous() and fresh_lse.shape == (2, 8, 113) if return_lse else \
+        fresh_lse is None
     q2, k2, v2, out2 = (bhld(*t.transpose(1, 2).shape) for t in (q, k, v, out))
     lse2 = torch.empty_like(lse) if return_lse else None
     _launch.launch_forward(q2, k2, v2, out2, lse2, None, None, *scalars)
