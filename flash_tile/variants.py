@@ -151,7 +151,10 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # at D=64 a quarter lost too (1.03-1.05x); at D=256 0.92-0.99x causal, 0.96-1.02x non-causal,
 # left off (one config serves both) [H100, 2026-12-07,
 # bench_variants.py --dtype fp8 --baseline;
-# docs/experiments/evidence/2026-12-07-fp8-exp2-fma-h100.md].
+# docs/experiments/evidence/2026-12-07-fp8-exp2-fma-h100.md]. An A/A of that harness the same
+# day gave 0.934-1.001x for identical kernels: the speed-up is within its spread, not
+# established; kept for the SASS (a quarter less MUFU work, same registers) [H100, 2026-12-07;
+# docs/experiments/evidence/2026-12-07-host-arrays-h100.md].
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 
