@@ -6,9 +6,12 @@ cuTile takes any object with a CUDA Array Interface as a global array
 call signature (the shape and strides of the view the kernel reads, the dtype), so a call adds
 only the address (``Tensor.data_ptr``, the same for a tensor and its views): no
 ``transpose`` or ``view`` (about 1.5 us of host time each on a 2-core CPU host, 2026-12-07)
-and no DLPack export of it inside ``ct.launch``. The caller keeps the tensors alive across
-the launch (they are its inputs and outputs) and the launch is on their stream, as with
-tensors; the interface names no stream, so cuTile synchronizes nothing.
+and no DLPack export of it inside ``ct.launch``. The caller keeps the tensors alive until the
+launch is queued (they are its inputs and outputs), on the device's current stream as with
+tensors; the interface names no stream, so cuTile synchronizes nothing. An address says
+nothing of the tensor's layout: a plan passes one only for a call whose key
+(``flash_tile._plans.key``: shapes, strides, dtypes, device) equals that of the call the
+layout was recorded from.
 """
 
 import torch

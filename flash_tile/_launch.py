@@ -483,7 +483,8 @@ class ForwardPlan:
                lse: torch.Tensor | None) -> None:
         """``launch_forward`` of the planned call on these arrays, each passed by address in
         the plan's layout (``_arrays.Array``): q, k, v and out as the call's [B, L, H, D]
-        tensors or their [B, H, L, D] views alike."""
+        tensors or their [B, H, L, D] views alike. Their layouts are not read: the caller
+        vouches for them (a call whose plan key equals the planned call's)."""
         q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
         launch_on(self.device, self.grid, self.kernel,
                   (Array(q_layout, q.data_ptr()), Array(k_layout, k.data_ptr()),

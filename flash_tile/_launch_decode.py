@@ -200,8 +200,8 @@ def int32_batch_rows(*caches: torch.Tensor) -> int:
 class _Partials:
     """The split-KV partials of one plan in one fp32 workspace of ``elements``
     (``decode_workspace``): the outputs [S, B, Lq, H, Dv], then from ``lse_offset`` bytes on
-    (a multiple of 256: the kernels' loads of the LSEs keep the alignment of an allocation of
-    their own) the LSEs [S, B, Lq, H]; passed by address (``_arrays.Array``) in the layouts
+    (a multiple of 256: the LSEs keep the 16-byte alignment the kernels are compiled for, with
+    room to spare) the LSEs [S, B, Lq, H]; passed by address (``_arrays.Array``) in the layouts
     the decode ([.., H_kv, G, ..]) and the combine read: one allocation and four small dicts
     a call, where two allocations and two views took about 7 us of host time on a 2-core CPU
     host (2026-12-07)."""

@@ -253,6 +253,10 @@ def test_decode_launches_match_the_compiled_signatures(launched, page_size, spli
     from flash_tile import _launch_decode, aot, variants
 
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
+    workspaces = []
+    allocate = _launch_decode.decode_workspace
+    monkeypatch.setattr(_launch_decode, "decode_workspace",
+                        lambda *args: workspaces.append(allocate(*args)) or workspaces[-1])
     batch, heads, kv_heads, d = 2, 16, 2, 64
     if page_size is None:
         k_cache = torch.randn(batch, 256, kv_heads, d).bfloat16()
@@ -280,6 +284,23 @@ def test_decode_launches_match_the_compiled_signatures(launched, page_size, spli
         _matches(args, sigs[name][1])
         # No placeholder array (one element) is left: every array here has more.
         assert all(arg.numel() > 1 for arg in args if isinstance(arg, torch.Tensor)), name
+    if used > 1:  # the partials: one workspace, the LSEs past the outputs, 256-byte aligned
+        (workspace,) = workspaces
+        group, partials = heads // kv_heads, used * batch * heads * d
+        offset = -(-partials // 64) * 64  # fp32 elements of 256 bytes
+        assert workspace.numel() == offset + used * batch * heads
+        outs, lses = workspace[:partials], workspace[offset:]
+        decode_args, combine_args = launched[1][2], launched[2][2]
+        expected = {
+            "decode": (outs.view(used, batch, 1, kv_heads, group, d),
+                       lses.view(used, batch, 1, kv_heads, group)),
+            "combine": (outs.view(used, batch, 1, heads, d), lses.view(used, batch, 1, heads))}
+        passed = {"decode": decode_args[5:7], "combine": combine_args[:2]}
+        for name, arrays in expected.items():
+            assert [a.__cuda_array_interface__ for a in passed[name]] == \
+                [_interface(t) for t in arrays], name
+    else:
+        assert not workspaces
 
 
 def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
@@ -450,3 +471,54 @@ def test_cupy_arguments_are_looked_for_once_cupy_is_imported(monkeypatch):
         wrapped(array)
     wrapped(torch.zeros(1), 2.0, None)  # plain arguments: passed on as they are
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "qkvpacked", "sdpa"])
+def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypatch, entry):
+    """A public call of a seen signature takes its plan (the full path's checks fail once the
+    plan exists) and launches the first call's grid, kernel and scalars with each array at
+    the new call's addresses (q, k, v as given: packed views, GQA, odd lengths) in the first
+    call's layouts; the out (and LSE) it returns are the arrays the kernel writes. CPU
+    tensors stand for CUDA ones: the device checks and the variant choice are stubbed."""
+    import flash_tile
+    from flash_tile import _ops, _validate, autotune, variants
+
+    monkeypatch.setattr(autotune, "plans", {})
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+
+    def call():  # fresh inputs of one signature; (q, k, v as launched, out, lse)
+        if entry == "qkvpacked":
+            qkv = torch.randn(2, 113, 3, 4, 64, dtype=torch.bfloat16)
+            out, lse = flash_tile.flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True)
+            return qkv.unbind(2), out, lse
+        if entry == "sdpa":
+            q, k, v = (torch.randn(2, n, 4, 64, dtype=torch.float16).transpose(1, 2)
+                       for n in (17, 203, 203))
+            return (q, k, v), flash_tile.scaled_dot_product_attention(q, k, v), None
+        q = torch.randn(1, 113, 8, 64, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 203, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = flash_tile.flash_attn_func(q, k, v, window_size=(16, 3), return_lse=True)
+        return (q, k, v), out, lse
+
+    first = call()
+    assert len(autotune.plans) == 1
+
+    def fail(*args, **kwargs):
+        pytest.fail("the full path ran where a plan should have")
+    monkeypatch.setattr(_validate, "check_dtypes", fail)
+    (q, k, v), out, lse = call()
+    assert len(autotune.plans) == 1 and len(launched) == 2
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    addresses = [t.data_ptr() for t in (q, k, v, out)] + [None if lse is None else lse.data_ptr()]
+    for i, (before, now) in enumerate(zip(args, plan_args)):
+        if i < 5 and addresses[i] is not None:
+            face, face_before = now.__cuda_array_interface__, before.__cuda_array_interface__
+            assert face["data"] == (addresses[i], False)
+            assert {**face, "data": None} == {**face_before, "data": None}, i
+        else:
+            assert now == before and type(now) is type(before), i
+    assert first[1].shape == out.shape and first[1].stride() == out.stride()
