@@ -182,7 +182,8 @@ def main():
     parser.add_argument("--out", default="bench/out/variants", help="output path prefix")
     parser.add_argument("--baseline", metavar="DIR",
                         help="another kernels/ directory, or a tree holding one, to time "
-                             "each variant against")
+                             "each variant against (the same config on both: DIR's kernels "
+                             "must lack the change, or the row is an A/A)")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
     parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",
@@ -259,8 +260,11 @@ def table(rows, overlays, baseline: bool) -> str:
     default, and so each overlay's name, differs by head dim: a column per overlay."""
     def cell(r, i, n):
         if baseline:
+            # Bitwise-equal outputs: most likely both sides ran the same kernels (an A/A: on
+            # 2026-12-07 one such row set spread 0.934-1.001x), unless the change keeps them.
+            same = ", identical outputs" if r["max_diff"][n] == 0 else ""
             return (f"{n}: {r['ms'][n]} / {r['ms'][n + ' (baseline)']} ({r['ratio'][n]}x; "
-                    f"max diff {r['max_diff'][n]:.3g})")
+                    f"max diff {r['max_diff'][n]:.3g}{same})")
         return f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"] else "")
     head = ([f"{c} ms, ours / baseline (ratio)" for c in overlays] if baseline else
             ["default ms", *(f"{c} ms (over the default)" for c in overlays)])

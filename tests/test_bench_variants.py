@@ -78,3 +78,18 @@ def test_a_baseline_tree_or_its_kernels_folder_loads(bench_variants, tmp_path):
     from_tree = sorted(bench_variants.load_kernels(str(tmp_path)))
     assert from_tree == sorted(bench_variants.load_kernels(str(tmp_path / "kernels")))
     assert from_tree == sorted(bench_variants.KERNELS)
+
+
+def test_the_table_marks_rows_whose_outputs_are_identical(bench_variants):
+    """With --baseline, a row whose two sides gave bitwise-equal outputs says so: the same
+    config on kernels that already have the change times an A/A, not the change."""
+    def row(diff):
+        name = "128x128 num_worker_warps=8"
+        return {"head_dim": 256, "length": 4096, "causal": False, "variants": [name],
+                "ms": {name: 0.51, f"{name} (baseline)": 0.54}, "ratio": {name: 0.944},
+                "max_diff": {name: diff}}
+    text = bench_variants.table([row(0.0), row(0.0147)], ['{"exp2_fma": 4}'], True)
+    lines = [line for line in text.splitlines() if line.startswith("| 256")]
+    assert len(lines) == 2
+    assert "max diff 0, identical outputs" in lines[0]
+    assert "max diff 0.0147)" in lines[1] and "identical" not in lines[1]
