@@ -19,8 +19,7 @@ import torch
 #: The interface's type strings of the dtypes planned launches pass. NumPy has no bfloat16:
 #: cuTile reads the two-byte void, "<V2" (the string JAX and ml_dtypes give bfloat16), as
 #: bfloat16, and refuses other voids ("<V1", "<V4").
-TYPESTRS = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
-            torch.int32: "<i4"}
+TYPESTRS = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4"}
 
 
 def layout(t: torch.Tensor) -> tuple[tuple, tuple, str]:
@@ -44,7 +43,7 @@ class Array:
 
 def contiguous(shape: tuple, dtype: torch.dtype) -> tuple[tuple, tuple, str]:
     """The layout (``layout()``'s tuple) of a contiguous array of ``shape`` and ``dtype``."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     strides = []
     for n in reversed(shape):
         strides.append(size)

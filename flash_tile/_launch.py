@@ -455,9 +455,9 @@ class ForwardPlan:
     kernel and the rest of the argument tuple (``ABSENT`` ints, scalars, constants) that
     ``forward_launch`` built for one call signature, the layouts of the five arrays as the
     kernel reads them (``_arrays.layout``), and the outputs' (shape, strides) for
-    ``torch.empty_strided``: out [B, Lq, H, Dv] contiguous (``out``) or, the same memory, as
-    its [B, H, Lq, Dv] view (``out_bhld``: SDPA's layout, which the kernel writes), and the
-    LSE [B, H, Lq] contiguous or None. Valid for every call of that signature (the same
+    ``torch.empty_strided``, as the planned call had them: out [B, Lq, H, Dv] contiguous
+    (``out``) or, the same memory, as its [B, H, Lq, Dv] view (``out_bhld``: SDPA's layout,
+    which the kernel writes), and the LSE [B, H, Lq] contiguous or None. Valid for every call of that signature (the same
     shapes, strides, dtypes, device and scalars) without ALiBi, a mask, varlen, sinks,
     dropout or FP8, whose arrays or seeds change from call to call
     (``flash_tile._plans``)."""
@@ -471,11 +471,10 @@ class ForwardPlan:
         self.layouts = tuple(array_layout(t) for t in args[:4]) + \
             (None if lse is None else array_layout(lse),)
         self.device, self.dtype = out.device, out.dtype
-        batch, heads, q_len, v_head_dim = out.shape
-        row = heads * v_head_dim
-        self.out = (batch, q_len, heads, v_head_dim), (q_len * row, row, v_head_dim, 1)
-        self.out_bhld = (batch, heads, q_len, v_head_dim), (q_len * row, v_head_dim, row, 1)
-        self.lse = None if lse is None else ((batch, heads, q_len), (heads * q_len, q_len, 1))
+        # The first call's own outputs (``_ops._forward_outputs``), as later ones allocate them.
+        self.out_bhld = tuple(out.shape), out.stride()
+        self.out = tuple(out.transpose(1, 2).shape), out.transpose(1, 2).stride()
+        self.lse = None if lse is None else (tuple(lse.shape), lse.stride())
         # What a call without an LSE passes: ABSENT, or the 64-bit entry point's placeholder.
         self.no_lse = args[4] if lse is None else None
 
