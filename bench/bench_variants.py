@@ -23,6 +23,12 @@ their outputs:
 
     python bench/bench_variants.py --backward --configs '{}' --baseline /tmp/base/kernels
 
+``--paired ROUNDS`` times each variant's two sides by ``_timing.paired_ms`` instead: rounds of
+neighbouring calls (A B B A ...) queued behind a GPU sleep, the ratio the median of the
+rounds' time with this tree's kernels over the baseline's. Interleaved rounds of ten launches
+a side put an A/A of the FP8 forward at 0.934-1.001x (2026-12-07, H100); for a change of a
+few percent, pair the calls and run an A/A (DIR a plain copy) beside the A/B.
+
 ``--dropout P`` times every row with dropout of probability P (and the defaults of classes with
 dropout); without it the rows' scores are plain.
 
@@ -48,8 +54,8 @@ from tqdm import tqdm
 
 from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_WIDTH, cuda_time_ms, grid_shape,
-                                interleaved_ms)
-from bench_attention import machine_info, md_table, save_json, write_report
+                                interleaved_ms, paired_ms)
+from bench_attention import SLEEP_CYCLES, machine_info, md_table, save_json, write_report
 from bench_varlen import cu_seqlens, packing
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
@@ -57,6 +63,7 @@ KERNELS = ("attention_fwd", "attention_fwd_int64", "attention_bwd_dq", "attentio
            "attention_bwd_preprocess", "attention_bwd_dq_convert")
 # --baseline's timing: interleaved rounds, each the median of ITERS launches after WARMUP.
 ROUNDS, WARMUP, ITERS = 5, 3, 10
+PAIRS = 10  # --paired: pairs of neighbouring calls a round (``_timing.paired_ms``)
 
 
 def load_kernels(directory: str) -> dict:
@@ -94,16 +101,19 @@ def launching(kernels: dict):
         swap(saved)
 
 
-def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
+def against_baseline(configs, run, baseline: dict,
+                     paired_rounds: int = 0) -> tuple[dict, dict, dict]:
     """({name: ms} with this tree's kernels and DIR's (" (baseline)" names), {name: the largest
-    |difference| of the two's outputs}) for each config, timed in interleaved rounds. Both
-    sides swap the launcher's kernels around each call, so both pay the same host cost."""
+    |difference| of the two's outputs}, {name: ours over the baseline}) for each config, timed
+    in interleaved rounds or, with ``paired_rounds``, by ``paired_ms`` (the ratio its median
+    round's, not the medians' quotient). Both sides swap the launcher's kernels around each
+    call, so both pay the same host cost."""
     own = {name: getattr(_launch, name) for name in baseline}
 
     def with_kernels(kernels, config):
         with launching(kernels):
             return run(config)
-    fns, diffs = {}, {}
+    fns, diffs, ratios = {}, {}, {}
     for config in configs:
         name = autotune.describe(config)
         ours, theirs = with_kernels(own, config), with_kernels(baseline, config)
@@ -112,11 +122,20 @@ def against_baseline(configs, run, baseline: dict) -> tuple[dict, dict]:
                            for a, b in zip(ours, theirs) if a.numel()), default=0.0)
         fns[name] = functools.partial(with_kernels, own, config)
         fns[f"{name} (baseline)"] = functools.partial(with_kernels, baseline, config)
-    timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
-    for ms in timed.values():
-        if isinstance(ms, Exception):  # both ran once above: a failure here is news
-            raise ms
-    return {name: round(ms, 4) for name, ms in timed.items()}, diffs
+    if paired_rounds:
+        timed = {}
+        for name in diffs:
+            theirs_ms, ours_ms, cost = paired_ms(fns[f"{name} (baseline)"], fns[name],
+                                                 paired_rounds, PAIRS, SLEEP_CYCLES)
+            timed[name], timed[f"{name} (baseline)"] = ours_ms, theirs_ms
+            ratios[name] = round(1 + cost, 3)
+    else:
+        timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
+        for ms in timed.values():
+            if isinstance(ms, Exception):  # both ran once above: a failure here is news
+                raise ms
+        ratios = {name: round(timed[name] / timed[f"{name} (baseline)"], 3) for name in diffs}
+    return {name: round(ms, 4) for name, ms in timed.items()}, diffs, ratios
 
 
 def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
@@ -184,12 +203,17 @@ def main():
                         help="another kernels/ directory, or a tree holding one, to time "
                              "each variant against (the same config on both: DIR's kernels "
                              "must lack the change, or the row is an A/A)")
+    parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                        help="with --baseline: time each side by paired_ms over ROUNDS "
+                             "rounds of neighbouring calls instead of interleaved rounds")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
     parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",
                         help="rows of packed sequences (bench_varlen's packing of TOKENS "
                              "tokens) through the VARLEN switch, instead of --lengths")
     args = parser.parse_args()
+    if args.paired and not args.baseline:
+        parser.error("--paired times a change against --baseline DIR")
     if args.dtype == "fp8" and (args.backward or args.dropout or args.varlen):
         parser.error("--dtype fp8 times the dense FP8 forward: no backward, dropout or varlen")
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
@@ -225,9 +249,8 @@ def main():
                        "dropout": args.dropout,
                        "variants": [autotune.describe(c) for c in configs]}
                 if baseline:
-                    row["ms"], row["max_diff"] = against_baseline(configs, run, baseline)
-                    row["ratio"] = {n: round(row["ms"][n] / row["ms"][f"{n} (baseline)"], 3)
-                                    for n in row["variants"]}
+                    row["ms"], row["max_diff"], row["ratio"] = against_baseline(
+                        configs, run, baseline, args.paired)
                 else:
                     _, row["ms"] = autotune.tune(configs, run)
                     base = row["ms"][autotune.describe(default)]
@@ -243,11 +266,15 @@ def main():
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
     if baseline:
+        timing = (f"by paired_ms, {args.paired} rounds of {PAIRS} pairs of neighbouring calls "
+                  "(ratio: the median round's)" if args.paired else
+                  f"in {ROUNDS} interleaved rounds of {ITERS} launches")
         info["note"] = (f"Each variant with this tree's kernels and with those of {args.baseline}"
-                        f" (baseline), in {ROUNDS} interleaved rounds of {ITERS} launches; "
-                        "max diff: the largest |difference| of their outputs.")
+                        f" (baseline), {timing}; max diff: the largest |difference| of their "
+                        "outputs.")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    save_json(args.out, info, backward=args.backward, baseline=args.baseline, rows=rows)
+    save_json(args.out, info, backward=args.backward, baseline=args.baseline,
+              paired_rounds=args.paired, rows=rows)
     print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
                        f"against {'the baseline kernels' if baseline else 'the default'}, "
                        f"{args.dtype}{f', dropout {args.dropout}' if args.dropout else ''},",

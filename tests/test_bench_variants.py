@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from flash_tile import _launch, variants
 
@@ -93,3 +94,34 @@ def test_the_table_marks_rows_whose_outputs_are_identical(bench_variants):
     assert len(lines) == 2
     assert "max diff 0, identical outputs" in lines[0]
     assert "max diff 0.0147)" in lines[1] and "identical" not in lines[1]
+
+
+def test_paired_rounds_time_each_side_by_paired_ms(bench_variants, tmp_path, monkeypatch):
+    """--paired: each config's two sides go to paired_ms, the baseline's as A, and the ratio
+    is 1 + its median cost (not the quotient of the two medians); each side's calls run
+    with its own kernels in the launcher."""
+    shutil.copytree(KERNELS, tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    loaded = bench_variants.load_kernels(str(tmp_path / "kernels"))
+    ours = {name: getattr(_launch, name) for name in loaded}
+    seen, paired = [], []
+
+    def run(config):
+        seen.append(_launch.attention_fwd)
+        return (torch.full((2,), 1.5 if _launch.attention_fwd is ours["attention_fwd"] else 1.0),)
+
+    def fake_paired_ms(a, b, rounds, pairs, sleep_cycles):
+        seen.clear()
+        a()
+        b()
+        paired.append((list(seen), rounds, pairs))
+        return 2.0, 1.9, -0.07
+
+    monkeypatch.setattr(bench_variants, "paired_ms", fake_paired_ms)
+    config = variants.default_config((9, 0), 128)
+    ms, diffs, ratios = bench_variants.against_baseline([config], run, loaded, paired_rounds=7)
+    name = bench_variants.autotune.describe(config)
+    assert paired == [([loaded["attention_fwd"], ours["attention_fwd"]], 7, bench_variants.PAIRS)]
+    assert ms == {name: 1.9, f"{name} (baseline)": 2.0}
+    assert ratios == {name: 0.93}  # 1 + cost, where 1.9 / 2.0 would say 0.95
+    assert diffs[name] == 0.5
+    assert _launch.attention_fwd is ours["attention_fwd"]
