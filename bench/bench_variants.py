@@ -220,9 +220,13 @@ def main():
     overlays = [json.loads(c) for c in args.configs]
     capability = torch.cuda.get_device_capability()
     dropout = _launch.Dropout(args.dropout, 2024) if args.dropout else _launch.NO_DROPOUT
-    pick = (functools.partial(variants.default_backward_config, plain=not args.dropout)
-            if args.backward else variants.fp8_config if args.dtype == "fp8" else
-            variants.default_config)
+
+    def pick(head_dim: int, causal: bool) -> variants.TileConfig:
+        if args.backward:
+            return variants.default_backward_config(capability, head_dim, not args.dropout)
+        if args.dtype == "fp8":  # (its causal rows' default may differ)
+            return variants.fp8_config(capability, head_dim, causal)
+        return variants.default_config(capability, head_dim)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
     baseline = load_kernels(args.baseline) if args.baseline else None
@@ -231,11 +235,11 @@ def main():
     progress = tqdm(total=len(args.head_dims) * len(sizes) * len(causals), desc="variants",
                     unit="row")
     for head_dim in args.head_dims:
-        default = pick(capability, head_dim)
-        laid = [dataclasses.replace(default, **o) for o in overlays]
-        configs = laid if baseline else [default, *laid]
         for size in sizes:
             for causal in causals:
+                default = pick(head_dim, causal)
+                laid = [dataclasses.replace(default, **o) for o in overlays]
+                configs = laid if baseline else [default, *laid]
                 if args.varlen:
                     run = varlen_runner(size, head_dim, causal, DTYPES[args.dtype],
                                         args.backward, dropout)

@@ -20,8 +20,9 @@ from flash_tile._validate import device_properties
 OUT_DTYPE = torch.bfloat16
 
 
-def _config(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:
-    return variants.fp8_config(device_properties(q.device)[0], max(q.shape[-1], v.shape[-1]))
+def _config(q: torch.Tensor, v: torch.Tensor, window_right: int) -> variants.TileConfig:
+    return variants.fp8_config(device_properties(q.device)[0], max(q.shape[-1], v.shape[-1]),
+                               causal=window_right >= 0)
 
 
 def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -33,8 +34,8 @@ def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     v [B, H_kv, Lk, Dv] e4m3 of any strides: two launches, the keys-major copy of v
     (``keys_major``) and the forward."""
     return fp8_forward(q, k, keys_major(v), descale, alibi_slopes, scale, softcap,
-                       diag_offset, (window_left, window_right), return_lse, _config(q, v),
-                       sinks)
+                       diag_offset, (window_left, window_right), return_lse,
+                       _config(q, v, window_right), sinks)
 
 
 def fp8_forward(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, descale: torch.Tensor,
@@ -80,7 +81,8 @@ def _fp8_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q4, k4, v4, out4 = _packed(q, k, v, out)
     launch_forward(q4, k4, keys_major(v4), out4, lse[None] if return_lse else None,
                    alibi_slopes, None, scale, softcap, 0, (window_left, window_right),
-                   _config(q, v), varlen=Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
+                   _config(q, v, window_right),
+                   varlen=Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
                    sinks=sinks, descale=descale)
     return out, lse
 

@@ -217,14 +217,15 @@ def _keys_major(v_head_dim: int, k_len: int, index) -> ArrayConstraint:
                            base_addr_divisible_by=16)
 
 
-def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False, fp8=False):
+def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False, fp8=False,
+                    causal=False):
     """The variant a launch of this class gets with tuning off (``_ops._choose``; the FP8
     forward's, ``variants.fp8_config``, is never tuned)."""
     capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
     if backward:
         return variants.default_backward_config(capability, width, plain)
     if fp8:
-        return variants.fp8_config(capability, width)
+        return variants.fp8_config(capability, width, causal)
     return variants.default_config(capability, width)
 
 
@@ -251,8 +252,9 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
     inputs, ``dtype`` not read);
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
-    config = config or _default_config(arch, head_dim, v_head_dim, fp8=fp8)
     window = (window[0], 0) if causal else tuple(window)
+    config = config or _default_config(arch, head_dim, v_head_dim, fp8=fp8,
+                                       causal=window[1] >= 0)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
                             varlen, sinks, seqused_k, fp8)

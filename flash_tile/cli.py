@@ -61,9 +61,10 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full Tile IR written to {tile_ir_out}")
 
 
-def _config_for(arch, head_dim, tile_m=None, tile_n=None, fp8=False):
+def _config_for(arch, head_dim, tile_m=None, tile_n=None, fp8=False, causal=False):
     capability = variants.capability_of(arch)
-    config = (variants.fp8_config if fp8 else variants.default_config)(capability, head_dim)
+    config = (variants.fp8_config(capability, head_dim, causal) if fp8 else
+              variants.default_config(capability, head_dim))
     # The default's hints, with the asked-for tile shape.
     return dataclasses.replace(config, tile_m=tile_m or config.tile_m,
                                tile_n=tile_n or config.tile_n)
@@ -141,7 +142,7 @@ def inspect(args):
         raise ValueError(f"the FP8 forward needs sm_90 or newer (tileiras has no e4m3 "
                          f"matmul for {args.arch}): pass --arch sm_90, sm_100 or sm_120")
     config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n,
-                         args.dtype == "float8_e4m3fn")
+                         args.dtype == "float8_e4m3fn", args.causal)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out, args.tile_ir_out)
 

@@ -152,11 +152,15 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # left off (one config serves both) [H100, 2026-12-07,
 # bench_variants.py --dtype fp8 --baseline;
 # docs/experiments/evidence/2026-12-07-fp8-exp2-fma-h100.md]. An A/A of that harness the same
-# day gave 0.934-1.001x for identical kernels: the speed-up is within its spread, not
-# established; kept for the SASS (a quarter less MUFU work, same registers) [H100, 2026-12-07;
-# docs/experiments/evidence/2026-12-07-host-arrays-h100.md].
+# day gave 0.934-1.001x for identical kernels, so the calls were paired (``--paired 15``:
+# neighbouring calls, against kernels with the switch cut out, an A/A beside it at
+# 0.999-1.000x): D=128 0.976x/0.959x non-causal at 4k/16k, 1.018x/1.023x causal; D=256
+# 1.005x/1.007x non-causal. So the quarter serves D=128 calls without a diagonal alone
+# (``fp8_config``'s ``causal``) [H200, 2026-12-07, commit 1f8b2e4;
+# docs/experiments/evidence/2026-12-07-fp8-exp2-paired-h200.md].
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
+SM90_FP8_CAUSAL = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8)
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
@@ -169,6 +173,8 @@ _DEFAULTS = {
 
 _FP8_DEFAULTS = {**_DEFAULTS,
                  (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
+_FP8_CAUSAL_DEFAULTS = {**_DEFAULTS, (9, 0): (
+    (64, SM90_FP8_NARROW), (128, SM90_FP8_CAUSAL), (256, SM90_TWO_GROUPS))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -183,9 +189,12 @@ def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConf
     return _lookup(_DEFAULTS, capability, head_dim)
 
 
-def fp8_config(capability: tuple[int, int], head_dim: int = 128) -> TileConfig:
-    """The FP8 forward's variant (never tuned), as ``default_config``."""
-    return _lookup(_FP8_DEFAULTS, capability, head_dim)
+def fp8_config(capability: tuple[int, int], head_dim: int = 128,
+               causal: bool = False) -> TileConfig:
+    """The FP8 forward's variant (never tuned), as ``default_config``; ``causal``: the call's
+    keys end at a diagonal (causal, or any window with a right bound), whose variant may
+    differ (sm_90 D=128: no exp2 on the FMA pipe)."""
+    return _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
 
 
 def _family(table, capability):

@@ -314,8 +314,11 @@ def test_keys_major_takes_the_64_bit_copy_for_big_arrays(monkeypatch, big):
     assert calls == [((3, 3, 2), keys_major_copy_int64 if big else keys_major_copy)]
 
 
+@pytest.mark.parametrize("right", [0, -1])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
+def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
+    """The FP8 ops' launch against the signature aot compiles, with the config of the call's
+    kind: sm_90 D=128 takes exp2 on the FMA pipe without a diagonal alone."""
     from contextlib import nullcontext
 
     from flash_tile import aot
@@ -331,12 +334,13 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
                                                        for _ in range(2))
         cu_q, cu_k = (torch.tensor([0, 15, n], dtype=torch.int32) for n in (40, 50))
         out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, descale, None, 0.1, 0.0,
-                                             -1, 0, True)
+                                             -1, right, True)
         v4 = v.transpose(0, 1)[None]
     else:
         q = torch.randn(2, 4, 40, 128).to(E4M3)
         k, v = (torch.randn(2, 2, 50, 128).to(E4M3) for _ in range(2))
-        out, lse = _ops_fp8._fp8_forward_impl(q, k, v, descale, None, 0.1, 0.0, 10, -1, 0, True)
+        out, lse = _ops_fp8._fp8_forward_impl(q, k, v, descale, None, 0.1, 0.0, 10, -1, right,
+                                              True)
         v4 = v
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     (copy_grid, copy_kernel, copy_args), (_, _, args) = calls
@@ -353,11 +357,11 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen):
     v_t = args[2]
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
     assert v_t.stride(2) % 16 == 0 and v_t.data_ptr() == v_buffer.data_ptr()
-    config = variants.fp8_config((9, 0), 128)
+    config = variants.fp8_config((9, 0), 128, causal=right >= 0)
     # Descale, FP8 and the config's EXP2_FMA
-    assert args[11] is descale and args[-2:] == (True, config.exp2_fma)
-    sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, False, True,
-                                config, varlen=varlen, fp8=True)
+    assert args[11] is descale and args[-2:] == (True, 0 if right >= 0 else 4)
+    sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
+                                True, config, varlen=varlen, fp8=True)
     params = sig.parameters
     assert len(args) == len(params)
     dtypes = {0: "float8_e4m3fn", 1: "float8_e4m3fn", 2: "float8_e4m3fn", 3: "bfloat16",

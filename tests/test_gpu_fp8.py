@@ -108,7 +108,7 @@ def dequantized_reference(q8, k8, v8, stack, causal, window, softcap, slopes=Non
         l_i = l_i + torch.exp(sinks.double()[None, :, None, None] - row_max)
     ref = (p @ v) / l_i.clamp(min=1e-300)
     # The FMA pipe's exp2 where the config the op launches takes it
-    fma_err = reference.EXP2_FMA_ERROR if _ops_fp8._config(q8, v8).exp2_fma else 0.0
+    fma_err = reference.EXP2_FMA_ERROR if _ops_fp8._config(q8, v8, right).exp2_fma else 0.0
     err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p) * (p > 0)
     err_l = err_p.sum(-1, keepdim=True)
     bound = (1.1 * (err_p @ v.abs() + err_l * ref.abs()) / (l_i - err_l).clamp(min=0.5) +
