@@ -18,8 +18,9 @@ import torch
 
 #: The interface's type strings of the dtypes planned launches pass. NumPy has no bfloat16:
 #: cuTile reads the two-byte void, "<V2" (the string JAX and ml_dtypes give bfloat16), as
-#: bfloat16, and refuses other voids ("<V1", "<V4").
-TYPESTRS = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4"}
+#: bfloat16, and refuses other voids ("<V1", "<V4"), so e4m3 has none.
+TYPESTRS = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4",
+            torch.int32: "<i4"}
 
 
 def layout(t: torch.Tensor) -> tuple[tuple, tuple, str]:

@@ -256,28 +256,53 @@ class _DecodePlan:
                attn_mask: torch.Tensor | None = None) -> None:
         """The decode (and, with more than one split, the combine) of a call with this plan's
         signature, on q's current stream; arguments as ``launch_decode``'s."""
-        batch, q_len, kv_heads, group, head_dim = self.q_view
+        self.launch_arrays(self.arrays(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx,
+                                       block_table, alibi_slopes, sinks, leftpad, kv_descale,
+                                       attn_mask),
+                           out, lse, scale, softcap, window, new_len, q.device)
+
+    def arrays(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
+               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+               leftpad: torch.Tensor | None = None,
+               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+               attn_mask: torch.Tensor | None = None) -> tuple:
+        """The decode kernel's array arguments of a call but its split partials, as the kernel
+        reads them: q, k_cache, v_cache, out, lse, seqlens_k, batch_idx, block_table,
+        alibi_slopes, sinks, leftpad, attn_mask, k_descale, v_descale; ``ABSENT`` where a
+        switch leaves one unread, and for out and the LSE under a split (the combine writes
+        those)."""
+        batch, q_len, kv_heads, group, _ = self.q_view
         k_cache, v_cache = batch_rows(k_cache, v_cache, batch, batch_idx, block_table)
-        device = q.device
+        split = self.splits > 1
+        return (q.view(*self.q_view), k_cache, v_cache,
+                ABSENT if split else out.view(*self.out_view),
+                ABSENT if split or lse is None else lse.view(batch, kv_heads, group, q_len),
+                seqlens_k, ABSENT if batch_idx is None else batch_idx,
+                ABSENT if block_table is None else block_table,
+                ABSENT if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group),
+                ABSENT if sinks is None else sinks.view(kv_heads, group),
+                ABSENT if leftpad is None else leftpad,
+                ABSENT if attn_mask is None else kernel_mask(attn_mask),
+                *(kv_descale or (ABSENT, ABSENT)))
+
+    def launch_arrays(self, arrays: tuple, out, lse, scale: float, softcap: float,
+                      window: tuple[int, int], new_len: int, device: torch.device) -> None:
+        """The decode (and the combine) on ``device``'s current stream with ``arrays``
+        (``arrays()``'s, or the same arrays by address), the combine writing ``out`` and
+        ``lse`` (tensors or ``_arrays.Array``; lse None without one)."""
+        batch, q_len, kv_heads, group, _ = self.q_view
         split = self.splits > 1
         if split:  # the kernel writes the partials; the combine, out and lse
             parts = self.partials
             workspace = decode_workspace(parts.elements, device)  # held past both launches
             out_split = workspace.data_ptr()
             lse_split = out_split + parts.lse_offset
-            outputs = (ABSENT, ABSENT, Array(parts.decode_out, out_split),
-                       Array(parts.decode_lse, lse_split))
+            partials = (Array(parts.decode_out, out_split), Array(parts.decode_lse, lse_split))
         else:
-            outputs = (out.view(*self.out_view), ABSENT if lse is None else
-                       lse.view(batch, kv_heads, group, q_len), ABSENT, ABSENT)
-        args = (q.view(*self.q_view), k_cache, v_cache,
-                *outputs, seqlens_k, ABSENT if batch_idx is None else batch_idx,
-                ABSENT if block_table is None else block_table,
-                ABSENT if alibi_slopes is None else alibi_slopes.view(batch, kv_heads, group),
-                ABSENT if sinks is None else sinks.view(kv_heads, group),
-                ABSENT if leftpad is None else leftpad,
-                ABSENT if attn_mask is None else kernel_mask(attn_mask),
-                *(kv_descale or (ABSENT, ABSENT)), float(scale), float(softcap),
+            partials = (ABSENT, ABSENT)
+        args = (*arrays[:5], *partials, *arrays[5:], float(scale), float(softcap),
                 int(window[0]), int(window[1]), int(new_len), *self.constants)
         # Under pdl both launches may start while their predecessor on the stream (the
         # append, any kernel of the caller's, the decode) finishes: each kernel waits for it
@@ -362,6 +387,27 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
     stored as they are. ``int64_index`` whether the caches need 64-bit offsets
     (``needs_int64_index``), where the caller knows it (a decode plan); None: worked out
     here."""
+    launch_on(k_cache.device, *append_launch(k_new, v_new, k_cache, v_cache, cache_seqlens,
+                                             batch_idx, block_table, q, q_rot, rotary,
+                                             kv_descale, int64_index))
+
+
+#: The append kernel's arrays, in ``append_launch``'s order (its arguments' first 13).
+APPEND_ARRAYS = ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "batch_idx",
+                 "block_table", "q", "q_rot", "rotary_cos", "rotary_sin", "k_descale",
+                 "v_descale")
+
+
+def append_launch(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                  batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+                  q: torch.Tensor | None = None, q_rot: torch.Tensor | None = None,
+                  rotary: Rotary | None = None,
+                  kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  int64_index: bool | None = None) -> tuple:
+    """(grid, kernel, args) of the append, arguments as ``launch_cache_append``'s: what it
+    passes to ``ct.launch``, the arrays first (``APPEND_ARRAYS``; q and q_rot as their
+    [B, Lq, H_kv, G, D] views)."""
     device, kv_heads, head_dim = k_cache.device, k_cache.shape[2], k_cache.shape[3]
     new_len = 0 if k_new is None else k_new.shape[1]
     batch = q.shape[0] if k_new is None else k_new.shape[0]
@@ -377,16 +423,15 @@ def launch_cache_append(k_new: torch.Tensor | None, v_new: torch.Tensor | None,
         shape = (batch, q.shape[1], kv_heads, group, head_dim)
         rotary_args = (q.view(shape), q_rot.view(shape), rotary.cos, rotary.sin,
                        2 * rotary.cos.shape[1], rotary.q_step)
-    launch_on(device, (rows, kv_heads, batch),
-              cache_append_int64 if int64_index else cache_append,
-              (k_new, v_new, k_cache, v_cache, cache_seqlens,
-               ABSENT if batch_idx is None else batch_idx,
-               ABSENT if block_table is None else block_table,
-               *rotary_args[:4], *(kv_descale or (ABSENT, ABSENT)), new_len,
-               *rotary_args[4:], tile_width(head_dim),
-               tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
-               batch_idx is not None, rotary is not None,
-               rotary is not None and rotary.interleaved))
+    return ((rows, kv_heads, batch), cache_append_int64 if int64_index else cache_append,
+            (k_new, v_new, k_cache, v_cache, cache_seqlens,
+             ABSENT if batch_idx is None else batch_idx,
+             ABSENT if block_table is None else block_table,
+             *rotary_args[:4], *(kv_descale or (ABSENT, ABSENT)), new_len,
+             *rotary_args[4:], tile_width(head_dim),
+             tile_width(v_cache.shape[3]), tile_width(group, 1), block_table is not None,
+             batch_idx is not None, rotary is not None,
+             rotary is not None and rotary.interleaved))
 
 
 @functools.cache

@@ -7,8 +7,8 @@ in it, the tuner's environment (``autotune.settings``). The public functions run
 and choice on a signature's first call and keep the outcome as a plan, keyed by that
 signature: for the forward a
 ``_launch.ForwardPlan`` (a later call allocates its outputs and launches it, nothing
-else), for ``flash_attn_with_kvcache`` its checked arguments and decode plan
-(``_launch_decode.decode_plan``: a later call runs the append and launches the plan). On an
+else), for ``flash_attn_with_kvcache`` its checked arguments and an ``AddressedDecode`` (a
+later call launches the append and the decode plan, its arrays by address). On an
 H200's host that took a ``flash_attn_func`` call from 85 to 33-44 us and a decode step from
 122 to 67-68 us, torch's SDPA taking 18-25 us (2026-12-03,
 docs/experiments/evidence/2026-12-03-launch-plans-h200.md). A key is only made where that is
@@ -26,7 +26,8 @@ The plans live in ``autotune.plans`` beside the choices they were made from, and
 import torch
 
 from flash_tile import _launch_decode, _ops, _ops_decode, autotune
-from flash_tile._launch import forward_plan
+from flash_tile._arrays import TYPESTRS, Array, layout
+from flash_tile._launch import ABSENT, forward_plan, launch_on
 
 #: A process that meets more signatures than this starts its plans over.
 MAX_PLANS = 1024
@@ -131,12 +132,131 @@ def kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             return_lse: bool, sinks: torch.Tensor | None = None,
             cache_leftpad: torch.Tensor | None = None, attn_mask: bool = False):
     """The decode plan (``_launch_decode.decode_plan``) of a checked KV-cache call without
-    ALiBi, for ``run_kvcache`` on later calls of its signature; None where none is kept
+    ALiBi, as an ``AddressedDecode`` (its arrays by address from the second call on), for
+    ``run_kvcache`` on this call and later ones of its signature; None where none is kept
     (the batch runs in launches that 32-bit offsets reach)."""
-    return _launch_decode.decode_plan(q, k_cache, v_cache, return_lse, cache_batch_idx,
+    plan = _launch_decode.decode_plan(q, k_cache, v_cache, return_lse, cache_batch_idx,
                                       block_table, None, softcap, (window_left, window_right),
                                       num_splits, _ops_decode.decode_config(q, v_cache), sinks,
                                       cache_leftpad, attn_mask)
+    return None if plan is None else AddressedDecode(plan)
+
+
+class AddressedDecode:
+    """A decode plan (``_launch_decode.decode_plan``) and its append for the calls of one
+    ``flash_attn_with_kvcache`` signature (``key``: the shapes, strides and dtypes of every
+    array), passing each array by address (``_arrays.Array``) in the layout the kernels read
+    on the signature's first call: no views of q, out, the LSE or the sinks, no DLPack export
+    inside ``ct.launch``, and the append's grid and constants worked out once. A signature
+    with a mask or an FP8 cache launches its tensors on every call (e4m3 has no type string
+    cuTile reads; a mask's form, ``_launch.kernel_mask``, depends on its address). On a
+    2-core CPU host with a stub driver a planned step took 0.88-0.96x the host time it took
+    with tensors (2026-12-07, docs/experiments/evidence/2026-12-07-decode-arrays-cpu.md)."""
+
+    __slots__ = ("plan", "layouts", "output_layouts", "append_layouts", "append_tail")
+
+    def __init__(self, plan):
+        self.plan = plan
+        # Per array slot (``_DecodePlan.arrays``', ``_launch_decode.APPEND_ARRAYS``) its
+        # layout or None where ABSENT, recorded on the first call; () for a signature of
+        # tensors.
+        self.layouts = self.append_layouts = None
+        self.output_layouts = None  # out's and the LSE's, for a split step's combine
+        self.append_tail = None  # the append's grid, kernel and arguments past its arrays
+
+    @property
+    def out_view(self) -> tuple:
+        return self.plan.out_view
+
+    @property
+    def int64_index(self) -> bool:
+        return self.plan.int64_index
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
+               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+               alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
+               window: tuple[int, int], new_len: int, sinks: torch.Tensor | None = None,
+               leftpad: torch.Tensor | None = None,
+               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+               attn_mask: torch.Tensor | None = None) -> None:
+        """The decode plan's ``launch`` for a call of the signature; its arrays' layouts are
+        not read after the first call: the caller vouches for them (a call whose plan key
+        equals the first's)."""
+        plan = self.plan
+        if not self.layouts:  # None: the signature's first call; (): one of tensors
+            arrays = plan.arrays(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx,
+                                 block_table, alibi_slopes, sinks, leftpad, kv_descale,
+                                 attn_mask)
+            if self.layouts is None:
+                # (the by-address launch below passes ABSENT for these four)
+                layouts = _layouts(arrays, (out, lse), alibi_slopes is None and
+                                   attn_mask is None and kv_descale is None)
+                if layouts and plan.splits > 1:
+                    self.output_layouts = (layout(out), None if lse is None else layout(lse))
+                self.layouts = layouts
+            plan.launch_arrays(arrays, out, lse, scale, softcap, window, new_len, q.device)
+            return
+        q_, k_, v_, out_, lse_, lens_, idx_, table_, _, sinks_, leftpad_, *_ = self.layouts
+        arrays = (Array(q_, q.data_ptr()), Array(k_, k_cache.data_ptr()),
+                  Array(v_, v_cache.data_ptr()),
+                  ABSENT if out_ is None else Array(out_, out.data_ptr()),
+                  ABSENT if lse_ is None else Array(lse_, lse.data_ptr()),
+                  Array(lens_, seqlens_k.data_ptr()),
+                  ABSENT if idx_ is None else Array(idx_, batch_idx.data_ptr()),
+                  ABSENT if table_ is None else Array(table_, block_table.data_ptr()),
+                  ABSENT, ABSENT if sinks_ is None else Array(sinks_, sinks.data_ptr()),
+                  ABSENT if leftpad_ is None else Array(leftpad_, leftpad.data_ptr()),
+                  ABSENT, ABSENT, ABSENT)
+        if plan.splits > 1:  # the combine writes the call's out and LSE
+            out_layout, lse_layout = self.output_layouts
+            out = Array(out_layout, out.data_ptr())
+            lse = None if lse is None else Array(lse_layout, lse.data_ptr())
+        plan.launch_arrays(arrays, out, lse, scale, softcap, window, new_len, q.device)
+
+    def append(self, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
+               q: torch.Tensor | None = None, q_rot: torch.Tensor | None = None,
+               rotary=None, kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
+               int64_index: bool | None = None) -> None:
+        """``_launch_decode.launch_cache_append`` for a call of the signature, its arrays by
+        address from the second call on (as ``launch``); the kernel, ``int64_index``'s
+        among them, is the first call's."""
+        if not self.append_layouts:  # None: the first call; (): a signature of tensors
+            grid, kernel, args = _launch_decode.append_launch(
+                k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx, block_table, q,
+                q_rot, rotary, kv_descale, int64_index)
+            arrays = args[:len(_launch_decode.APPEND_ARRAYS)]
+            if self.append_layouts is None:  # (new rows, no FP8 descales: as passed below)
+                self.append_tail = grid, kernel, args[len(arrays):]
+                self.append_layouts = _layouts(arrays, (), k_new is not None and
+                                               kv_descale is None)
+            launch_on(k_cache.device, grid, kernel, args)
+            return
+        grid, kernel, tail = self.append_tail
+        k_, v_, kc_, vc_, lens_, idx_, table_, q_, rot_, cos_, sin_, *_ = self.append_layouts
+        launch_on(k_cache.device, grid, kernel, (
+            Array(k_, k_new.data_ptr()), Array(v_, v_new.data_ptr()),
+            Array(kc_, k_cache.data_ptr()), Array(vc_, v_cache.data_ptr()),
+            Array(lens_, cache_seqlens.data_ptr()),
+            ABSENT if idx_ is None else Array(idx_, batch_idx.data_ptr()),
+            ABSENT if table_ is None else Array(table_, block_table.data_ptr()),
+            ABSENT if q_ is None else Array(q_, q.data_ptr()),
+            ABSENT if rot_ is None else Array(rot_, q_rot.data_ptr()),
+            ABSENT if cos_ is None else Array(cos_, rotary.cos.data_ptr()),
+            ABSENT if sin_ is None else Array(sin_, rotary.sin.data_ptr()),
+            ABSENT, ABSENT, *tail))
+
+
+def _layouts(arrays: tuple, outputs: tuple, addressable: bool) -> tuple:
+    """The layout of each of a launch's ``arrays`` (None for ``ABSENT``), or () where they
+    cannot all go by address: not ``addressable``, or one of them or of the ``outputs`` of a
+    dtype without a type string (``_arrays.TYPESTRS``)."""
+    tensors = [a for a in (*arrays, *outputs) if isinstance(a, torch.Tensor)]
+    if not addressable or any(t.dtype not in TYPESTRS for t in tensors):
+        return ()
+    return tuple(layout(a) if isinstance(a, torch.Tensor) else None for a in arrays)
 
 
 def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -153,8 +273,8 @@ def run_kvcache(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     lse) as the op's, but lse None unless ``return_lse`` (no allocation for it)."""
     out, lse = _ops_decode._decode_outputs(q, plan.out_view[4], return_lse, op_outputs=False)
     q = _ops_decode.append_to_cache(q, k, v, k_cache, v_cache, cache_seqlens, cache_batch_idx,
-                             block_table, rotary_cos, rotary_sin, rotary_interleaved,
-                             rotary_q_step, kv_descale, plan.int64_index)
+                                    block_table, rotary_cos, rotary_sin, rotary_interleaved,
+                                    rotary_q_step, kv_descale, plan.int64_index, plan.append)
     plan.launch(q, k_cache, v_cache, out, lse, cache_seqlens,
                 cache_batch_idx, block_table, None, scale, softcap, (window_left, window_right),
                 0 if k is None else k.shape[1], sinks, cache_leftpad, kv_descale, attn_mask)

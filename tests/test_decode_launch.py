@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _launch, _launch_decode, _validate, variants
+from flash_tile import _launch, _launch_decode, _plans, _validate, variants
 
 
 def _q(*shape, dtype=torch.bfloat16):
@@ -156,10 +156,11 @@ def test_the_append_indexes_the_rows_it_writes_as_the_decode(monkeypatch):
 @pytest.mark.parametrize("big", [False, True])
 def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big, poisoned):
     """``_plans.run_kvcache``: the append gets the decode plan's 32/64-bit choice (here with
-    cache_batch_idx, so a cache of 2**31 elements takes the 64-bit kernels), and a step that
-    returns no LSE allocates none. Meta tensors, the launches recorded; also with the GPU
-    tests' NaN-filling allocators (``conftest.poison_outputs``), which must take the
-    planned step's calls as the allocators they wrap do."""
+    cache_batch_idx, so a cache of 2**31 elements takes the 64-bit kernels), on the
+    signature's first call and on later ones (by address), and a step that returns no LSE
+    allocates none. Meta tensors, the launches recorded; also with the GPU tests' NaN-filling
+    allocators (``conftest.poison_outputs``), which must take the planned step's calls as the
+    allocators they wrap do."""
     import contextlib
 
     import conftest
@@ -168,8 +169,7 @@ def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big,
     if poisoned:
         conftest.poison_outputs(monkeypatch.setattr)
 
-    appends, kernels = [], []
-    monkeypatch.setattr(_ops_decode, "launch_cache_append", lambda *args: appends.append(args))
+    kernels = []
     monkeypatch.setattr(_launch.ct, "launch", lambda *args, **attributes: kernels.append(
         args[2]))
     monkeypatch.setattr(_launch, "current_stream", lambda device: None)
@@ -182,12 +182,14 @@ def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big,
     lens, rows = (torch.empty(2, dtype=torch.int32, device="meta") for _ in range(2))
     plan = _plans.kvcache(q, k_cache, k_cache, rows, None, 0.0, -1, 0, 1, False)
     assert plan.int64_index == big
-    out, lse = _plans.run_kvcache(plan, q, k_cache, k_cache, k_new, k_new, lens, rows, None,
-                                  0.088, 0.0, -1, 0, False, None, None, None, None, True, 0)
-    assert lse is None and out.shape == (2, 1, 16, 128)
-    assert len(appends) == 1 and appends[0][-1] is big
+    for _ in range(2):
+        out, lse = _plans.run_kvcache(plan, q, k_cache, k_cache, k_new, k_new, lens, rows,
+                                      None, 0.088, 0.0, -1, 0, False, None, None, None, None,
+                                      True, 0)
+        assert lse is None and out.shape == (2, 1, 16, 128)
     config = variants.default_decode_config((9, 0), 128)
-    assert kernels == [_launch_decode._decode_kernel(config, big)]
+    append = _launch_decode.cache_append_int64 if big else _launch_decode.cache_append
+    assert kernels == [append, _launch_decode._decode_kernel(config, big)] * 2
 
 
 def test_big_caches_run_in_32_bit_launches(monkeypatch):
@@ -221,3 +223,160 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
                                  0, 1, config)
     assert len(launches) == 1 and launches[0][2] is _launch_decode._decode_kernel(config, True)
     assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only
+
+
+def _interface(t: torch.Tensor) -> dict:
+    """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
+    typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2",
+               torch.int32: "<i4"}[t.dtype]
+    return {"shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
+            "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
+
+
+@pytest.mark.parametrize("page_size,splits,store_lse,extras,dtype", [
+    (None, 1, False, (), torch.bfloat16), (None, 4, True, ("sinks", "leftpad"), torch.float16),
+    (16, 1, True, ("sinks",), torch.bfloat16), (64, 4, False, ("leftpad",), torch.bfloat16),
+    (None, 2, True, ("batch_idx",), torch.bfloat16), (None, 1, True, ("fp8",), torch.bfloat16),
+    (None, 4, True, ("mask",), torch.float16)])
+def test_a_planned_decode_launches_what_the_full_path_launches(monkeypatch, page_size, splits,
+                                                               store_lse, extras, dtype):
+    """``AddressedDecode``: from a signature's second call on, the decode (and the combine)
+    get what ``launch_decode`` passes for the same call, each array by its CUDA Array
+    Interface (the layout of the tensor or view the full path passes, at that tensor's
+    address; int32 as "<i4"), everything else equal. A signature with an FP8 cache or a
+    mask passes its tensors on every call, as the full path does. Odd shapes (3 query rows,
+    GQA 5, D 40 against Dv 24, 713-key caches), q and the caches views at an offset."""
+    import contextlib
+
+    launched = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args, **attributes:
+                        launched.append((grid, kernel, args)))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
+    workspaces = {}  # one per size, so that both paths' partials have one address
+
+    def workspace(elements, device):
+        return workspaces.setdefault(elements, torch.empty(elements))
+    monkeypatch.setattr(_launch_decode, "decode_workspace", workspace)
+    batch, q_len, kv_heads, group, d, dv = 2, 3, 2, 5, 40, 24
+    cache_dtype = _validate.FP8_DTYPE if "fp8" in extras else dtype
+
+    def arrays():  # fresh arrays of one signature, as launch_decode takes them
+        # Caches past a pool's first row and q among other heads: views whose address is
+        # not their storage's
+        if page_size is None:
+            caches = (torch.randn(4, 713, kv_heads, n).to(cache_dtype)[1:] for n in (d, dv))
+            table = None
+        else:
+            caches = (torch.randn(33, page_size, kv_heads, n).to(cache_dtype)[1:]
+                      for n in (d, dv))
+            table = torch.randperm(32, dtype=torch.int32).view(batch, 16)
+        k_cache, v_cache = caches
+        heads = kv_heads * group
+        return dict(
+            q=_q(batch, q_len, heads + 3, d, dtype=dtype)[:, :, 3:], k_cache=k_cache,
+            v_cache=v_cache,
+            out=torch.empty(batch, q_len, heads, dv, dtype=dtype),
+            lse=torch.empty(batch, heads, q_len) if store_lse else None,
+            seqlens_k=torch.tensor([200, 7], dtype=torch.int32),
+            batch_idx=(torch.tensor([2, 0], dtype=torch.int32) if "batch_idx" in extras
+                       else None), block_table=table, alibi_slopes=None,
+            sinks=torch.randn(heads) if "sinks" in extras else None,
+            leftpad=torch.tensor([3, 0], dtype=torch.int32) if "leftpad" in extras else None,
+            kv_descale=((torch.rand(batch, kv_heads), torch.rand(batch, kv_heads))
+                        if "fp8" in extras else None),
+            attn_mask=(torch.rand(batch, 1, q_len, table.shape[1] * page_size if table is
+                                  not None else 713) > 0.3 if "mask" in extras else None))
+
+    def launch(launcher, a, *more):
+        launcher(a["q"], a["k_cache"], a["v_cache"], a["out"], a["lse"], a["seqlens_k"],
+                 a["batch_idx"], a["block_table"], a["alibi_slopes"], 0.125, 0.0, (-1, 0), 1,
+                 *more, sinks=a["sinks"], leftpad=a["leftpad"], kv_descale=a["kv_descale"],
+                 attn_mask=a["attn_mask"])
+
+    config = variants.default_decode_config((9, 0), d)
+    first, second = arrays(), arrays()
+    plan = _launch_decode.decode_plan(
+        first["q"], first["k_cache"], first["v_cache"], store_lse, first["batch_idx"],
+        first["block_table"], None, 0.0, (-1, 0), splits, config, first["sinks"],
+        first["leftpad"], "mask" in extras)
+    assert plan.splits == splits
+    addressed = _plans.AddressedDecode(plan)
+    launch(addressed.launch, first)  # records the signature's layouts
+    del launched[:]
+    launch(_launch_decode.launch_decode, second, splits, config)
+    full = launched[:]
+    del launched[:]
+    launch(addressed.launch, second)
+    assert len(launched) == len(full) == (2 if splits > 1 else 1)
+    by_address = not {"fp8", "mask"} & set(extras)
+    for (grid, kernel, args), (plan_grid, plan_kernel, plan_args) in zip(full, launched):
+        assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+        for i, (was, now) in enumerate(zip(args, plan_args)):
+            if isinstance(was, torch.Tensor) and by_address:
+                assert now.__cuda_array_interface__ == _interface(was), i
+            elif isinstance(was, torch.Tensor):
+                assert now.data_ptr() == was.data_ptr() and now.stride() == was.stride(), i
+                assert now.shape == was.shape and now.dtype == was.dtype, i
+            elif hasattr(was, "__cuda_array_interface__"):  # the split partials
+                assert now.__cuda_array_interface__ == was.__cuda_array_interface__, i
+            else:
+                assert now == was and type(now) is type(was), i
+
+
+@pytest.mark.parametrize("page_size,extras", [
+    (None, ()), (None, ("rotary", "batch_idx")), (16, ("rotary",)), (64, ()),
+    (None, ("fp8",))])
+def test_a_planned_append_launches_what_the_full_path_launches(monkeypatch, page_size, extras):
+    """``AddressedDecode.append``: from a signature's second call on, the append gets what
+    ``launch_cache_append`` passes for the same call, each array by its interface at that
+    tensor's address (q and the rotated q as their grouped views), the rest equal; into an
+    FP8 cache (bf16 rows quantized on the way) it passes its tensors every call. Two new rows
+    of 3 query rows, GQA 5, D 40 against Dv 24."""
+    import contextlib
+
+    launched = []
+    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args, **attributes:
+                        launched.append((grid, kernel, args)))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    batch, kv_heads, group, d, dv = 2, 2, 5, 40, 24
+    cache_dtype = _validate.FP8_DTYPE if "fp8" in extras else torch.bfloat16
+
+    def arrays():
+        if page_size is None:  # (views past a pool's first row, as q and the new rows)
+            caches = [torch.randn(4, 713, kv_heads, n).to(cache_dtype)[1:] for n in (d, dv)]
+            table = None
+        else:
+            caches = [torch.randn(33, page_size, kv_heads, n).to(cache_dtype)[1:]
+                      for n in (d, dv)]
+            table = torch.randperm(32, dtype=torch.int32).view(batch, 16)
+        rotary = None
+        if "rotary" in extras:
+            rotary = _launch_decode.Rotary(_q(800, 8), _q(800, 8), False, 1)
+        q = _q(batch, 3, kv_heads * group + 1, d)[:, :, 1:]
+        return (_q(batch, 3, kv_heads, d)[:, 1:], _q(batch, 3, kv_heads, dv)[:, 1:], *caches,
+                torch.tensor([200, 7], dtype=torch.int32),
+                torch.tensor([2, 0], dtype=torch.int32) if "batch_idx" in extras else None,
+                table, q, torch.empty_like(q), rotary,
+                (torch.rand(batch, kv_heads), torch.rand(batch, kv_heads))
+                if "fp8" in extras else None, False)
+
+    addressed = _plans.AddressedDecode(None)  # the append needs no decode plan
+    addressed.append(*arrays())
+    second = arrays()
+    del launched[:]
+    _launch_decode.launch_cache_append(*second)
+    addressed.append(*second)
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    for i, (was, now) in enumerate(zip(args, plan_args)):
+        if isinstance(was, torch.Tensor) and "fp8" not in extras:
+            assert now.__cuda_array_interface__ == _interface(was), i
+        elif isinstance(was, torch.Tensor):
+            assert now.data_ptr() == was.data_ptr() and now.stride() == was.stride(), i
+            assert now.shape == was.shape and now.dtype == was.dtype, i
+        else:
+            assert now == was and type(now) is type(was), i
+    assert ("rotary" in extras) == isinstance(args[7], torch.Tensor)

@@ -80,10 +80,11 @@ def test_sdpa_plan(monkeypatch):
             _full_path_fails(monkeypatch)
 
 
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_kvcache_plan_appends_and_attends(page_size, monkeypatch):
+@pytest.mark.parametrize("page_size,num_splits", [(None, 0), (64, 0), (None, 1)])
+def test_kvcache_plan_appends_and_attends(page_size, num_splits, monkeypatch):
     """Three decode steps of one signature, the cache growing by one appended row each: the
-    second and third run the plan, and each step sees every key appended so far. The third
+    second and third run the plan (its arrays by address: the append's, the decode's and,
+    split or not, the outputs'), and each step sees every key appended so far. The third
     runs under another tuner setting: a decode plan holds no tuned choice, so its key leaves
     the tuner's environment out."""
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -111,7 +112,7 @@ def test_kvcache_plan_appends_and_attends(page_size, monkeypatch):
                                     device="cuda").bfloat16() for _ in range(2))
         out, lse = flash_tile.flash_attn_with_kvcache(
             q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table,
-            causal=True, return_softmax_lse=True)
+            causal=True, num_splits=num_splits, return_softmax_lse=True)
         if page_size is not None:  # the dense copy follows the append
             for b in range(batch):
                 dense_k[b, seqlens[b]], dense_v[b, seqlens[b]] = k_new[b, 0], v_new[b, 0]
