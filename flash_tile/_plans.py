@@ -172,17 +172,12 @@ class AddressedDecode:
     def int64_index(self) -> bool:
         return self.plan.int64_index
 
-    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               out: torch.Tensor, lse: torch.Tensor | None, seqlens_k: torch.Tensor,
-               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
-               alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
-               window: tuple[int, int], new_len: int, sinks: torch.Tensor | None = None,
-               leftpad: torch.Tensor | None = None,
-               kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
-               attn_mask: torch.Tensor | None = None) -> None:
-        """The decode plan's ``launch`` for a call of the signature; its arrays' layouts are
-        not read after the first call: the caller vouches for them (a call whose plan key
-        equals the first's)."""
+    def launch(self, q, k_cache, v_cache, out, lse, seqlens_k, batch_idx, block_table,
+               alibi_slopes, scale, softcap, window, new_len, sinks=None, leftpad=None,
+               kv_descale=None, attn_mask=None) -> None:
+        """The decode plan's ``launch`` (arguments as ``_launch_decode.launch_decode``'s) for
+        a call of the signature; its arrays' layouts are not read after the first call: the
+        caller vouches for them (a call whose plan key equals the first's)."""
         plan = self.plan
         if not self.layouts:  # None: the signature's first call; (): one of tensors
             arrays = plan.arrays(q, k_cache, v_cache, out, lse, seqlens_k, batch_idx,
@@ -214,15 +209,11 @@ class AddressedDecode:
             lse = None if lse is None else Array(lse_layout, lse.data_ptr())
         plan.launch_arrays(arrays, out, lse, scale, softcap, window, new_len, q.device)
 
-    def append(self, k_new: torch.Tensor | None, v_new: torch.Tensor | None,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-               batch_idx: torch.Tensor | None, block_table: torch.Tensor | None,
-               q: torch.Tensor | None = None, q_rot: torch.Tensor | None = None,
-               rotary=None, kv_descale: tuple[torch.Tensor, torch.Tensor] | None = None,
-               int64_index: bool | None = None) -> None:
-        """``_launch_decode.launch_cache_append`` for a call of the signature, its arrays by
-        address from the second call on (as ``launch``); the kernel, ``int64_index``'s
-        among them, is the first call's."""
+    def append(self, k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx, block_table,
+               q=None, q_rot=None, rotary=None, kv_descale=None, int64_index=None) -> None:
+        """``_launch_decode.launch_cache_append`` (its arguments) for a call of the
+        signature, its arrays by address from the second call on (as ``launch``); the
+        kernel, ``int64_index``'s choice among them, is the first call's."""
         if not self.append_layouts:  # None: the first call; (): a signature of tensors
             grid, kernel, args = _launch_decode.append_launch(
                 k_new, v_new, k_cache, v_cache, cache_seqlens, batch_idx, block_table, q,
