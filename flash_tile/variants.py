@@ -149,7 +149,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # 16k); head dims 65-127 share it, untimed; bench_fp8 at 16k, two runs back to back,
 # 895 -> 919 TFLOP/s non-causal, 889 -> 887 causal. A half lost everywhere (1.02-1.14x);
 # at D=64 a quarter lost too (1.03-1.05x); at D=256 0.92-0.99x causal, 0.96-1.02x non-causal,
-# left off (one config serves both) [H100, 2026-12-07,
+# left off [H100, 2026-12-07,
 # bench_variants.py --dtype fp8 --baseline;
 # docs/experiments/evidence/2026-12-07-fp8-exp2-fma-h100.md]. An A/A of that harness the same
 # day gave 0.934-1.001x for identical kernels, so the calls were paired (``--paired 15``:
