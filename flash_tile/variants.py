@@ -160,7 +160,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # docs/experiments/evidence/2026-12-07-fp8-exp2-paired-h200.md].
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
-SM90_FP8_CAUSAL = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8)
+SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.

@@ -52,6 +52,31 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The (grid, kernel, args) of every ``ct.launch`` that ``flash_tile._launch`` (and so
+    ``_launch_decode`` and ``_plans``) makes, recorded on the CPU instead of run."""
+    from contextlib import nullcontext
+
+    from flash_tile import _launch
+
+    calls = []
+    monkeypatch.setattr(_launch.ct, "launch",
+                        lambda stream, grid, kernel, args, **attributes: calls.append(
+                            (grid, kernel, args)))
+    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
+    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
+    return calls
+
+
+def array_interface(t: torch.Tensor) -> dict:
+    """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
+    typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2",
+               torch.int32: "<i4"}[t.dtype]
+    return {"shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
+            "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
+
+
 @pytest.fixture(autouse=True)
 def poisoned_outputs(request, monkeypatch):
     """In GPU tests, the ops' output buffers start as NaN instead of whatever memory held."""

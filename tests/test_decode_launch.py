@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flash_tile
+from conftest import array_interface
 from flash_tile import _launch, _launch_decode, _plans, _validate, variants
 
 
@@ -225,34 +226,20 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only
 
 
-def _interface(t: torch.Tensor) -> dict:
-    """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
-    typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2",
-               torch.int32: "<i4"}[t.dtype]
-    return {"shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
-            "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
-
-
 @pytest.mark.parametrize("page_size,splits,store_lse,extras,dtype", [
     (None, 1, False, (), torch.bfloat16), (None, 4, True, ("sinks", "leftpad"), torch.float16),
     (16, 1, True, ("sinks",), torch.bfloat16), (64, 4, False, ("leftpad",), torch.bfloat16),
     (None, 2, True, ("batch_idx",), torch.bfloat16), (None, 1, True, ("fp8",), torch.bfloat16),
     (None, 4, True, ("mask",), torch.float16)])
-def test_a_planned_decode_launches_what_the_full_path_launches(monkeypatch, page_size, splits,
-                                                               store_lse, extras, dtype):
+def test_a_planned_decode_launches_what_the_full_path_launches(launched, monkeypatch, page_size,
+                                                               splits, store_lse, extras,
+                                                               dtype):
     """``AddressedDecode``: from a signature's second call on, the decode (and the combine)
     get what ``launch_decode`` passes for the same call, each array by its CUDA Array
     Interface (the layout of the tensor or view the full path passes, at that tensor's
     address; int32 as "<i4"), everything else equal. A signature with an FP8 cache or a
     mask passes its tensors on every call, as the full path does. Odd shapes (3 query rows,
     GQA 5, D 40 against Dv 24, 713-key caches), q and the caches views at an offset."""
-    import contextlib
-
-    launched = []
-    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args, **attributes:
-                        launched.append((grid, kernel, args)))
-    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
     workspaces = {}  # one per size, so that both paths' partials have one address
 
@@ -315,7 +302,7 @@ def test_a_planned_decode_launches_what_the_full_path_launches(monkeypatch, page
         assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
         for i, (was, now) in enumerate(zip(args, plan_args)):
             if isinstance(was, torch.Tensor) and by_address:
-                assert now.__cuda_array_interface__ == _interface(was), i
+                assert now.__cuda_array_interface__ == array_interface(was), i
             elif isinstance(was, torch.Tensor):
                 assert now.data_ptr() == was.data_ptr() and now.stride() == was.stride(), i
                 assert now.shape == was.shape and now.dtype == was.dtype, i
@@ -328,19 +315,12 @@ def test_a_planned_decode_launches_what_the_full_path_launches(monkeypatch, page
 @pytest.mark.parametrize("page_size,extras", [
     (None, ()), (None, ("rotary", "batch_idx")), (16, ("rotary",)), (64, ()),
     (None, ("fp8",))])
-def test_a_planned_append_launches_what_the_full_path_launches(monkeypatch, page_size, extras):
+def test_a_planned_append_launches_what_the_full_path_launches(launched, page_size, extras):
     """``AddressedDecode.append``: from a signature's second call on, the append gets what
     ``launch_cache_append`` passes for the same call, each array by its interface at that
     tensor's address (q and the rotated q as their grouped views), the rest equal; into an
     FP8 cache (bf16 rows quantized on the way) it passes its tensors every call. Two new rows
     of 3 query rows, GQA 5, D 40 against Dv 24."""
-    import contextlib
-
-    launched = []
-    monkeypatch.setattr(_launch.ct, "launch", lambda stream, grid, kernel, args, **attributes:
-                        launched.append((grid, kernel, args)))
-    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: contextlib.nullcontext())
     batch, kv_heads, group, d, dv = 2, 2, 5, 40, 24
     cache_dtype = _validate.FP8_DTYPE if "fp8" in extras else torch.bfloat16
 
@@ -373,7 +353,7 @@ def test_a_planned_append_launches_what_the_full_path_launches(monkeypatch, page
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
     for i, (was, now) in enumerate(zip(args, plan_args)):
         if isinstance(was, torch.Tensor) and "fp8" not in extras:
-            assert now.__cuda_array_interface__ == _interface(was), i
+            assert now.__cuda_array_interface__ == array_interface(was), i
         elif isinstance(was, torch.Tensor):
             assert now.data_ptr() == was.data_ptr() and now.stride() == was.stride(), i
             assert now.shape == was.shape and now.dtype == was.dtype, i

@@ -8,22 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The (grid, kernel, args) of every ``ct.launch`` that ``flash_tile._launch`` makes,
-    recorded on the CPU instead of run."""
-    from contextlib import nullcontext
-
-    from flash_tile import _launch
-
-    calls = []
-    monkeypatch.setattr(_launch.ct, "launch",
-                        lambda stream, grid, kernel, args, **attributes: calls.append(
-                            (grid, kernel, args)))
-    monkeypatch.setattr(_launch, "current_stream", lambda device: None)
-    monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
-    return calls
+from conftest import array_interface
 
 
 def test_backward_launch_gives_each_kernel_its_tiles(launched):
@@ -298,7 +283,7 @@ def test_decode_launches_match_the_compiled_signatures(launched, page_size, spli
         passed = {"decode": decode_args[5:7], "combine": combine_args[:2]}
         for name, arrays in expected.items():
             assert [a.__cuda_array_interface__ for a in passed[name]] == \
-                [_interface(t) for t in arrays], name
+                [array_interface(t) for t in arrays], name
     else:
         assert not workspaces
 
@@ -324,13 +309,6 @@ def test_plans_are_made_for_cuda_calls_only_and_kept_within_bounds(monkeypatch):
     assert _plans.find(None) is None and len(autotune.plans) == 1
     autotune.clear_memory_cache()
     assert not autotune.plans
-
-
-def _interface(t: torch.Tensor) -> dict:
-    """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
-    typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2"}[t.dtype]
-    return {"shape": tuple(t.shape), "strides": tuple(s * t.element_size() for s in t.stride()),
-            "typestr": typestr, "data": (t.data_ptr(), False), "version": 3}
 
 
 @pytest.mark.parametrize("return_lse,window,softcap,dtype", [
@@ -377,7 +355,7 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
         assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
         for full, passed in zip(args, plan_args):
             if isinstance(full, torch.Tensor):
-                assert passed.__cuda_array_interface__ == _interface(full)
+                assert passed.__cuda_array_interface__ == array_interface(full)
             else:
                 assert passed == full and type(passed) is type(full)
     assert return_lse == isinstance(args[4], torch.Tensor)  # ABSENT without an LSE
