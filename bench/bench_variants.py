@@ -29,6 +29,13 @@ rounds' time with this tree's kernels over the baseline's. Interleaved rounds of
 a side put an A/A of the FP8 forward at 0.934-1.001x (2026-12-07, H100); for a change of a
 few percent, pair the calls and run an A/A (DIR a plain copy) beside the A/B.
 
+Without ``--baseline``, ``--paired ROUNDS`` pairs each config with the default instead (same
+kernels, the config the only change): the A/B of a tile shape whose few percent the tuner's
+interleaved rounds cannot tell from noise.
+
+    python bench/bench_variants.py --dtype fp8 --head-dims 128 --causal yes \\
+        --configs '{"tile_n": 128}' --paired 15
+
 ``--dropout P`` times every row with dropout of probability P (and the defaults of classes with
 dropout); without it the rows' scores are plain.
 
@@ -138,6 +145,26 @@ def against_baseline(configs, run, baseline: dict,
     return {name: round(ms, 4) for name, ms in timed.items()}, diffs, ratios
 
 
+def against_default(configs, run, rounds: int) -> tuple[dict, dict, dict]:
+    """Each of ``configs[1:]`` against ``configs[0]`` (the default) by ``paired_ms``, as
+    ``against_baseline`` with the default's time under the " (default)" name: ({name: ms},
+    {name: the largest |difference| of its outputs from the default's}, {name: the median
+    round's time over the default's})."""
+    default, *others = configs
+    reference = [t.clone() for t in run(default)]
+    timed, diffs, ratios = {}, {}, {}
+    for config in others:
+        name = autotune.describe(config)
+        diffs[name] = max(((a.float() - b.float()).abs().max().item()
+                           for a, b in zip(run(config), reference) if a.numel()), default=0.0)
+        base_ms, ms, cost = paired_ms(functools.partial(run, default),
+                                      functools.partial(run, config), rounds, PAIRS,
+                                      SLEEP_CYCLES)
+        timed[name], timed[f"{name} (default)"] = round(ms, 4), round(base_ms, 4)
+        ratios[name] = round(1 + cost, 3)
+    return timed, diffs, ratios
+
+
 def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
            backward: bool, dropout: _launch.Dropout = _launch.NO_DROPOUT):
     """``run(config)`` for one row, as the autotuner builds it: fresh outputs, one launch."""
@@ -204,16 +231,15 @@ def main():
                              "each variant against (the same config on both: DIR's kernels "
                              "must lack the change, or the row is an A/A)")
     parser.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
-                        help="with --baseline: time each side by paired_ms over ROUNDS "
-                             "rounds of neighbouring calls instead of interleaved rounds")
+                        help="time each config against its baseline side (--baseline) or "
+                             "against the default by paired_ms over ROUNDS rounds of "
+                             "neighbouring calls instead of interleaved rounds")
     parser.add_argument("--dropout", type=float, default=0.0, metavar="P",
                         help="dropout probability of every row (default 0: plain scores)")
     parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",
                         help="rows of packed sequences (bench_varlen's packing of TOKENS "
                              "tokens) through the VARLEN switch, instead of --lengths")
     args = parser.parse_args()
-    if args.paired and not args.baseline:
-        parser.error("--paired times a change against --baseline DIR")
     if args.dtype == "fp8" and (args.backward or args.dropout or args.varlen):
         parser.error("--dtype fp8 times the dense FP8 forward: no backward, dropout or varlen")
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
@@ -255,6 +281,10 @@ def main():
                 if baseline:
                     row["ms"], row["max_diff"], row["ratio"] = against_baseline(
                         configs, run, baseline, args.paired)
+                elif args.paired:
+                    row["ms"], row["max_diff"], row["ratio"] = against_default(
+                        configs, run, args.paired)
+                    row["variants"] = row["variants"][1:]
                 else:
                     _, row["ms"] = autotune.tune(configs, run)
                     base = row["ms"][autotune.describe(default)]
@@ -269,6 +299,10 @@ def main():
     progress.close()
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
+    if args.paired and not baseline:
+        info["note"] = (f"Each variant against the default by paired_ms, {args.paired} rounds "
+                        f"of {PAIRS} pairs of neighbouring calls (ratio: the median round's); "
+                        "max diff: the largest |difference| from the default's outputs.")
     if baseline:
         timing = (f"by paired_ms, {args.paired} rounds of {PAIRS} pairs of neighbouring calls "
                   "(ratio: the median round's)" if args.paired else
@@ -282,22 +316,27 @@ def main():
     print(write_report(args.out, f"{'Backward' if args.backward else 'Forward'} variants "
                        f"against {'the baseline kernels' if baseline else 'the default'}, "
                        f"{args.dtype}{f', dropout {args.dropout}' if args.dropout else ''},",
-                       info, table(rows, args.configs, bool(baseline))))
+                       info, table(rows, args.configs, "baseline" if baseline else
+                                   "default" if args.paired else "")))
 
 
-def table(rows, overlays, baseline: bool) -> str:
+def table(rows, overlays, paired_with: str) -> str:
     """The Markdown table: per row, each variant's ms (or why it failed) and its ratio, over
-    the default's or, with --baseline, over its own time with the baseline kernels. The
-    default, and so each overlay's name, differs by head dim: a column per overlay."""
+    the default's or, ``paired_with`` "baseline" (--baseline), over its own time with the
+    baseline kernels, or with "default" (--paired alone), over the default's paired time.
+    The default, and so each overlay's name, differs by head dim: a column per overlay."""
     def cell(r, i, n):
-        if baseline:
+        if paired_with == "default":
+            return (f"{n}: {r['ms'][n]} / {r['ms'][n + ' (default)']} ({r['ratio'][n]}x; "
+                    f"max diff {r['max_diff'][n]:.3g})")
+        if paired_with == "baseline":
             # Bitwise-equal outputs: most likely both sides ran the same kernels (an A/A: on
             # 2026-12-07 one such row set spread 0.934-1.001x), unless the change keeps them.
             same = ", identical outputs" if r["max_diff"][n] == 0 else ""
             return (f"{n}: {r['ms'][n]} / {r['ms'][n + ' (baseline)']} ({r['ratio'][n]}x; "
                     f"max diff {r['max_diff'][n]:.3g}{same})")
         return f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"] else "")
-    head = ([f"{c} ms, ours / baseline (ratio)" for c in overlays] if baseline else
+    head = ([f"{c} ms, ours / {paired_with} (ratio)" for c in overlays] if paired_with else
             ["default ms", *(f"{c} ms (over the default)" for c in overlays)])
     return md_table(["D", "L", "causal", *head],
                     [[r["head_dim"], r.get("length", f"packed, {r.get('tokens')} tokens"),

@@ -2,6 +2,7 @@
 launcher pointed at it for a block and back (what runs on the GPU is timed there; what the
 swap does is checked here)."""
 
+import dataclasses
 import pathlib
 import shutil
 import sys
@@ -89,7 +90,7 @@ def test_the_table_marks_rows_whose_outputs_are_identical(bench_variants):
         return {"head_dim": 256, "length": 4096, "causal": False, "variants": [name],
                 "ms": {name: 0.51, f"{name} (baseline)": 0.54}, "ratio": {name: 0.944},
                 "max_diff": {name: diff}}
-    text = bench_variants.table([row(0.0), row(0.0147)], ['{"exp2_fma": 4}'], True)
+    text = bench_variants.table([row(0.0), row(0.0147)], ['{"exp2_fma": 4}'], "baseline")
     lines = [line for line in text.splitlines() if line.startswith("| 256")]
     assert len(lines) == 2
     assert "max diff 0, identical outputs" in lines[0]
@@ -125,3 +126,34 @@ def test_paired_rounds_time_each_side_by_paired_ms(bench_variants, tmp_path, mon
     assert ratios == {name: 0.93}  # 1 + cost, where 1.9 / 2.0 would say 0.95
     assert diffs[name] == 0.5
     assert _launch.attention_fwd is ours["attention_fwd"]
+
+
+def test_paired_alone_times_each_config_against_the_default(bench_variants, monkeypatch):
+    """--paired without --baseline: each overlaid config goes to paired_ms with the default
+    as A, its difference measured from the default's outputs, its ratio 1 + the median cost;
+    the table gives both times under the config's name."""
+    default = variants.default_config((9, 0), 128)
+    wide = dataclasses.replace(default, tile_n=default.tile_n // 2)
+    ran, paired = [], []
+
+    def run(config):
+        ran.append(config)
+        return (torch.full((3,), 2.0 if config == default else 2.25),)
+
+    def fake_paired_ms(a, b, rounds, pairs, sleep_cycles):
+        ran.clear()
+        a()
+        b()
+        paired.append((list(ran), rounds, pairs))
+        return 1.0, 0.9, -0.12
+
+    monkeypatch.setattr(bench_variants, "paired_ms", fake_paired_ms)
+    ms, diffs, ratios = bench_variants.against_default([default, wide], run, 5)
+    name = bench_variants.autotune.describe(wide)
+    assert paired == [([default, wide], 5, bench_variants.PAIRS)]
+    assert ms == {name: 0.9, f"{name} (default)": 1.0}
+    assert ratios == {name: 0.88} and diffs == {name: 0.25}
+    row = {"head_dim": 128, "length": 1024, "causal": True, "variants": [name], "ms": ms,
+           "ratio": ratios, "max_diff": diffs}
+    text = bench_variants.table([row], ['{"tile_n": 64}'], "default")
+    assert "ours / default (ratio)" in text and f"{name}: 0.9 / 1.0 (0.88x; max diff 0.25)" in text
