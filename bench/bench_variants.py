@@ -247,11 +247,11 @@ def main():
     capability = torch.cuda.get_device_capability()
     dropout = _launch.Dropout(args.dropout, 2024) if args.dropout else _launch.NO_DROPOUT
 
-    def pick(head_dim: int, causal: bool) -> variants.TileConfig:
+    def pick(head_dim: int, causal: bool, length: int) -> variants.TileConfig:
         if args.backward:
             return variants.default_backward_config(capability, head_dim, not args.dropout)
-        if args.dtype == "fp8":  # (its causal rows' default may differ)
-            return variants.fp8_config(capability, head_dim, causal)
+        if args.dtype == "fp8":  # (its causal rows' default may differ, by length too)
+            return variants.fp8_config(capability, head_dim, causal, length)
         return variants.default_config(capability, head_dim)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
@@ -263,7 +263,7 @@ def main():
     for head_dim in args.head_dims:
         for size in sizes:
             for causal in causals:
-                default = pick(head_dim, causal)
+                default = pick(head_dim, causal, size)
                 laid = [dataclasses.replace(default, **o) for o in overlays]
                 configs = laid if baseline else [default, *laid]
                 if args.varlen:

@@ -20,9 +20,10 @@ from flash_tile._validate import device_properties
 OUT_DTYPE = torch.bfloat16
 
 
-def _config(q: torch.Tensor, v: torch.Tensor, window_right: int) -> variants.TileConfig:
+def _config(q: torch.Tensor, v: torch.Tensor, window_right: int,
+            key_len: int | None = None) -> variants.TileConfig:
     return variants.fp8_config(device_properties(q.device)[0], max(q.shape[-1], v.shape[-1]),
-                               causal=window_right >= 0)
+                               causal=window_right >= 0, key_len=key_len)
 
 
 def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -35,7 +36,7 @@ def _fp8_forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (``keys_major``) and the forward."""
     return fp8_forward(q, k, keys_major(v), descale, alibi_slopes, scale, softcap,
                        diag_offset, (window_left, window_right), return_lse,
-                       _config(q, v, window_right), sinks)
+                       _config(q, v, window_right, k.shape[2]), sinks)
 
 
 def fp8_forward(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, descale: torch.Tensor,

@@ -158,9 +158,20 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # 1.005x/1.007x non-causal. So the quarter serves D=128 calls without a diagonal alone
 # (``fp8_config``'s ``causal``) [H200, 2026-12-07, commit 1f8b2e4;
 # docs/experiments/evidence/2026-12-07-fp8-exp2-paired-h200.md].
+# Causal at D=128, 128x128 nww8 against 128x256 by the same paired calls: 0.866x / 0.927x /
+# 0.964x / 0.987x the time at 1k / 2k / 3k / 4k keys, 1.006x / 1.018x / 1.036x / 1.065x at
+# 5k / 6k / 8k / 16k (a diagonal tile of 256 keys masks more of its work the fewer key steps
+# a row has); non-causal, 128x128 lost at every length (1.08-1.23x at 1k-8k), and 64-key
+# steps lost on 23 of 24 rows at D 64/128/256 (1.05-1.38x; 0.986x at D=128 1k causal) [H100,
+# 2026-12-07, commit c51c822, bench_variants.py --dtype fp8 --paired 15, an A/A beside it at
+# 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]. So dense
+# causal calls of at most FP8_SHORT_KEYS keys step 128 keys; varlen calls (their longest
+# sequence not passed to the op) keep 256, untimed.
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
+SM90_FP8_CAUSAL_SHORT = replace(SM90_FP8_CAUSAL, tile_n=128)
+FP8_SHORT_KEYS = 4096
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
@@ -175,6 +186,8 @@ _FP8_DEFAULTS = {**_DEFAULTS,
                  (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
 _FP8_CAUSAL_DEFAULTS = {**_DEFAULTS, (9, 0): (
     (64, SM90_FP8_NARROW), (128, SM90_FP8_CAUSAL), (256, SM90_TWO_GROUPS))}
+# A causal default's variant for calls of at most FP8_SHORT_KEYS keys.
+_FP8_SHORT_CAUSAL = {SM90_FP8_CAUSAL: SM90_FP8_CAUSAL_SHORT}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -189,12 +202,16 @@ def default_config(capability: tuple[int, int], head_dim: int = 128) -> TileConf
     return _lookup(_DEFAULTS, capability, head_dim)
 
 
-def fp8_config(capability: tuple[int, int], head_dim: int = 128,
-               causal: bool = False) -> TileConfig:
+def fp8_config(capability: tuple[int, int], head_dim: int = 128, causal: bool = False,
+               key_len: int | None = None) -> TileConfig:
     """The FP8 forward's variant (never tuned), as ``default_config``; ``causal``: the call's
     keys end at a diagonal (causal, or any window with a right bound), whose variant may
-    differ (sm_90 D=128: no exp2 on the FMA pipe)."""
-    return _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
+    differ (sm_90 D=128: no exp2 on the FMA pipe, and with ``key_len`` (a dense call's key
+    length; None for unknown) at most ``FP8_SHORT_KEYS``, 128-key steps)."""
+    config = _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
+    if causal and key_len is not None and key_len <= FP8_SHORT_KEYS:
+        return _FP8_SHORT_CAUSAL.get(config, config)
+    return config
 
 
 def _family(table, capability):
