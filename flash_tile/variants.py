@@ -165,8 +165,8 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # steps lost on 23 of 24 rows at D 64/128/256 (1.05-1.38x; 0.986x at D=128 1k causal) [H100,
 # 2026-12-07, commit c51c822, bench_variants.py --dtype fp8 --paired 15, an A/A beside it at
 # 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]. So dense
-# causal calls of at most FP8_SHORT_KEYS keys step 128 keys; varlen calls (their longest
-# sequence not passed to the op) keep 256, untimed.
+# causal calls of at most FP8_SHORT_KEYS keys step 128 keys; varlen calls keep 256, untimed:
+# their max_seqlen_k is never read (a tensor's value would sync, torch.compile guard on it).
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
