@@ -164,13 +164,15 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # a row has); non-causal, 128x128 lost at every length (1.08-1.23x at 1k-8k), and 64-key
 # steps lost on 23 of 24 rows at D 64/128/256 (1.05-1.38x; 0.986x at D=128 1k causal) [H100,
 # 2026-12-07, commit c51c822, bench_variants.py --dtype fp8 --paired 15, an A/A beside it at
-# 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]. So dense
-# causal calls of at most FP8_SHORT_KEYS keys step 128 keys; varlen calls keep 256, untimed:
+# 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]; and against
+# that 128x128, 64x128 o2 (D=64's tile) took 0.934x / 0.953x / 0.969x at 1k / 2k / 4k (64x128
+# without the hint 1.30-1.34x; at D=256 both 1.20-1.26x) [same run, section 4]. So dense
+# causal calls of at most FP8_SHORT_KEYS keys run 64x128 o2; varlen calls keep 128x256, untimed:
 # their max_seqlen_k is never read (a tensor's value would sync, torch.compile guard on it).
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
-SM90_FP8_CAUSAL_SHORT = replace(SM90_FP8_CAUSAL, tile_n=128)
+SM90_FP8_CAUSAL_SHORT = SM90_FP8_NARROW
 FP8_SHORT_KEYS = 4096
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is

@@ -315,9 +315,9 @@ def test_keys_major_takes_the_64_bit_copy_for_big_arrays(monkeypatch, big):
 
 
 def test_fp8_config_steps_128_keys_on_short_causal_calls_only():
-    """sm_90 D=128: the causal variant of at most FP8_SHORT_KEYS keys steps 128 keys, past
-    that (or with the length unknown, as varlen) 256; non-causal calls, other head dims and
-    other architectures keep their variant whatever the length."""
+    """sm_90 D=128: the causal variant of at most FP8_SHORT_KEYS keys is 64x128 o2, past
+    that (or with the length unknown, as varlen) 128x256; non-causal calls, other head dims
+    and other architectures keep their variant whatever the length."""
     short, limit = variants.SM90_FP8_CAUSAL_SHORT, variants.FP8_SHORT_KEYS
     assert variants.fp8_config((9, 0), 128, True, 1) == short
     assert variants.fp8_config((9, 0), 100, True, limit) == short
@@ -328,7 +328,7 @@ def test_fp8_config_steps_128_keys_on_short_causal_calls_only():
         assert (variants.fp8_config((9, 0), head_dim, True, 64)
                 == variants.fp8_config((9, 0), head_dim, True))
     assert variants.fp8_config((10, 0), 128, True, 64) == variants.default_config((10, 0), 128)
-    assert short.tile_n == 128 and short.exp2_fma == 0
+    assert (short.tile_m, short.tile_n, short.exp2_fma) == (64, 128, 0)
 
 
 @pytest.mark.parametrize("right", [0, -1])
@@ -375,7 +375,7 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
     v_t = args[2]
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
     assert v_t.stride(2) % 16 == 0 and v_t.data_ptr() == v_buffer.data_ptr()
-    # A dense causal call of 50 keys steps 128 keys; varlen (no longest key length) 256.
+    # A dense causal call of 50 keys runs 64x128; varlen (no longest key length) 128x256.
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
     assert config.tile_n == (128 if right >= 0 and not varlen else 256)
