@@ -167,13 +167,15 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]; and against
 # that 128x128, 64x128 o2 (D=64's tile) took 0.934x / 0.953x / 0.969x at 1k / 2k / 4k (64x128
 # without the hint 1.30-1.34x; at D=256 both 1.20-1.26x) [same run, section 4]. So dense
-# causal calls of at most FP8_SHORT_KEYS keys run 64x128 o2; varlen calls keep 128x256, untimed:
-# their max_seqlen_k is never read (a tensor's value would sync, torch.compile guard on it).
+# calls of at most FP8_SHORT_KEYS[causal] keys run 64x128 o2: non-causal, it took 0.912x /
+# 0.989x / 1.052x the time of 128x256 at 1k / 2k / 4k [same run, section 5]. Varlen calls keep
+# 128x256, untimed: their max_seqlen_k is never read (a tensor's value would sync,
+# torch.compile guard on it).
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
-SM90_FP8_CAUSAL_SHORT = SM90_FP8_NARROW
-FP8_SHORT_KEYS = 4096
+SM90_FP8_SHORT = SM90_FP8_NARROW
+FP8_SHORT_KEYS = {True: 4096, False: 2048}  # by causal
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
@@ -188,8 +190,8 @@ _FP8_DEFAULTS = {**_DEFAULTS,
                  (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
 _FP8_CAUSAL_DEFAULTS = {**_DEFAULTS, (9, 0): (
     (64, SM90_FP8_NARROW), (128, SM90_FP8_CAUSAL), (256, SM90_TWO_GROUPS))}
-# A causal default's variant for calls of at most FP8_SHORT_KEYS keys.
-_FP8_SHORT_CAUSAL = {SM90_FP8_CAUSAL: SM90_FP8_CAUSAL_SHORT}
+# A default's variant for dense calls of at most FP8_SHORT_KEYS[causal] keys.
+_FP8_SHORT = {SM90_FP8: SM90_FP8_SHORT, SM90_FP8_CAUSAL: SM90_FP8_SHORT}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -208,11 +210,12 @@ def fp8_config(capability: tuple[int, int], head_dim: int = 128, causal: bool = 
                key_len: int | None = None) -> TileConfig:
     """The FP8 forward's variant (never tuned), as ``default_config``; ``causal``: the call's
     keys end at a diagonal (causal, or any window with a right bound), whose variant may
-    differ (sm_90 D=128: no exp2 on the FMA pipe, and with ``key_len`` (a dense call's key
-    length; None for unknown) at most ``FP8_SHORT_KEYS``, 128-key steps)."""
+    differ (sm_90 D=128: no exp2 on the FMA pipe); ``key_len``: a dense call's key length
+    (None for unknown), which at most ``FP8_SHORT_KEYS[causal]`` takes the short variant
+    where the default has one (sm_90 D=128: 64x128, two CTAs an SM)."""
     config = _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
-    if causal and key_len is not None and key_len <= FP8_SHORT_KEYS:
-        return _FP8_SHORT_CAUSAL.get(config, config)
+    if key_len is not None and key_len <= FP8_SHORT_KEYS[causal]:
+        return _FP8_SHORT.get(config, config)
     return config
 
 

@@ -541,11 +541,11 @@ def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, ca
 
 
 def test_sm90_fp8_short_causal_variant_runs_on_qgmma_without_spills():
-    """The causal D=128 variant of short calls (64x128, two CTAs an SM): both matmuls on
+    """The D=128 variant of short calls (64x128, two CTAs an SM), causal: both matmuls on
     QGMMA, as many of each (128 keys a step over D = 128: 8 + 8 [tileiras 13.4, 2026-12-07]),
     no row sum on the tensor cores (causal), no spills."""
     sass = aot.disassemble(aot.compile_forward("sm_90", head_dim=128, causal=True, fp8=True,
-                                               config=variants.SM90_FP8_CAUSAL_SHORT))
+                                               config=variants.SM90_FP8_SHORT))
     assert tuple(len(op.findall(sass)) for op in (_QK, _PV, _SUM)) == (8, 8, 0)
     summary = aot.summarize(sass)
     assert summary["tensor_core"] == 16 and summary["local_memory"] == 0

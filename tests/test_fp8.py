@@ -314,21 +314,23 @@ def test_keys_major_takes_the_64_bit_copy_for_big_arrays(monkeypatch, big):
     assert calls == [((3, 3, 2), keys_major_copy_int64 if big else keys_major_copy)]
 
 
-def test_fp8_config_steps_128_keys_on_short_causal_calls_only():
-    """sm_90 D=128: the causal variant of at most FP8_SHORT_KEYS keys is 64x128 o2, past
-    that (or with the length unknown, as varlen) 128x256; non-causal calls, other head dims
-    and other architectures keep their variant whatever the length."""
-    short, limit = variants.SM90_FP8_CAUSAL_SHORT, variants.FP8_SHORT_KEYS
-    assert variants.fp8_config((9, 0), 128, True, 1) == short
-    assert variants.fp8_config((9, 0), 100, True, limit) == short
-    for key_len in (limit + 1, None):
-        assert variants.fp8_config((9, 0), 128, True, key_len) == variants.SM90_FP8_CAUSAL
-    assert variants.fp8_config((9, 0), 128, False, 64) == variants.SM90_FP8
-    for head_dim in (64, 256):
-        assert (variants.fp8_config((9, 0), head_dim, True, 64)
-                == variants.fp8_config((9, 0), head_dim, True))
-    assert variants.fp8_config((10, 0), 128, True, 64) == variants.default_config((10, 0), 128)
-    assert (short.tile_m, short.tile_n, short.exp2_fma) == (64, 128, 0)
+def test_fp8_config_takes_the_short_variant_on_short_dense_calls_only():
+    """sm_90 D=128: a call of at most FP8_SHORT_KEYS[causal] keys runs 64x128 o2, past that
+    (or with the length unknown, as varlen) 128x256, with the FMA exp2 without a diagonal;
+    other head dims and architectures keep their variant whatever the length."""
+    short, limit = variants.SM90_FP8_SHORT, variants.FP8_SHORT_KEYS
+    for causal, long in ((True, variants.SM90_FP8_CAUSAL), (False, variants.SM90_FP8)):
+        assert variants.fp8_config((9, 0), 128, causal, 1) == short
+        assert variants.fp8_config((9, 0), 100, causal, limit[causal]) == short
+        for key_len in (limit[causal] + 1, None):
+            assert variants.fp8_config((9, 0), 128, causal, key_len) == long
+        for head_dim in (64, 256):
+            assert (variants.fp8_config((9, 0), head_dim, causal, 64)
+                    == variants.fp8_config((9, 0), head_dim, causal))
+        assert (variants.fp8_config((10, 0), 128, causal, 64)
+                == variants.default_config((10, 0), 128))
+    assert limit[True] > limit[False]  # a diagonal masks more of a wide tile's work
+    assert (short.tile_m, short.tile_n, short.occupancy, short.exp2_fma) == (64, 128, 2, 0)
 
 
 @pytest.mark.parametrize("right", [0, -1])
@@ -336,7 +338,7 @@ def test_fp8_config_steps_128_keys_on_short_causal_calls_only():
 def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
     """The FP8 ops' launch against the signature aot compiles, with the config of the call's
     kind: sm_90 D=128 takes exp2 on the FMA pipe without a diagonal alone, and a short dense
-    causal call 128-key steps."""
+    call the short variant."""
     from contextlib import nullcontext
 
     from flash_tile import aot
@@ -375,12 +377,13 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
     v_t = args[2]
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
     assert v_t.stride(2) % 16 == 0 and v_t.data_ptr() == v_buffer.data_ptr()
-    # A dense causal call of 50 keys runs 64x128; varlen (no longest key length) 128x256.
+    # A dense call of 50 keys runs 64x128 (no FMA exp2); varlen (no longest key length)
+    # 128x256, with the FMA exp2 without a diagonal.
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
-    assert config.tile_n == (128 if right >= 0 and not varlen else 256)
+    assert config.tile_n == (256 if varlen else 128)
     # Descale, FP8 and the config's EXP2_FMA
-    assert args[11] is descale and args[-2:] == (True, 0 if right >= 0 else 4)
+    assert args[11] is descale and args[-2:] == (True, 4 if varlen and right < 0 else 0)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
                                 True, config, varlen=varlen, fp8=True)
     params = sig.parameters

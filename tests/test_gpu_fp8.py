@@ -282,9 +282,9 @@ def test_fp8_varlen_matches_each_sequence_alone(feature, monkeypatch):
     dense forward of the sequence alone up to the bf16 output's last bit (the VARLEN switch's
     tiles differ in masking, not in arithmetic); with seqused_k, the dense call on the used
     keys alone."""
-    # The dense calls take the varlen's tiles: alone, a short causal call runs a variant of
-    # its own, which rounds P to e4m3 at other steps of the running maximum.
-    monkeypatch.setattr(variants, "FP8_SHORT_KEYS", 0)
+    # The dense calls take the varlen's tiles: alone, a short call runs a variant of its own,
+    # which rounds P to e4m3 at other steps of the running maximum.
+    monkeypatch.setattr(variants, "FP8_SHORT_KEYS", {True: 0, False: 0})
     lengths = [1, 17, 113, 203]
     heads, kv_heads, d = 4, 2, 128
     qs = [outlier_inputs(1, n, heads, d, 10 + i)[0] for i, n in enumerate(lengths)]
