@@ -97,6 +97,19 @@ def test_the_table_marks_rows_whose_outputs_are_identical(bench_variants):
     assert "max diff 0.0147)" in lines[1] and "identical" not in lines[1]
 
 
+def recording_paired_ms(seen: list, paired: list, result: tuple):
+    """A stand-in for ``paired_ms`` that calls A then B once, appends what their runs put in
+    ``seen`` (emptied first), the rounds and the pairs to ``paired``, and returns
+    ``result``."""
+    def paired_ms(a, b, rounds, pairs, sleep_cycles):
+        seen.clear()
+        a()
+        b()
+        paired.append((list(seen), rounds, pairs))
+        return result
+    return paired_ms
+
+
 def test_paired_rounds_time_each_side_by_paired_ms(bench_variants, tmp_path, monkeypatch):
     """--paired: each config's two sides go to paired_ms, the baseline's as A, and the ratio
     is 1 + its median cost (not the quotient of the two medians); each side's calls run
@@ -110,14 +123,8 @@ def test_paired_rounds_time_each_side_by_paired_ms(bench_variants, tmp_path, mon
         seen.append(_launch.attention_fwd)
         return (torch.full((2,), 1.5 if _launch.attention_fwd is ours["attention_fwd"] else 1.0),)
 
-    def fake_paired_ms(a, b, rounds, pairs, sleep_cycles):
-        seen.clear()
-        a()
-        b()
-        paired.append((list(seen), rounds, pairs))
-        return 2.0, 1.9, -0.07
-
-    monkeypatch.setattr(bench_variants, "paired_ms", fake_paired_ms)
+    monkeypatch.setattr(bench_variants, "paired_ms", recording_paired_ms(seen, paired,
+                                                                         (2.0, 1.9, -0.07)))
     config = variants.default_config((9, 0), 128)
     ms, diffs, ratios = bench_variants.against_baseline([config], run, loaded, paired_rounds=7)
     name = bench_variants.autotune.describe(config)
@@ -140,14 +147,8 @@ def test_paired_alone_times_each_config_against_the_default(bench_variants, monk
         ran.append(config)
         return (torch.full((3,), 2.0 if config == default else 2.25),)
 
-    def fake_paired_ms(a, b, rounds, pairs, sleep_cycles):
-        ran.clear()
-        a()
-        b()
-        paired.append((list(ran), rounds, pairs))
-        return 1.0, 0.9, -0.12
-
-    monkeypatch.setattr(bench_variants, "paired_ms", fake_paired_ms)
+    monkeypatch.setattr(bench_variants, "paired_ms", recording_paired_ms(ran, paired,
+                                                                         (1.0, 0.9, -0.12)))
     ms, diffs, ratios = bench_variants.against_default([default, wide], run, 5)
     name = bench_variants.autotune.describe(wide)
     assert paired == [([default, wide], 5, bench_variants.PAIRS)]
