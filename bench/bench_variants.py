@@ -34,7 +34,7 @@ kernels, the config the only change): the A/B of a tile shape whose few percent 
 interleaved rounds cannot tell from noise.
 
     python bench/bench_variants.py --dtype fp8 --head-dims 128 --causal yes \\
-        --configs '{"tile_n": 128}' --paired 15
+        --lengths 8192 16384 --configs '{"tile_n": 128}' --paired 15
 
 ``--dropout P`` times every row with dropout of probability P (and the defaults of classes with
 dropout); without it the rows' scores are plain.
@@ -247,7 +247,7 @@ def main():
     capability = torch.cuda.get_device_capability()
     dropout = _launch.Dropout(args.dropout, 2024) if args.dropout else _launch.NO_DROPOUT
 
-    def pick(head_dim: int, causal: bool, length: int) -> variants.TileConfig:
+    def pick(head_dim: int, causal: bool, length: int | None) -> variants.TileConfig:
         if args.backward:
             return variants.default_backward_config(capability, head_dim, not args.dropout)
         if args.dtype == "fp8":  # (its causal rows' default may differ, by length too)
@@ -263,7 +263,7 @@ def main():
     for head_dim in args.head_dims:
         for size in sizes:
             for causal in causals:
-                default = pick(head_dim, causal, size)
+                default = pick(head_dim, causal, None if args.varlen else size)
                 laid = [dataclasses.replace(default, **o) for o in overlays]
                 configs = laid if baseline else [default, *laid]
                 if args.varlen:
@@ -336,7 +336,8 @@ def table(rows, overlays, paired_with: str) -> str:
             return (f"{n}: {r['ms'][n]} / {r['ms'][n + ' (baseline)']} ({r['ratio'][n]}x; "
                     f"max diff {r['max_diff'][n]:.3g}{same})")
         return f"{n}: {r['ms'][n]}" + (f" ({r['ratio'][n]}x)" if i and n in r["ratio"] else "")
-    head = ([f"{c} ms, ours / {paired_with} (ratio)" for c in overlays] if paired_with else
+    side = {"baseline": "ours / baseline", "default": "config / default"}.get(paired_with)
+    head = ([f"{c} ms, {side} (ratio)" for c in overlays] if paired_with else
             ["default ms", *(f"{c} ms (over the default)" for c in overlays)])
     return md_table(["D", "L", "causal", *head],
                     [[r["head_dim"], r.get("length", f"packed, {r.get('tokens')} tokens"),

@@ -457,10 +457,10 @@ class ForwardPlan:
     kernel reads them (``_arrays.layout``), and the outputs' (shape, strides) for
     ``torch.empty_strided``, as the planned call had them: out [B, Lq, H, Dv] contiguous
     (``out``) or, the same memory, as its [B, H, Lq, Dv] view (``out_bhld``: SDPA's layout,
-    which the kernel writes), and the LSE [B, H, Lq] contiguous or None. Valid for every call of that signature (the same
-    shapes, strides, dtypes, device and scalars) without ALiBi, a mask, varlen, sinks,
-    dropout or FP8, whose arrays or seeds change from call to call
-    (``flash_tile._plans``)."""
+    which the kernel writes), and the LSE [B, H, Lq] contiguous or None. Valid for every
+    call of that signature (the same shapes, strides, dtypes, device and scalars) without
+    ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays or seeds change from call to
+    call (``flash_tile._plans``)."""
 
     __slots__ = ("grid", "kernel", "tail", "layouts", "device", "dtype", "out", "out_bhld",
                  "lse", "no_lse")

@@ -4,7 +4,8 @@ of the forward kernel (``kernels/attention_fwd.py``) behind ``flash_attn_func`` 
 
 Forward only: no autograd is registered (the public functions raise before launching when a
 gradient is asked for, as FA3 does). The variant is the architecture's FP8 default for the
-head dim, never tuned (``variants.fp8_config``). ``descale`` is the fp32 [3, B, H_kv]
+head dim, the mask's diagonal and, for a dense call, the key length, never tuned
+(``variants.fp8_config``). ``descale`` is the fp32 [3, B, H_kv]
 stack of the q, k and v descale factors (``_validate.fp8_descales``); the output is
 bfloat16 in flash-attn's layout, the LSE fp32 as the bf16 ops'.
 """

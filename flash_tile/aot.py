@@ -220,7 +220,8 @@ def _keys_major(v_head_dim: int, k_len: int, index) -> ArrayConstraint:
 def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False, fp8=False,
                     causal=False):
     """The variant a launch of this class gets with tuning off (``_ops._choose``; the FP8
-    forward's, ``variants.fp8_config``, is never tuned)."""
+    forward's, ``variants.fp8_config``, is never tuned: this is a long call's, where dense
+    calls of at most ``variants.FP8_SHORT_KEYS`` keys may run another; pass ``config``)."""
     capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
     if backward:
         return variants.default_backward_config(capability, width, plain)

@@ -166,9 +166,10 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # 2026-12-07, commit c51c822, bench_variants.py --dtype fp8 --paired 15, an A/A beside it at
 # 0.996-1.000x; docs/experiments/evidence/2026-12-07-fp8-tile-n-paired-h100.md]; and against
 # that 128x128, 64x128 o2 (D=64's tile) took 0.934x / 0.953x / 0.969x at 1k / 2k / 4k (64x128
-# without the hint 1.30-1.34x; at D=256 both 1.20-1.26x) [same run, section 4]. So dense
-# calls of at most FP8_SHORT_KEYS[causal] keys run 64x128 o2: non-causal, it took 0.912x /
-# 0.989x / 1.052x the time of 128x256 at 1k / 2k / 4k [same run, section 5]. Varlen calls keep
+# without the hint 1.30-1.34x; at D=256 both 1.20-1.26x) [same evidence, section 4, commit
+# 5a9a76e]. So dense calls of at most FP8_SHORT_KEYS[causal] keys run 64x128 o2: non-causal,
+# it took 0.912x / 0.989x / 1.052x the time of 128x256 at 1k / 2k / 4k [same evidence,
+# section 5, commit 90d848f]. Varlen calls keep
 # 128x256, untimed: their max_seqlen_k is never read (a tensor's value would sync,
 # torch.compile guard on it).
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
@@ -190,8 +191,10 @@ _FP8_DEFAULTS = {**_DEFAULTS,
                  (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
 _FP8_CAUSAL_DEFAULTS = {**_DEFAULTS, (9, 0): (
     (64, SM90_FP8_NARROW), (128, SM90_FP8_CAUSAL), (256, SM90_TWO_GROUPS))}
-# A default's variant for dense calls of at most FP8_SHORT_KEYS[causal] keys.
-_FP8_SHORT = {SM90_FP8: SM90_FP8_SHORT, SM90_FP8_CAUSAL: SM90_FP8_SHORT}
+# Per compute capability, as _DEFAULTS: the variant of dense FP8 calls of at most
+# FP8_SHORT_KEYS[causal] keys (None: the default's whatever the length).
+_FP8_SHORT_DEFAULTS = {**{capability: () for capability in _DEFAULTS},
+                       (9, 0): ((64, None), (128, SM90_FP8_SHORT))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -215,7 +218,9 @@ def fp8_config(capability: tuple[int, int], head_dim: int = 128, causal: bool = 
     where the default has one (sm_90 D=128: 64x128, two CTAs an SM)."""
     config = _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
     if key_len is not None and key_len <= FP8_SHORT_KEYS[causal]:
-        return _FP8_SHORT.get(config, config)
+        short = next((c for max_dim, c in _family(_FP8_SHORT_DEFAULTS, capability)
+                      if head_dim <= max_dim), None)
+        return short or config
     return config
 
 

@@ -540,15 +540,19 @@ def test_sm90_fp8_forward_runs_both_matmuls_on_qgmma_without_spills(head_dim, ca
     assert summary["tma_load"] > 0
 
 
-def test_sm90_fp8_short_causal_variant_runs_on_qgmma_without_spills():
-    """The D=128 variant of short calls (64x128, two CTAs an SM), causal: both matmuls on
-    QGMMA, as many of each (128 keys a step over D = 128: 8 + 8 [tileiras 13.4, 2026-12-07]),
-    no row sum on the tensor cores (causal), no spills."""
-    sass = aot.disassemble(aot.compile_forward("sm_90", head_dim=128, causal=True, fp8=True,
-                                               config=variants.SM90_FP8_SHORT))
-    assert tuple(len(op.findall(sass)) for op in (_QK, _PV, _SUM)) == (8, 8, 0)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_fp8_short_variant_runs_on_qgmma_without_spills(causal):
+    """The D=128 variant of short calls (64x128, two CTAs an SM): both matmuls on QGMMA, as
+    many of each (128 keys a step over D = 128), no row sum on the tensor cores (a 128-key
+    step), no spills: 8 + 8 causal, 12 + 12 non-causal on an even length (the unmasked loop
+    unrolled) [tileiras 13.4, 2026-12-07; 128 registers]."""
+    cubin = aot.compile_forward("sm_90", head_dim=128, causal=causal, even_n=not causal,
+                                fp8=True, config=variants.SM90_FP8_SHORT)
+    sass = aot.disassemble(cubin)
+    each = 8 if causal else 12
+    assert tuple(len(op.findall(sass)) for op in (_QK, _PV, _SUM)) == (each, each, 0)
     summary = aot.summarize(sass)
-    assert summary["tensor_core"] == 16 and summary["local_memory"] == 0
+    assert summary["tensor_core"] == 2 * each and summary["local_memory"] == 0
 
 
 def test_fp8_exp2_fma_moves_exp2_from_the_mufu_to_the_fma_pipe():

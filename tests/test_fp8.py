@@ -324,21 +324,24 @@ def test_fp8_config_takes_the_short_variant_on_short_dense_calls_only():
         assert variants.fp8_config((9, 0), 100, causal, limit[causal]) == short
         for key_len in (limit[causal] + 1, None):
             assert variants.fp8_config((9, 0), 128, causal, key_len) == long
-        for head_dim in (64, 256):
-            assert (variants.fp8_config((9, 0), head_dim, causal, 64)
-                    == variants.fp8_config((9, 0), head_dim, causal))
-        assert (variants.fp8_config((10, 0), 128, causal, 64)
-                == variants.default_config((10, 0), 128))
+        # (D <= 64's default is the short variant already)
+        assert (variants.fp8_config((9, 0), 256, causal, 64)
+                == variants.fp8_config((9, 0), 256, causal) == variants.SM90_TWO_GROUPS)
+        for capability in ((10, 0), (12, 0)):
+            assert (variants.fp8_config(capability, 128, causal, 64)
+                    == variants.default_config(capability, 128))
     assert limit[True] > limit[False]  # a diagonal masks more of a wide tile's work
     assert (short.tile_m, short.tile_n, short.occupancy, short.exp2_fma) == (64, 128, 2, 0)
 
 
+@pytest.mark.parametrize("short_keys", [50, 49])
 @pytest.mark.parametrize("right", [0, -1])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
+def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, short_keys):
     """The FP8 ops' launch against the signature aot compiles, with the config of the call's
     kind: sm_90 D=128 takes exp2 on the FMA pipe without a diagonal alone, and a short dense
-    call the short variant."""
+    call the short variant: with FP8_SHORT_KEYS at 50 and at 49 only the key axis's length
+    (50; the other axes 2, 2 and 128) takes the dense call to it and past it."""
     from contextlib import nullcontext
 
     from flash_tile import aot
@@ -348,6 +351,7 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
     monkeypatch.setattr(_launch, "current_stream", lambda device: None)
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     monkeypatch.setattr(_ops_fp8, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(variants, "FP8_SHORT_KEYS", {True: short_keys, False: short_keys})
     descale = torch.rand(3, 2, 2)
     if varlen:
         q, k, v = torch.randn(40, 4, 128).to(E4M3), *(torch.randn(50, 2, 128).to(E4M3)
@@ -377,13 +381,14 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right):
     v_t = args[2]
     assert v_t.shape == v4.transpose(2, 3).shape and v_t.stride(-1) == 1
     assert v_t.stride(2) % 16 == 0 and v_t.data_ptr() == v_buffer.data_ptr()
-    # A dense call of 50 keys runs 64x128 (no FMA exp2); varlen (no longest key length)
-    # 128x256, with the FMA exp2 without a diagonal.
+    # A dense call of 50 keys at most FP8_SHORT_KEYS runs 64x128 (no FMA exp2); past it, and
+    # varlen (no longest key length), 128x256, with the FMA exp2 without a diagonal.
+    short = not varlen and short_keys >= 50
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
-    assert config.tile_n == (256 if varlen else 128)
+    assert config.tile_n == (128 if short else 256)
     # Descale, FP8 and the config's EXP2_FMA
-    assert args[11] is descale and args[-2:] == (True, 4 if varlen and right < 0 else 0)
+    assert args[11] is descale and args[-2:] == (True, 4 if not short and right < 0 else 0)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
                                 True, config, varlen=varlen, fp8=True)
     params = sig.parameters

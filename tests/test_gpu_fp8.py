@@ -108,7 +108,8 @@ def dequantized_reference(q8, k8, v8, stack, causal, window, softcap, slopes=Non
         l_i = l_i + torch.exp(sinks.double()[None, :, None, None] - row_max)
     ref = (p @ v) / l_i.clamp(min=1e-300)
     # The FMA pipe's exp2 where the config the op launches takes it
-    fma_err = reference.EXP2_FMA_ERROR if _ops_fp8._config(q8, v8, right).exp2_fma else 0.0
+    fma_err = (reference.EXP2_FMA_ERROR if _ops_fp8._config(q8, v8, right, k8.shape[1]).exp2_fma
+               else 0.0)
     err_p = torch.maximum(p * (2.0**-4 + 2 * fma_err), 2.0**-18 + fma_err * p) * (p > 0)
     err_l = err_p.sum(-1, keepdim=True)
     bound = (1.1 * (err_p @ v.abs() + err_l * ref.abs()) / (l_i - err_l).clamp(min=0.5) +
@@ -142,6 +143,7 @@ SHAPES = [  # (batch, q_len, k_len, heads, kv_heads, head_dim)
     (1, 1, 300, 8, 2, 128),
     (3, 512, 512, 4, 2, 256),
     (1, 1024, 1024, 4, 4, 128),
+    (1, 64, 4200, 2, 2, 128),  # past FP8_SHORT_KEYS: D=128's long variant, row sum and FMA exp2
 ]
 FEATURES = {
     "plain": dict(causal=False, window=(-1, -1), softcap=0.0),
@@ -238,7 +240,8 @@ def test_fp8_keeps_the_weights_far_below_the_max(sink):
     P scaled by 2^8, 0.19 and 0.26 without (tests/test_fp8.py). The kernel adds the tensor
     core's own accumulation (use_fast_acc: the small keys' tiles are added into an
     accumulator that key 0 dominates, at fewer mantissa bits than fp32): 2.9e-2 without the
-    sink on an H200 (2026-12-05, tileiras 13.4). Asserted: under 5e-2 plus the bf16
+    sink on an H200 (2026-12-05, tileiras 13.4, on the 128x256 tile this 2,048-key call took
+    before 2026-12-07's short variant). Asserted: under 5e-2 plus the bf16
     output's 2^-9, which the unscaled rounding (0.19, 0.26) fails. The LSE: within
     ``lse_bound`` plus the most that l summing the rounded weights moves it."""
     q, k, v = reference.peaked_inputs(1, 64, 2048, 2, 128, seed=7, device="cuda")
