@@ -61,9 +61,10 @@ def _print_compile_summary(arch, dtype, head_dim, causal, config, sass_out=None,
         print(f"  full Tile IR written to {tile_ir_out}")
 
 
-def _config_for(arch, head_dim, tile_m=None, tile_n=None, fp8=False, causal=False):
+def _config_for(arch, head_dim, tile_m=None, tile_n=None, fp8=False, causal=False,
+                key_len=None):
     capability = variants.capability_of(arch)
-    config = (variants.fp8_config(capability, head_dim, causal) if fp8 else
+    config = (variants.fp8_config(capability, head_dim, causal, key_len) if fp8 else
               variants.default_config(capability, head_dim))
     # The default's hints, with the asked-for tile shape.
     return dataclasses.replace(config, tile_m=tile_m or config.tile_m,
@@ -141,8 +142,11 @@ def inspect(args):
     if args.dtype == "float8_e4m3fn" and args.arch not in aot.FP8_TENSOR_CORE_OP:
         raise ValueError(f"the FP8 forward needs sm_90 or newer (tileiras has no e4m3 "
                          f"matmul for {args.arch}): pass --arch sm_90, sm_100 or sm_120")
+    if args.key_len is not None and args.dtype != "float8_e4m3fn":
+        raise ValueError("--key-len picks among the FP8 forward's variants: pass --dtype "
+                         "float8_e4m3fn (the other dtypes' variant depends on no length)")
     config = _config_for(args.arch, args.head_dim, args.tile_m, args.tile_n,
-                         args.dtype == "float8_e4m3fn", args.causal)
+                         args.dtype == "float8_e4m3fn", args.causal, args.key_len)
     _print_compile_summary(args.arch, args.dtype, args.head_dim, args.causal, config,
                            args.sass_out, args.tile_ir_out)
 
@@ -334,6 +338,9 @@ def main(argv=None):
                    help="query rows per program (default: the arch's)")
     p.add_argument("--tile-n", type=_positive,
                    help="key rows per K-loop step (default: the arch's)")
+    p.add_argument("--key-len", type=_positive,
+                   help="FP8: the variant a dense call of this many keys runs (default: a "
+                        "long call's)")
     p.add_argument("--sass-out", help="write the full SASS listing to this file")
     p.add_argument("--tile-ir-out", help="write the Tile IR listing to this file")
     p.set_defaults(func=inspect)
