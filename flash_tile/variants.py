@@ -175,8 +175,7 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
-SM90_FP8_SHORT = SM90_FP8_NARROW
-FP8_SHORT_KEYS = {True: 4096, False: 2048}  # by causal
+FP8_SHORT_KEYS = {True: 4096, False: 2048}  # by causal: the most keys of a short call
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
@@ -191,10 +190,9 @@ _FP8_DEFAULTS = {**_DEFAULTS,
                  (9, 0): ((64, SM90_FP8_NARROW), (128, SM90_FP8), (256, SM90_TWO_GROUPS))}
 _FP8_CAUSAL_DEFAULTS = {**_DEFAULTS, (9, 0): (
     (64, SM90_FP8_NARROW), (128, SM90_FP8_CAUSAL), (256, SM90_TWO_GROUPS))}
-# Per compute capability, as _DEFAULTS: the variant of dense FP8 calls of at most
-# FP8_SHORT_KEYS[causal] keys (None: the default's whatever the length).
-_FP8_SHORT_DEFAULTS = {**{capability: () for capability in _DEFAULTS},
-                       (9, 0): ((64, None), (128, SM90_FP8_SHORT))}
+# Dense FP8 calls of at most FP8_SHORT_KEYS[causal] keys, causal or not.
+_FP8_SHORT_DEFAULTS = {**_DEFAULTS, (9, 0): (
+    (64, SM90_FP8_NARROW), (128, SM90_FP8_NARROW), (256, SM90_TWO_GROUPS))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -214,14 +212,11 @@ def fp8_config(capability: tuple[int, int], head_dim: int = 128, causal: bool = 
     """The FP8 forward's variant (never tuned), as ``default_config``; ``causal``: the call's
     keys end at a diagonal (causal, or any window with a right bound), whose variant may
     differ (sm_90 D=128: no exp2 on the FMA pipe); ``key_len``: a dense call's key length
-    (None for unknown), which at most ``FP8_SHORT_KEYS[causal]`` takes the short variant
-    where the default has one (sm_90 D=128: 64x128, two CTAs an SM)."""
-    config = _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
+    (None for unknown), which at most ``FP8_SHORT_KEYS[causal]`` takes the short calls'
+    variant (sm_90 D=128: 64x128, two CTAs an SM, as D=64)."""
     if key_len is not None and key_len <= FP8_SHORT_KEYS[causal]:
-        short = next((c for max_dim, c in _family(_FP8_SHORT_DEFAULTS, capability)
-                      if head_dim <= max_dim), None)
-        return short or config
-    return config
+        return _lookup(_FP8_SHORT_DEFAULTS, capability, head_dim)
+    return _lookup(_FP8_CAUSAL_DEFAULTS if causal else _FP8_DEFAULTS, capability, head_dim)
 
 
 def _family(table, capability):

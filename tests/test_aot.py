@@ -547,7 +547,7 @@ def test_sm90_fp8_short_variant_runs_on_qgmma_without_spills(causal):
     step), no spills: 8 + 8 causal, 12 + 12 non-causal on an even length (the unmasked loop
     unrolled) [tileiras 13.4, 2026-12-07; 128 registers]."""
     cubin = aot.compile_forward("sm_90", head_dim=128, causal=causal, even_n=not causal,
-                                fp8=True, config=variants.SM90_FP8_SHORT)
+                                fp8=True, config=variants.SM90_FP8_NARROW)
     sass = aot.disassemble(cubin)
     each = 8 if causal else 12
     assert tuple(len(op.findall(sass)) for op in (_QK, _PV, _SUM)) == (each, each, 0)

@@ -29,7 +29,7 @@ def test_inspect_compiles_the_fp8_variant_of_a_key_length(capsys):
     """--key-len compiles the variant a dense FP8 call of that many keys runs: sm_90 D=128's
     short variant at 1024 keys, its long one past FP8_SHORT_KEYS; other dtypes refuse it."""
     argv = ["inspect", "--dtype", "float8_e4m3fn", "--head-dim", "128", "--no-causal"]
-    for key_len, config in ((1024, variants.SM90_FP8_SHORT), (4096, variants.SM90_FP8)):
+    for key_len, config in ((1024, variants.SM90_FP8_NARROW), (4096, variants.SM90_FP8)):
         assert main([*argv, "--key-len", str(key_len)]) == 0
         assert autotune.describe(config) in capsys.readouterr().out.splitlines()[0]
     assert main(["inspect", "--key-len", "1024"]) == 1

@@ -318,7 +318,7 @@ def test_fp8_config_takes_the_short_variant_on_short_dense_calls_only():
     """sm_90 D=128: a call of at most FP8_SHORT_KEYS[causal] keys runs 64x128 o2, past that
     (or with the length unknown, as varlen) 128x256, with the FMA exp2 without a diagonal;
     other head dims and architectures keep their variant whatever the length."""
-    short, limit = variants.SM90_FP8_SHORT, variants.FP8_SHORT_KEYS
+    short, limit = variants.SM90_FP8_NARROW, variants.FP8_SHORT_KEYS
     for causal, long in ((True, variants.SM90_FP8_CAUSAL), (False, variants.SM90_FP8)):
         assert variants.fp8_config((9, 0), 128, causal, 1) == short
         assert variants.fp8_config((9, 0), 100, causal, limit[causal]) == short
