@@ -108,6 +108,13 @@ def launching(kernels: dict):
         swap(saved)
 
 
+def max_diff(outputs, others) -> float:
+    """The largest |difference| between two runs' outputs (the backward's end with an empty
+    dsinks without sinks)."""
+    return max(((a.float() - b.float()).abs().max().item()
+                for a, b in zip(outputs, others) if a.numel()), default=0.0)
+
+
 def against_baseline(configs, run, baseline: dict,
                      paired_rounds: int = 0) -> tuple[dict, dict, dict]:
     """({name: ms} with this tree's kernels and DIR's (" (baseline)" names), {name: the largest
@@ -124,9 +131,7 @@ def against_baseline(configs, run, baseline: dict,
     for config in configs:
         name = autotune.describe(config)
         ours, theirs = with_kernels(own, config), with_kernels(baseline, config)
-        # (the backward's outputs end with an empty dsinks without sinks)
-        diffs[name] = max(((a.float() - b.float()).abs().max().item()
-                           for a, b in zip(ours, theirs) if a.numel()), default=0.0)
+        diffs[name] = max_diff(ours, theirs)
         fns[name] = functools.partial(with_kernels, own, config)
         fns[f"{name} (baseline)"] = functools.partial(with_kernels, baseline, config)
     if paired_rounds:
@@ -155,8 +160,7 @@ def against_default(configs, run, rounds: int) -> tuple[dict, dict, dict]:
     timed, diffs, ratios = {}, {}, {}
     for config in others:
         name = autotune.describe(config)
-        diffs[name] = max(((a.float() - b.float()).abs().max().item()
-                           for a, b in zip(run(config), reference) if a.numel()), default=0.0)
+        diffs[name] = max_diff(run(config), reference)
         base_ms, ms, cost = paired_ms(functools.partial(run, default),
                                       functools.partial(run, config), rounds, PAIRS,
                                       SLEEP_CYCLES)
@@ -299,10 +303,6 @@ def main():
     progress.close()
     info = {**machine_info(), "note": "Each variant is launched directly, as the table names "
             "it (the autotuner's check-then-time, not its choice)."}
-    if args.paired and not baseline:
-        info["note"] = (f"Each variant against the default by paired_ms, {args.paired} rounds "
-                        f"of {PAIRS} pairs of neighbouring calls (ratio: the median round's); "
-                        "max diff: the largest |difference| from the default's outputs.")
     if baseline:
         timing = (f"by paired_ms, {args.paired} rounds of {PAIRS} pairs of neighbouring calls "
                   "(ratio: the median round's)" if args.paired else
@@ -310,6 +310,10 @@ def main():
         info["note"] = (f"Each variant with this tree's kernels and with those of {args.baseline}"
                         f" (baseline), {timing}; max diff: the largest |difference| of their "
                         "outputs.")
+    elif args.paired:
+        info["note"] = (f"Each variant against the default by paired_ms, {args.paired} rounds "
+                        f"of {PAIRS} pairs of neighbouring calls (ratio: the median round's); "
+                        "max diff: the largest |difference| from the default's outputs.")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     save_json(args.out, info, backward=args.backward, baseline=args.baseline,
               paired_rounds=args.paired, rows=rows)
