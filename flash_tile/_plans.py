@@ -193,7 +193,7 @@ class AddressedDecode:
             plan.launch_arrays(arrays, out, lse, scale, softcap, window, new_len, q.device)
             return
         # Slot by slot: a loop over (layout, tensor) pairs cost a step 1.06-1.09x the host time
-        # on a 2-core CPU host with a stub driver (2026-12-07, two in-process A/B runs).
+        # (docs/experiments/evidence/2026-12-07-decode-arrays-cpu.md, last section).
         q_, k_, v_, out_, lse_, lens_, idx_, table_, _, sinks_, leftpad_, *_ = self.layouts
         arrays = (Array(q_, q.data_ptr()), Array(k_, k_cache.data_ptr()),
                   Array(v_, v_cache.data_ptr()),
