@@ -169,13 +169,17 @@ SM120_WIDE = TileConfig(tile_m=32, tile_n=64, num_worker_warps=8)
 # without the hint 1.30-1.34x; at D=256 both 1.20-1.26x) [same evidence, section 4, commit
 # 5a9a76e]. So dense calls of at most FP8_SHORT_KEYS[causal] keys run 64x128 o2: non-causal,
 # it took 0.912x / 0.989x / 1.052x the time of 128x256 at 1k / 2k / 4k [same evidence,
-# section 5, commit 90d848f]. Varlen calls keep
+# section 5, commit 90d848f]. Past those first limits (4,096 causal, 2,048 non-causal), 64x128
+# o2 against 128x256 by the same paired calls: causal 0.980x / 0.994x / 1.016x at 5k / 6k /
+# 8k keys, non-causal 1.033x / 1.069x at 3k / 5k; so causal calls take it up to 6,144 keys
+# [H100, 2026-12-07, commit eeb8256, A/A 0.997-1.000x;
+# docs/experiments/evidence/2026-12-07-fp8-short-keys-backward-h100.md]. Varlen calls keep
 # 128x256, untimed: their max_seqlen_k is never read (a tensor's value would sync,
 # torch.compile guard on it).
 SM90_FP8_NARROW = TileConfig(tile_m=64, tile_n=128, occupancy=2)
 SM90_FP8 = TileConfig(tile_m=128, tile_n=256, num_worker_warps=8, exp2_fma=4)
 SM90_FP8_CAUSAL = replace(SM90_FP8, exp2_fma=0)
-FP8_SHORT_KEYS = {True: 4096, False: 2048}  # by causal: the most keys of a short call
+FP8_SHORT_KEYS = {True: 6144, False: 2048}  # by causal: the most keys of a short call
 
 # Per compute capability: (largest head dim, config) buckets, narrowest first. A head dim is
 # the larger of the query/key and value head dims.
