@@ -34,11 +34,15 @@ and the key tiles wholly before it are skipped.
 
 FP8 cache. K and V may be float8_e4m3fn with Q in float16 or bfloat16 (what serving engines
 keep: half the bytes a step reads), standing for KDescale[b, h] k8 and VDescale[b, h] v8 per
-(sequence, key/value head). Each tile is widened to Q's dtype after its load (exact: every
-e4m3 value is a float16 and a bfloat16) and the matmuls run as for a Q-dtype cache; the key
-descale joins the softmax scale once per program (so softcap, the LSE and the masks see the
-dequantized scores) and the value descale multiplies the output (each split's, before the
-combine, which is linear in them). No switch: the cache's dtype is a compile-time fact.
+(sequence, key/value head). Each tile is widened after its load (exact: every e4m3 value is
+a float16 and a bfloat16): K to Q's dtype, V to float16 whatever Q's (one conversion on sm_90,
+where bfloat16 takes three), and P V runs in float16 with P scaled by 2^8 (softmax_step's
+P_LOG2_SCALE, m_i running 8 below the row max: the output's 1 / l_i cancels it and the LSE is
+unchanged), so that float16's range loses only weights under 2^-32 of their row's max and
+rounds P to 11 bits, where bfloat16 kept 8. The key descale joins the softmax scale once per
+program (so softcap, the LSE and the masks see the dequantized scores) and the value descale
+multiplies the output (each split's, before the combine, which is linear in them). No switch:
+the cache's dtype is a compile-time fact.
 ``cache_append`` writes new rows given in Q's dtype as x / descale rounded to e4m3 (saturating
 at +-448), and new rows given in e4m3 as they are (rotated under ROTARY: the rotation is
 linear, so it commutes with the descale).
@@ -86,8 +90,8 @@ import math
 
 import cuda.tile as ct
 
-from ._tiles import (LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt, keep_tile,
-                     log2_scores, softmax_step)
+from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
+                     keep_tile, log2_scores, softmax_step)
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -256,10 +260,11 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
             s = ct.where(offs_k >= k_lo, s, -math.inf)
         cut = cut | padded
     # Every tile is masked (GUARD).
-    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, 0, True)
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True,
+                                        FP8_P_LOG2_SCALE if V.dtype != q.dtype else 0, True)
     v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
-    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
-        v = v.astype(q.dtype)
+    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output): P V in float16
+        v = v.astype(ct.float16)
     if cut:
         rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # V's keys
         v = ct.where((rows_v < band[0]) & (rows_v >= k_lo), v, 0.0).astype(v.dtype)
@@ -320,6 +325,9 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
             sink = ct.load(Sinks, index=(kv_head, 0), shape=(1, TILE_G), padding_mode=ZERO)
             m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
             l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
+            if V.dtype != Q.dtype:  # an FP8 cache's scaled P (``_attend_kv_tile``)
+                m_i = m_i - FP8_P_LOG2_SCALE
+                l_i = ct.full((TILE_M, 1), 2.0 ** FP8_P_LOG2_SCALE, dtype=ct.float32)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
     # What every key tile's loads read: the caches, where the sequence's keys are (its cache
     # row, or its pages), and its bounds.

@@ -276,14 +276,17 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
 def test_fp8_cache_compiles(arch, q_dtype):
     """The decode of an FP8 cache widens its tiles with the e4m3 unpack (F2FP ... E4M3) and
-    keeps its tensor cores, without spills; the append that quantizes rotated rows into it
-    has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
+    keeps its tensor cores, without spills; P V runs in float16 whatever q's dtype (with
+    bfloat16 q, Q K^T alone is a bfloat16 HMMA); the append that quantizes rotated rows into
+    it has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
     cubins = aot.compile_decode(arch, q_dtype, page_size=64, splits=4, fp8_cache=True,
                                 rotary="neox")
     listing = aot.disassemble(cubins["decode"])
     decode, append = aot.summarize(listing), aot.summarize(aot.disassemble(cubins["append"]))
     assert decode["tensor_core"] > 0 and decode["local_memory"] == 0, decode
     assert ".E4M3.UNPACK" in listing
+    assert "HMMA.16816.F32 " in listing  # float16 operands
+    assert ("HMMA.16816.F32.BF16 " in listing) == (q_dtype == "bfloat16")
     assert append["local_memory"] == 0, append
 
 
