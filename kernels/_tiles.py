@@ -54,6 +54,8 @@ LN_2 = math.log(2.0)
 # more than 2^10 below their row's max would flush to 0 while l_i counts them (a row with one
 # dominant key then lost 16-58% of its output's magnitude in the float64 twin at 1k-16k keys,
 # 2026-12-05). Scaled, weights down to 2^-18 of the max keep a value. FA3's Max_offset = 8.
+# The decode of an FP8 cache scales its float16 P the same way: float16 then loses only
+# weights under 2^-32 of their row's max (2^-24 unscaled), and 2^8 is far within its 65504.
 FP8_P_LOG2_SCALE = 8
 
 # The FP8 forward sums l_i on the tensor core (the rounded P times a ones tile) on key steps

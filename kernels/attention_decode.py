@@ -237,7 +237,7 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     scalar), and the select in every step cost 8-24% of the GB/s on the H200 (2026-12-02,
     occupancy 2, B 1-128, L 4k-128k)."""
     K, V, _, _, batch, _, _, k_lo, _ = kv
-    TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER = TILES
+    TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER, P_LOG2_SCALE = TILES
     TILE_M = TILE_LQ * TILE_G
     pages = None
     if GATHER:  # once for K and V
@@ -260,10 +260,10 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
             s = ct.where(offs_k >= k_lo, s, -math.inf)
         cut = cut | padded
     # Every tile is masked (GUARD).
-    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True,
-                                        FP8_P_LOG2_SCALE if V.dtype != q.dtype else 0, True)
+    m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, P_LOG2_SCALE, True)
     v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
-    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output): P V in float16
+    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output): float16 takes
+        # one conversion from e4m3 on sm_90 where bfloat16 takes three, and P keeps 11 bits
         v = v.astype(ct.float16)
     if cut:
         rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # V's keys
@@ -305,7 +305,9 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     # Packed row r is query row tile_q * TILE_LQ + r // TILE_G.
     offs_q = tile_q * TILE_LQ + ct.arange(TILE_M, dtype=ct.int32)[:, None] // TILE_G
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
-    TILES = (TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER)
+    # An FP8 cache's P V runs in float16 on P scaled by 2**P_LOG2_SCALE (``_attend_kv_tile``).
+    P_LOG2_SCALE = FP8_P_LOG2_SCALE if V.dtype != Q.dtype else 0
+    TILES = (TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER, P_LOG2_SCALE)
     FEATURES = (MASK_LEFT, MASK_RIGHT, False, SOFTCAP, ALIBI, NO_MASK, False)
     rows = (batch, kv_head, offs_q, _slopes(Slopes, batch, kv_head, TILE_LQ, TILE_G, ALIBI), 0)
 
@@ -324,10 +326,9 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
         if split == 0:  # the sink joins one split's softmax; the combine counts it once
             sink = ct.load(Sinks, index=(kv_head, 0), shape=(1, TILE_G), padding_mode=ZERO)
             m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
-            l_i = ct.full((TILE_M, 1), 1.0, dtype=ct.float32)
-            if V.dtype != Q.dtype:  # an FP8 cache's scaled P (``_attend_kv_tile``)
-                m_i = m_i - FP8_P_LOG2_SCALE
-                l_i = ct.full((TILE_M, 1), 2.0 ** FP8_P_LOG2_SCALE, dtype=ct.float32)
+            l_i = ct.full((TILE_M, 1), 2.0 ** P_LOG2_SCALE, dtype=ct.float32)
+            if P_LOG2_SCALE != 0:  # m_i runs that far below the max, as softmax_step's
+                m_i = m_i - P_LOG2_SCALE
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
     # What every key tile's loads read: the caches, where the sequence's keys are (its cache
     # row, or its pages), and its bounds.

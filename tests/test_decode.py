@@ -285,9 +285,19 @@ def test_fp8_cache_compiles(arch, q_dtype):
     decode, append = aot.summarize(listing), aot.summarize(aot.disassemble(cubins["append"]))
     assert decode["tensor_core"] > 0 and decode["local_memory"] == 0, decode
     assert ".E4M3.UNPACK" in listing
-    assert "HMMA.16816.F32 " in listing  # float16 operands
-    assert ("HMMA.16816.F32.BF16 " in listing) == (q_dtype == "bfloat16")
+    fp16_mma, bf16_mma = listing.count("HMMA.16816.F32 "), listing.count("HMMA.16816.F32.BF16 ")
+    # float16 P V; with bfloat16 q, Q K^T (as many matmuls) in bfloat16
+    assert fp16_mma > 0 and bf16_mma == (fp16_mma if q_dtype == "bfloat16" else 0)
     assert append["local_memory"] == 0, append
+
+
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
+def test_fp8_cache_with_sinks_compiles(q_dtype):
+    """Under SINKS an FP8 cache's rows start from the sink shifted by P's scale (m_i 8 below
+    it, l_i = 2^8): sm_90 compiles it without spills, on its tensor cores."""
+    cubins = aot.compile_decode("sm_90", q_dtype, splits=4, fp8_cache=True, sinks=True)
+    decode = aot.summarize(aot.disassemble(cubins["decode"]))
+    assert decode["tensor_core"] > 0 and decode["local_memory"] == 0, decode
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])

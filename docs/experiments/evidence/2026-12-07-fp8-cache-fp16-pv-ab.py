@@ -12,7 +12,8 @@ gen = torch.Generator(device="cuda").manual_seed(0)
 rows = []
 H, HKV, D = 32, 8, 128
 for q_dtype in (torch.bfloat16, torch.float16):
-    for batch, length, page in ((1, 8192, None), (1, 32768, None), (1, 131072, None), (8, 8192, None),
+    for batch, length, page in ((1, 8192, None), (1, 32768, None), (1, 131072, None),
+                                (8, 8192, None),
                                 (8, 32768, None), (32, 8192, None), (32, 32768, None),
                                 (128, 8192, None), (8, 32768, 64), (32, 8192, 64),
                                 (8, 32768, 16), (32, 8192, 256)):
