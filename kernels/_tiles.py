@@ -465,6 +465,18 @@ def exp2_split(x, EXP2_FMA: ConstInt):
     return ct.cat((lo, hi), 1)
 
 
+def sink_start(sink_log2, ROWS: ConstInt, SUM_N: ConstInt, P_LOG2_SCALE: ConstInt):
+    """(m_i, l_i) of ROWS rows whose online softmax starts from a sink, a score every row sees
+    with no value (``sink_log2``, in log2 units, a tile that broadcasts to [ROWS, 1]): m = the
+    sink, l = exp2(0) = 1, or under ``softmax_step``'s P_LOG2_SCALE m that far below it and
+    l = 2**P_LOG2_SCALE; l_i has SUM_N equal columns (the FP8 forward's tensor-core row sum).
+    Once per row, outside the K-loop, instead of (-inf, 0)."""
+    if P_LOG2_SCALE != 0:
+        sink_log2 = sink_log2 - P_LOG2_SCALE
+    m_i = ct.broadcast_to(sink_log2, (ROWS, 1))
+    return m_i, ct.full((ROWS, SUM_N), 2.0**P_LOG2_SCALE, dtype=ct.float32)
+
+
 def softmax_step(s, factor, m_i, l_i, GUARD: ConstBool, P_LOG2_SCALE: ConstInt,
                  ROW_SUM: ConstBool, EXP2_FMA: ConstInt = 0):
     """One step of the online softmax (FlashAttention-2) over a tile of log2 scores s * factor

@@ -91,7 +91,7 @@ import math
 import cuda.tile as ct
 
 from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     keep_tile, log2_scores, softmax_step)
+                     keep_tile, log2_scores, sink_start, softmax_step)
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -325,10 +325,8 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     if SINKS:
         if split == 0:  # the sink joins one split's softmax; the combine counts it once
             sink = ct.load(Sinks, index=(kv_head, 0), shape=(1, TILE_G), padding_mode=ZERO)
-            m_i = _per_row(sink * LOG2_E, TILE_LQ, TILE_G)
-            l_i = ct.full((TILE_M, 1), 2.0 ** P_LOG2_SCALE, dtype=ct.float32)
-            if P_LOG2_SCALE != 0:  # m_i runs that far below the max, as softmax_step's
-                m_i = m_i - P_LOG2_SCALE
+            m_i, l_i = sink_start(_per_row(sink * LOG2_E, TILE_LQ, TILE_G), TILE_M, 1,
+                                  P_LOG2_SCALE)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
     # What every key tile's loads read: the caches, where the sequence's keys are (its cache
     # row, or its pages), and its bounds.

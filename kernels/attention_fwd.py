@@ -107,7 +107,7 @@ import cuda.tile as ct
 from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
                      descale, dropout_keep, fp8_sum_mma, heaviest_first, load_keys_major,
                      load_seq_rows, log2_scores, program_tile, query_rows, sequence_bounds,
-                     softmax_step, store_seq_rows, tile_runs)
+                     sink_start, softmax_step, store_seq_rows, tile_runs)
 
 # FP8's row sum of P on the tensor core (``_attend_kv_tile``) is a matmul against a ones tile
 # of this many columns, the narrowest an e4m3 matmul takes on sm_90 (QGMMA 64x8x32).
@@ -223,15 +223,9 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     ones = ct.full((TILE_N, SUM_N), 1.0, dtype=V.dtype)
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((TILE_M, SUM_N), dtype=ct.float32)
-    if SINKS:
-        # The head's sink is a score every row sees, with no value: the running max and sum
-        # start from it (m = sink, l = exp2(0) = 1; under FP8 m runs P_LOG2_SCALE below the
-        # max, l = exp2(P_LOG2_SCALE)), once per row and outside the K-loop.
+    if SINKS:  # the running max and sum start from the head's sink
         sink = ct.load(Sinks, index=(head,), shape=(1,)).reshape((1, 1)) * LOG2_E
-        if P_LOG2_SCALE != 0:
-            sink = sink - P_LOG2_SCALE
-        m_i = ct.zeros((TILE_M, 1), dtype=ct.float32) + sink
-        l_i = ct.full((TILE_M, SUM_N), 2.0**P_LOG2_SCALE, dtype=ct.float32)
+        m_i, l_i = sink_start(sink, TILE_M, SUM_N, P_LOG2_SCALE)
     acc = ct.zeros((TILE_M, TILE_DV), dtype=ct.float32)
 
     # Key tiles: row i sees j in [i + diag_offset - left, i + diag_offset + right].
