@@ -115,6 +115,17 @@ def max_diff(outputs, others) -> float:
                 for a, b in zip(outputs, others) if a.numel()), default=0.0)
 
 
+def paired(sides: dict, rounds: int, label: str) -> tuple[dict, dict]:
+    """({name: ms of B, "name (label)": ms of A}, {name: 1 + the median round's cost of B over
+    A}) for ``sides`` {name: (A, B)}, each pair timed by ``paired_ms`` over ``rounds``."""
+    timed, ratios = {}, {}
+    for name, (a, b) in sides.items():
+        a_ms, b_ms, cost = paired_ms(a, b, rounds, PAIRS, SLEEP_CYCLES)
+        timed[name], timed[f"{name} ({label})"] = b_ms, a_ms
+        ratios[name] = round(1 + cost, 3)
+    return timed, ratios
+
+
 def against_baseline(configs, run, baseline: dict,
                      paired_rounds: int = 0) -> tuple[dict, dict, dict]:
     """({name: ms} with this tree's kernels and DIR's (" (baseline)" names), {name: the largest
@@ -127,7 +138,7 @@ def against_baseline(configs, run, baseline: dict,
     def with_kernels(kernels, config):
         with launching(kernels):
             return run(config)
-    fns, diffs, ratios = {}, {}, {}
+    fns, diffs = {}, {}
     for config in configs:
         name = autotune.describe(config)
         ours, theirs = with_kernels(own, config), with_kernels(baseline, config)
@@ -135,12 +146,9 @@ def against_baseline(configs, run, baseline: dict,
         fns[name] = functools.partial(with_kernels, own, config)
         fns[f"{name} (baseline)"] = functools.partial(with_kernels, baseline, config)
     if paired_rounds:
-        timed = {}
-        for name in diffs:
-            theirs_ms, ours_ms, cost = paired_ms(fns[f"{name} (baseline)"], fns[name],
-                                                 paired_rounds, PAIRS, SLEEP_CYCLES)
-            timed[name], timed[f"{name} (baseline)"] = ours_ms, theirs_ms
-            ratios[name] = round(1 + cost, 3)
+        timed, ratios = paired(
+            {name: (fns[f"{name} (baseline)"], fns[name]) for name in diffs}, paired_rounds,
+            "baseline")
     else:
         timed = interleaved_ms(fns, ROUNDS, lambda fn: cuda_time_ms(fn, WARMUP, ITERS))
         for ms in timed.values():
@@ -157,16 +165,11 @@ def against_default(configs, run, rounds: int) -> tuple[dict, dict, dict]:
     round's time over the default's})."""
     default, *others = configs
     reference = [t.clone() for t in run(default)]
-    timed, diffs, ratios = {}, {}, {}
-    for config in others:
-        name = autotune.describe(config)
-        diffs[name] = max_diff(run(config), reference)
-        base_ms, ms, cost = paired_ms(functools.partial(run, default),
-                                      functools.partial(run, config), rounds, PAIRS,
-                                      SLEEP_CYCLES)
-        timed[name], timed[f"{name} (default)"] = round(ms, 4), round(base_ms, 4)
-        ratios[name] = round(1 + cost, 3)
-    return timed, diffs, ratios
+    diffs = {autotune.describe(c): max_diff(run(c), reference) for c in others}
+    timed, ratios = paired({autotune.describe(c): (functools.partial(run, default),
+                                                   functools.partial(run, c))
+                            for c in others}, rounds, "default")
+    return {name: round(ms, 4) for name, ms in timed.items()}, diffs, ratios
 
 
 def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dtype,
