@@ -1,7 +1,7 @@
 """Time DecodeConfig variants against the default decode tiles, on bench_decode's rows.
 
 ``bench_variants.py`` does this for the forward and backward's TileConfig; the decode's
-tiles, steps, page loads and compiler hints live in ``variants.DecodeConfig``. Each
+tiles, steps, page loads and compiler hints live in ``decode_variants.DecodeConfig``. Each
 ``--configs`` JSON object is laid over the default config of the row's GPU and head dim
 (``{"num_worker_warps": 8}`` is the default with 8 worker warps), and each variant's decode
 plan (``_launch_decode.decode_plan``, the launcher's own) is checked against the fp32
@@ -29,7 +29,7 @@ from tqdm import tqdm
 from bench_attention import failure, machine_info, md_table, save_json, write_report
 from bench_decode import ROUNDS, best_of_rounds, paged, row_inputs, row_reference
 from flash_tile import _launch_decode, _ops_decode, reference
-from flash_tile.variants import DecodeConfig
+from flash_tile.decode_variants import DecodeConfig
 
 
 def parse_configs(specs: list[str]) -> list[dict]:

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_tile
-from flash_tile import _launch, _launch_decode, _ops, _ops_decode, variants
+from flash_tile import _launch, _launch_decode, _ops, _ops_decode, decode_variants, variants
 from flash_tile._timing import grid_shape
 from bench_attention import device_ms, machine_info, md_table, save_json, write_report
 
@@ -177,7 +177,7 @@ def decode_layers(heads: int, kv_heads: int, head_dim: int, length: int = 1024) 
             for _ in range(2))
     lens = torch.full((1,), length, dtype=torch.int32, device="cuda")
     scale = head_dim ** -0.5
-    config = variants.default_decode_config(torch.cuda.get_device_capability(), head_dim)
+    config = decode_variants.default_decode_config(torch.cuda.get_device_capability(), head_dim)
     out = torch.empty_like(q)
     prebuilt = []
     real_launch = _launch.ct.launch

@@ -50,6 +50,9 @@ class ForwardSpec:
     seqused_k: bool = False  # under varlen, each sequence uses only its first keys
     fp8: bool = False  # e4m3 q, k and V^T with descale factors; the forward's alone
     exp2_fma: int = 0  # under fp8, the share of the exp2 on the FMA pipe (TileConfig's)
+    paged: bool = False  # under varlen, the keys in pages (the forward's alone, as page_n)
+    page_n: int = 0  # keys a page load (0 under gather)
+    gather: bool = False  # paged keys gathered by row (pages a load of MIN_PAGE_LOAD misses)
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -57,7 +60,8 @@ class ForwardSpec:
 
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
-                self.varlen, self.sinks, self.seqused_k, self.fp8, self.exp2_fma)
+                self.varlen, self.sinks, self.seqused_k, self.fp8, self.exp2_fma, self.paged,
+                self.page_n, self.gather)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -83,25 +87,45 @@ class ForwardSpec:
         return (self.tile_m, self.tile_d, self.softcap, self.varlen)
 
 
+#: The fewest keys a paged forward loads from a page at once: pages whose size has a smaller
+#: power-of-two factor (1-8, odd multiples of them) are gathered by row, as the decode's
+#: (``decode_variants.DecodeConfig.min_page_load``).
+MIN_PAGE_LOAD = 16
+
+
 @dataclass(frozen=True)
 class Varlen:
     """Packed sequences: sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     of q (and its keys likewise of k and v), int32 [B + 1] on q's device; the grids are
     flattened over every sequence's tiles (``varlen_grid``), so no longest length is needed
     and nothing is read back. With ``seqused_k`` (int32 [B]) sequence b uses only the first
-    seqused_k[b] of its keys."""
+    seqused_k[b] of its keys. With ``block_table`` (int32 [B, max_blocks], the forward's
+    alone) k and v are pages [num_blocks, page_size, H_kv, D] and sequence b's keys lie in the
+    pages its row names; cu_seqlens_k may then be None when seqused_k gives the key counts."""
 
     cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: torch.Tensor | None
     seqused_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
 
-    def spec(self, spec: ForwardSpec) -> ForwardSpec:
-        """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N."""
-        return replace(spec, even_n=False, varlen=True, seqused_k=self.seqused_k is not None)
+    def spec(self, spec: ForwardSpec, page_size: int = 0) -> ForwardSpec:
+        """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N; with a block
+        table, keys in pages of ``page_size`` (``paged_spec``)."""
+        spec = replace(spec, even_n=False, varlen=True, seqused_k=self.seqused_k is not None)
+        return spec if self.block_table is None else paged_spec(spec, page_size)
+
+
+def paged_spec(spec: ForwardSpec, page_size: int) -> ForwardSpec:
+    """``spec`` with its keys in pages of ``page_size``: each key tile joined from loads of
+    the largest power of two that divides the page size (at most the tile), or gathered by
+    row where that is below ``MIN_PAGE_LOAD``."""
+    page_n = min(page_size & -page_size, spec.tile_n)
+    gather = page_n < MIN_PAGE_LOAD
+    return replace(spec, paged=True, page_n=0 if gather else page_n, gather=gather)
 
 
 @dataclass(frozen=True)
@@ -401,17 +425,19 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     attn_mask = kernel_mask(attn_mask)
     int64_index = needs_int64_index(q, k, v, out, *(t for t in (lse, attn_mask)
                                                      if t is not None))
-    lse, slopes, attn_mask, sinks, descale = _or_absent(lse, alibi_slopes, attn_mask, sinks,
-                                                        descale)
+    block_table = None if varlen is None else varlen.block_table
+    lse, slopes, attn_mask, sinks, descale, block_table = _or_absent(
+        lse, alibi_slopes, attn_mask, sinks, descale, block_table)
     if int64_index:
         lse, attn_mask = _int64_placeholders(q.device, (lse, 3), (attn_mask, 4))
     cu_q, cu_k, used_k = _cu_seqlens(varlen)
     if varlen is None:
         grid = forward_grid(q_len, heads, batch, config)
     else:
-        spec, grid = varlen.spec(spec), varlen_grid(q_len, config.tile_m, heads, varlen.batch)
+        spec = varlen.spec(spec, k.shape[1])  # under a block table k is the pages
+        grid = varlen_grid(q_len, config.tile_m, heads, varlen.batch)
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
-            float(scale),
+            block_table, float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -437,7 +463,9 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     With ``varlen`` the arrays are packed sequences: q [1, H, total_q, D], k and v
     [1, H_kv, total_k, D / Dv], out [1, H, total_q, Dv], lse [1, H, total_q], alibi_slopes
     [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
-    read) and attn_mask must be None. ``sinks`` [H] fp32 (or None) is each head's sink logit,
+    read) and attn_mask must be None; with ``varlen.block_table`` k and v are instead its
+    pages as flash-attn stores them, [num_blocks, page_size, H_kv, D / Dv] (not with
+    ``descale``). ``sinks`` [H] fp32 (or None) is each head's sink logit,
     which joins every row's softmax without a value; the LSE then includes it.
     With ``descale`` (fp32 [3, B, H_kv]: the q, k and v descale factors per batch, or
     sequence, and key/value head) the FP8 forward: q and k float8_e4m3fn, v given as V^T

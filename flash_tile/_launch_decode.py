@@ -18,7 +18,8 @@ from flash_tile._launch import (ABSENT, _placeholder, _with_hints, kernel_mask,
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
-from flash_tile.variants import DecodeConfig, tile_width
+from flash_tile.decode_variants import DecodeConfig
+from flash_tile.variants import tile_width
 
 
 @dataclass(frozen=True)

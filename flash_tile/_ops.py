@@ -372,8 +372,8 @@ def _packed(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def _varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool,
                     dtype: torch.dtype | None = None):
     """(out [total_q, H, Dv] in q's dtype or ``dtype``, lse [H, total_q] fp32 or an empty
-    tensor)."""
-    out = torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype or q.dtype,
+    tensor); v packed [total_k, H_kv, Dv] or pages [num_blocks, page_size, H_kv, Dv]."""
+    out = torch.empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=dtype or q.dtype,
                       device=q.device)
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)

@@ -8,7 +8,7 @@ calls ``append_to_cache`` and the decode plan's launch itself.
 
 import torch
 
-from flash_tile import variants
+from flash_tile import decode_variants
 from flash_tile._launch_decode import (Rotary, launch_cache_append, launch_decode,
                                         rotated_q_workspace)
 from flash_tile._ops import op_or_body
@@ -53,10 +53,10 @@ def append_to_cache(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     return q if q_rot is None else q_rot
 
 
-def decode_config(q: torch.Tensor, v_cache: torch.Tensor) -> variants.DecodeConfig:
+def decode_config(q: torch.Tensor, v_cache: torch.Tensor) -> decode_variants.DecodeConfig:
     """The decode's tiles for q's device and the wider of the two head dims."""
-    return variants.default_decode_config(device_properties(q.device)[0],
-                                          max(q.shape[-1], v_cache.shape[-1]))
+    return decode_variants.default_decode_config(device_properties(q.device)[0],
+                                                 max(q.shape[-1], v_cache.shape[-1]))
 
 
 def _kvcache_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

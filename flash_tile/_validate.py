@@ -480,8 +480,8 @@ def decode_mask_view(attn_mask: torch.Tensor, batch: int, q_len: int) -> torch.T
 
 def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
                       device: torch.device) -> None:
-    """A paged cache's block table: int32 [B, max_blocks] on q's device, pages of at least one
-    row, no cache_batch_idx (pages are the rows)."""
+    """A paged cache's block table: int32 [B, max_blocks >= 1] on q's device, pages of at least
+    one row, no cache_batch_idx (pages are the rows)."""
     if cache_batch_idx is not None:
         raise ValueError("cache_batch_idx selects rows of a contiguous cache; with a paged "
                          "cache (block_table) the table selects the pages")
@@ -489,6 +489,9 @@ def check_block_table(block_table, batch: int, page_size: int, cache_batch_idx,
         raise ValueError("block_table must be an int32 tensor [batch, max_blocks], got "
                          f"{getattr(block_table, 'shape', type(block_table).__name__)}")
     check_index_tensor(block_table, "block_table", (batch, block_table.shape[1]), device)
+    if block_table.shape[1] == 0:
+        raise ValueError("block_table has no columns: every sequence needs room for at least "
+                         "one page")
     if page_size <= 0:
         raise ValueError(f"page_size (the paged cache's dim 1) must be positive, got "
                          f"{page_size}")

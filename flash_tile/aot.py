@@ -22,9 +22,9 @@ import torch
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
                                    ScalarConstraint, export_kernel)
 
-from flash_tile import variants
+from flash_tile import decode_variants, variants
 from flash_tile._launch import (KEYS_MAJOR_TILE_N, MASK_KINDS, forward_spec,
-                                hinted_backward_kernels, hinted_kernel, kernel_mask)
+                                hinted_backward_kernels, hinted_kernel, kernel_mask, paged_spec)
 from flash_tile._launch_decode import DecodeSpec, decode_tiles
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
@@ -126,26 +126,39 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
                       int64_index: bool = False, dropout: bool = False,
                       aligned: bool = False, varlen: bool = False,
                       sinks: bool = False, seqused_k: bool = False,
-                      fp8: bool = False) -> KernelSignature:
+                      fp8: bool = False, page_size: int | None = None) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
     ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read); ``varlen`` the
     VARLEN switch (packed sequences, as ``_launch.forward_launch`` sets it) and ``seqused_k``
     its SEQUSED_K; ``sinks`` the SINKS switch; ``fp8`` the FP8 switch (``dtype`` is then
-    not read: e4m3 Q, K and V^T, a bf16 Out)."""
+    not read: e4m3 Q, K and V^T, a bf16 Out); ``page_size`` (with ``varlen``) the PAGED
+    switch, K and V pages of that many keys with a block table (with ``seqused_k``, FA3's
+    form: the key counts alone, no cu_seqlens_k)."""
+    index = ct.int64 if int64_index else ct.int32
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
-        ct.int64 if int64_index else ct.int32, dropout, aligned, fp8)
+        index, dropout, aligned, fp8)
     v, out = vo if fp8 else (vo, vo)
+    k, table = qk, ABSENT
     if varlen:
         spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
-    cu = _index_array(1) if varlen else ABSENT
+    if page_size is not None:  # pages [num_blocks, page_size, H_kv, D] as flash-attn's
+        if not varlen or fp8:
+            raise ValueError("page_size: paged keys are a switch of the varlen forward, "
+                             "not of the dense or the FP8 one")
+        spec, table = paged_spec(spec, page_size), _index_array(2)
+        k, v = (_array(DTYPES[dtype], 4, d, index) for d in (head_dim, v_head_dim))
+    cu = cu_k = _index_array(1) if varlen else ABSENT
+    if page_size is not None and seqused_k:  # FA3's paged form: no cumulative key lengths
+        cu_k = ABSENT
     # The 64-bit entry point types Lse and Mask as 64-bit indexed: arrays there always.
-    params = [qk, qk, v, out, rows if store_lse or int64_index else ABSENT,
-              slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu, cu,
+    params = [qk, k, v, out, rows if store_lse or int64_index else ABSENT,
+              slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu,
+              cu_k,
               _sinks() if sinks else ABSENT, _index_array(1) if varlen and seqused_k else ABSENT,
-              _array(ct.float32, 3) if fp8 else ABSENT, *scalars, *spec.constants()]
+              _array(ct.float32, 3) if fp8 else ABSENT, table, *scalars, *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -218,15 +231,18 @@ def _keys_major(v_head_dim: int, k_len: int, index) -> ArrayConstraint:
 
 
 def _default_config(arch, head_dim, v_head_dim, backward=False, plain=False, fp8=False,
-                    causal=False):
+                    causal=False, paged=False):
     """The variant a launch of this class gets with tuning off (``_ops._choose``; the FP8
     forward's, ``variants.fp8_config``, is never tuned: this is a long call's, where dense
-    calls of at most ``variants.FP8_SHORT_KEYS`` keys may run another; pass ``config``)."""
+    calls of at most ``variants.FP8_SHORT_KEYS`` keys may run another; pass ``config``; nor
+    is the paged forward's, ``variants.paged_config``)."""
     capability, width = variants.capability_of(arch), max(head_dim, v_head_dim or 0)
     if backward:
         return variants.default_backward_config(capability, width, plain)
     if fp8:
         return variants.fp8_config(capability, width, causal)
+    if paged:
+        return variants.paged_config(capability, width)
     return variants.default_config(capability, width)
 
 
@@ -244,21 +260,21 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     int64_index: bool = False, dropout: bool = False,
                     output_format: str = "cubin", aligned: bool = False,
                     varlen: bool = False, sinks: bool = False, seqused_k: bool = False,
-                    fp8: bool = False) -> bytes:
+                    fp8: bool = False, page_size: int | None = None) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
     tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch; ``aligned`` makes a
     ragged key length a multiple of 16 (rows TMA can read); ``fp8`` the FP8 switch (e4m3
-    inputs, ``dtype`` not read);
+    inputs, ``dtype`` not read); ``page_size`` (with ``varlen``) keys in pages of that size;
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
     window = (window[0], 0) if causal else tuple(window)
     config = config or _default_config(arch, head_dim, v_head_dim, fp8=fp8,
-                                       causal=window[1] >= 0)
+                                       causal=window[1] >= 0, paged=page_size is not None)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
-                            varlen, sinks, seqused_k, fp8)
+                            varlen, sinks, seqused_k, fp8, page_size)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 
@@ -324,7 +340,7 @@ def _index_array(ndim: int) -> ArrayConstraint:
                            shape_divisible_by=(1,) * ndim, base_addr_divisible_by=4)
 
 
-def decode_signatures(config: variants.DecodeConfig, dtype: str = "bfloat16",
+def decode_signatures(config: decode_variants.DecodeConfig, dtype: str = "bfloat16",
                       head_dim: int = 128, v_head_dim: int | None = None, group: int = 8,
                       q_len: int = 1, page_size: int | None = None, causal: bool = True,
                       window: tuple[int, int] = (-1, -1), softcap: bool = False,
@@ -389,7 +405,7 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
                    page_size: int | None = None, causal: bool = True,
                    window: tuple[int, int] = (-1, -1), softcap: bool = False,
                    alibi: bool = False, batch_idx: bool = False, splits: int = 4,
-                   store_lse: bool = True, config: variants.DecodeConfig | None = None,
+                   store_lse: bool = True, config: decode_variants.DecodeConfig | None = None,
                    int64_index: bool = False, sinks: bool = False, leftpad: bool = False,
                    rotary: str | None = None, fp8_cache: bool = False,
                    attn_mask: bool = False) -> dict[str, bytes]:
@@ -400,8 +416,8 @@ def compile_decode(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
     rotary embedding ("interleaved", "neox" or None), ``fp8_cache`` float8_e4m3fn caches
     (``dtype`` is q's, and the appended rows'), ``attn_mask`` ATTN_MASK (a mask over 16-byte
     rows, as its uint8 view); other arguments as ``compile_forward``."""
-    config = config or variants.default_decode_config(variants.capability_of(arch),
-                                                      max(head_dim, v_head_dim or head_dim))
+    config = config or decode_variants.default_decode_config(
+        variants.capability_of(arch), max(head_dim, v_head_dim or head_dim))
     kernels = decode_signatures(config, dtype, head_dim, v_head_dim, group, q_len, page_size,
                                 causal, window, softcap, alibi, batch_idx, splits, store_lse,
                                 int64_index, sinks, leftpad, rotary, fp8_cache, attn_mask)

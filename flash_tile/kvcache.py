@@ -120,8 +120,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             float32 [B, H_kv] tensor (b the sequence of q, not its cache row under
             cache_batch_idx) or of one element (per tensor); None is 1. Only with an FP8
             cache, which the decode widens tile by tile, exactly (K to q's dtype, V to
-            float16; P V then runs in float16): the softmax runs as for a q-dtype cache
-            while a step reads half the bytes.
+            float16 and P V in float16, but for bfloat16 q at Dv > 128 V to bfloat16):
+            the softmax runs as for a q-dtype cache while a step reads half the bytes.
             ``flash_tile.quantize_fp8(cache)`` makes such a cache with [B_cache, H_kv]
             factors, one per cache row: with ``cache_batch_idx`` (or B_cache > B) pass
             ``kd[cache_batch_idx]`` (or ``kd[:B]``); ``per="tensor"`` gives one factor, as a

@@ -1,6 +1,7 @@
 """The KV-cache path's CPU twin, beside ``kernels/attention_decode.py``: a cache's sequences
 and mask pieces read back as the kernels see them (``cache_sequences``, ``cache_masks``), the
-append's rotary embedding (``rotary_embedding``), and the decode's work split in float64
+append's rotary embedding (``rotary_embedding``), a paged varlen call's keys re-packed
+(``packed_pages``), and the decode's work split in float64
 (``decode_tiles_reference``: each split's partial output and LSE from the forward's twin,
 ``reference.attention_tiles``, then the combine). It is the oracle of the decode's CPU tests
 and, with ``reference.attention_dense``, of its GPU tests.
@@ -32,6 +33,19 @@ def cache_sequences(k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: tor
             k, v = (c[pages].flatten(0, 1)[:k_len] for c in (k_cache, v_cache))
         seqs.append(tuple(t[start:].transpose(0, 1)[None] for t in (k, v)))
     return seqs
+
+
+def packed_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                 key_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys and values of a paged ``flash_attn_varlen_func`` call re-packed as the unpaged
+    call takes them: (k [total_k, H_kv, D], v [total_k, H_kv, Dv], cu_seqlens_k int32
+    [B + 1]), sequence b's first key_counts[b] keys read through its block-table row
+    (``cache_sequences``)."""
+    seqs = cache_sequences(k_pages, v_pages, key_counts, block_table=block_table)
+    k, v = (torch.cat([seq[i][0].transpose(0, 1) for seq in seqs]) for i in (0, 1))
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=key_counts.device)
+    cu[1:] = key_counts.cumsum(0)
+    return k, v, cu
 
 
 def cache_masks(attn_mask: torch.Tensor, seqlens_k: torch.Tensor,

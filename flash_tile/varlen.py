@@ -2,8 +2,11 @@
 different lengths, forward and backward, through the VARLEN switch of the forward and backward
 kernels (``kernels/attention_fwd.py``, ``kernels/attention_bwd.py``): each program reads its
 sequence's bounds from the cumulative lengths, so nothing is padded and nothing is read back
-on the host.
+on the host. With a ``block_table`` the keys lie in the pages of a KV cache (the forward's
+PAGED switch; forward only, as flash-attn's).
 """
+
+import math
 
 import torch
 
@@ -11,6 +14,7 @@ from flash_tile import _validate
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
+from flash_tile._ops_paged import paged_varlen_attention
 from flash_tile.api import (PACKED, _check_packed, _checked_inputs, _dropout_seed, _needs_grad,
                             _unit_last_stride)
 
@@ -25,6 +29,33 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, batch: int,
     _validate.check_index_tensor(cu, name, (batch + 1,), device)
     if total >= 2**31:
         raise NotImplementedError(f"{total} packed rows: 2**31 or more is not supported")
+
+
+def _checked_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     window_size, softcap, seqused_k, alibi_slopes, sinks, paged=False):
+    """The checks the packed and the paged calls share: (device, batch, (left, right),
+    softcap, seqused_k, alibi_slopes, sinks) checked. ``paged``: k and v are pages, so
+    cu_seqlens_k (None where seqused_k gives the key counts) bounds no packed rows."""
+    _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    left, right = _validate.check_window(window_size)
+    if causal:
+        right = 0
+    softcap = _validate.check_softcap(softcap)
+    device = _validate.check_device(q, k, v)
+    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], batch, device)
+    if cu_seqlens_k is not None or not paged:
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", 0 if paged else k.shape[0], batch,
+                          device)
+    if seqused_k is not None:
+        seqused_k = _validate.check_index_tensor(seqused_k, "seqused_k", (batch,), device)
+    if alibi_slopes is not None:
+        alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, q.shape[1])
+        _validate.check_device(q, alibi_slopes)
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, q.shape[1], device)
+    return device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks
 
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -43,23 +74,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
     scale = _check_packed(q, k, v, softmax_scale, empty_keys=not fp8)
-    _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    left, right = _validate.check_window(window_size)
-    if causal:
-        right = 0
-    softcap = _validate.check_softcap(softcap)
-    device = _validate.check_device(q, k, v)
-    batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else 0
-    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], batch, device)
-    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], batch, device)
-    if seqused_k is not None:
-        seqused_k = _validate.check_index_tensor(seqused_k, "seqused_k", (batch,), device)
-    if alibi_slopes is not None:
-        alibi_slopes = _validate.check_alibi_slopes(alibi_slopes, batch, q.shape[1])
-        _validate.check_device(q, alibi_slopes)
-    if sinks is not None:
-        sinks = _validate.check_sinks(sinks, q.shape[1], device)
+    device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks = _checked_packing(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+        softcap, seqused_k, alibi_slopes, sinks)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
@@ -75,6 +92,66 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                 softcap, left, right,
                                 return_lse or needs_grad, dropout_p, _dropout_seed(dropout_p),
                                 sinks, seqused_k, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def _check_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [total_q, H, D] and the pages k [num_blocks, page_size, H_kv, D], v [.., Dv] of one
+    float16 or bfloat16 dtype, read in place (unit last strides)."""
+    if q.dim() != 3 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"with block_table, q must be [total_q, heads, head_dim] and k, v "
+                         f"pages [num_blocks, page_size, heads_k, head_dim], got shapes "
+                         f"{list(q.shape)}, {list(k.shape)} and {list(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v pages must agree in (num_blocks, page_size, heads_k), got "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    if k.dtype == torch.float8_e4m3fn or q.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError("block_table with float8_e4m3fn inputs: the paged varlen "
+                                  "forward reads float16 or bfloat16 pages; an FP8 cache "
+                                  "runs through flash_attn_with_kvcache")
+    _validate.check_dtypes(q, k, v)
+    _validate.check_heads(q.shape[1], k.shape[2], v.shape[2])
+    _validate.check_head_dims(q.shape[2], k.shape[3], v.shape[3])
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v pages must have a unit last stride (a cache is read in "
+                         "place, never copied)")
+
+
+def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+           return_attn_probs, seqused_k, return_lse, sinks, descales):
+    """flash_attn_varlen_func with a block table: packed q against paged k and v (the
+    forward's PAGED switch), forward only."""
+    if return_attn_probs:
+        _validate.check_attn_probs(dropout_p)
+        out, lse = _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                          alibi_slopes, False, seqused_k, True, sinks, descales)
+        return out, lse, q.new_empty((0,))
+    if any(d is not None for d in descales):
+        raise NotImplementedError("block_table with q_descale / k_descale / v_descale: the "
+                                  "paged varlen forward is not an FP8 one")
+    if _validate.check_dropout(dropout_p) > 0.0:
+        raise NotImplementedError("dropout_p > 0 with block_table: the paged varlen forward "
+                                  "has no backward (as flash-attn's), so nothing would train "
+                                  "through the dropout; pass dropout_p=0")
+    _check_pages(q, k, v)
+    if _needs_grad(_validate.check_grad(q, k, v, alibi_slopes=alibi_slopes), sinks):
+        raise NotImplementedError("block_table: the paged varlen forward has no backward (as "
+                                  "flash-attn's); call it under torch.no_grad() or detach "
+                                  "q, k, v and the sinks")
+    scale = _validate.check_scale(1.0 / math.sqrt(q.shape[2]) if softmax_scale is None
+                                  else softmax_scale)
+    if cu_seqlens_k is None and seqused_k is None:
+        raise ValueError("block_table: give the sequences' key counts as cu_seqlens_k "
+                         "(int32 [B + 1]) or seqused_k (int32 [B])")
+    device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks = _checked_packing(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
+        softcap, seqused_k, alibi_slopes, sinks, paged=True)
+    _validate.check_block_table(block_table, batch, k.shape[1], None, device)
+    out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,
+                                      cu_seqlens_k, seqused_k, alibi_slopes, scale, softcap,
+                                      left, right, return_lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -118,9 +195,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             gradients.
         return_attn_probs: (out, lse, S_dmask) with S_dmask empty, as ``flash_attn_func``'s
             (flash-attn 2's form; dropout_p > 0 then raises NotImplementedError).
-        block_table: must be None: flash-attn 2.8's paged K/V for this function is not
-            supported (NotImplementedError); paged caches run through
-            ``flash_attn_with_kvcache`` (q [B, Lq, H, D] against pages, Lq > 1 included).
+        block_table: optional int32 [B, max_blocks] on q's device: k and v are then the
+            pages of a KV cache, [num_blocks, page_size, H_kv, D] and [.., Dv] (any page
+            size; unit last strides, read in place), sequence b's key p in page
+            block_table[b, p // page_size] at row p % page_size, as flash-attn's and vLLM's.
+            Its key count is cu_seqlens_k[b + 1] - cu_seqlens_k[b] or, FA3's form,
+            seqused_k[b] (cu_seqlens_k may then be None). Forward only (as flash-attn's: a
+            gradient asked for raises NotImplementedError, as do dropout_p > 0 and the FP8
+            descales); float16 or bfloat16. Pages whose size has a power-of-two factor of 16
+            or more load as tiles; others (1-8, odd multiples of them) are gathered by row.
+            Not checked (a device sync): that the entries a sequence uses name valid pages.
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
@@ -149,9 +233,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     gradients (the decode kernel zeroes such rows; the varlen kernels do not yet).
     """
     if block_table is not None:
-        raise NotImplementedError("block_table: paged K/V in flash_attn_varlen_func is not "
-                                  "supported; run paged caches through "
-                                  "flash_attn_with_kvcache (q [B, Lq, H, D], any Lq)")
+        return _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, return_attn_probs, seqused_k, return_lse, sinks,
+                      (q_descale, k_descale, v_descale))
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs, seqused_k, return_lse, sinks,

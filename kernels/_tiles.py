@@ -260,16 +260,22 @@ def query_bounds(Q, CuSeqQ, batch, VARLEN: ConstBool):
 
 
 def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch, VARLEN: ConstBool,
-                    SEQUSED_K: ConstBool):
+                    SEQUSED_K: ConstBool, PAGED: ConstBool):
     """(q_start, q_len, k_start, k_len) of sequence ``batch``: ``query_bounds`` and the same
-    for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys."""
+    for the keys (CuSeqK [B + 1] int32); under SEQUSED_K its first SeqUsedK[b] keys. Under
+    PAGED (the forward's keys in pages) k_start is 0, and with SEQUSED_K CuSeqK is not read
+    (FA3's paged calls pass no cumulative key lengths)."""
     q_start, q_len = query_bounds(Q, CuSeqQ, batch, VARLEN)
     if VARLEN:
-        k_start = ct.load(CuSeqK, (batch,), shape=()).item()
+        k_start = 0
+        if not (PAGED and SEQUSED_K):
+            k_start = ct.load(CuSeqK, (batch,), shape=()).item()
         if SEQUSED_K:
             k_len = ct.load(SeqUsedK, (batch,), shape=()).item()
         else:
             k_len = ct.load(CuSeqK, (batch + 1,), shape=()).item() - k_start
+        if PAGED:
+            k_start = 0
         return q_start, q_len, k_start, k_len
     return q_start, q_len, 0, K.shape[2]
 

@@ -231,7 +231,7 @@ def _dkdv_impl(Q, K, V, dOut, Lse, Delta, dK, dV, dQacc, Slopes, Mask, CuSeqQ, C
     kv_head = ct.bid(1)
     n_start = tile_n * TILE_N
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
-                                                     VARLEN, SEQUSED_K)
+                                                     VARLEN, SEQUSED_K, False)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
         if n_start >= k_len:  # the flattened grid's idle program, or keys past seqused_k
@@ -308,7 +308,7 @@ def _dq_impl(Q, K, V, Out, dOut, Lse, dLse, Delta, dQ, Slopes, Mask, CuSeqQ, CuS
     VARLEN, sequence) and tile index of ``program_tile``."""
     batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
-                                                     VARLEN, SEQUSED_K)
+                                                     VARLEN, SEQUSED_K, False)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, as the forward
     tile_m = heaviest_first(q_len, index, TILE_M)

@@ -35,12 +35,14 @@ and the key tiles wholly before it are skipped.
 FP8 cache. K and V may be float8_e4m3fn with Q in float16 or bfloat16 (what serving engines
 keep: half the bytes a step reads), standing for KDescale[b, h] k8 and VDescale[b, h] v8 per
 (sequence, key/value head). Each tile is widened after its load (exact: every e4m3 value is
-a float16 and a bfloat16): K to Q's dtype, V to float16 whatever Q's (one conversion on sm_90,
-where bfloat16 takes three), and P V runs in float16 with P scaled by 2^8 (softmax_step's
-P_LOG2_SCALE, m_i running 8 below the row max: the output's 1 / l_i cancels it and the LSE is
-unchanged), so that float16's range loses only weights under 2^-32 of their row's max and
-rounds P to 11 bits, where bfloat16 kept 8. The key descale joins the softmax scale once per
-program (so softcap, the LSE and the masks see the dequantized scores) and the value descale
+a float16 and a bfloat16): K to Q's dtype, V to float16 (one case aside, below; one
+conversion on sm_90, where bfloat16 takes three), and P V runs in float16 with P scaled by
+2^8 (softmax_step's P_LOG2_SCALE, m_i running 8 below the row max: the output's 1 / l_i
+cancels it and the LSE is unchanged), so that float16's range loses only weights under
+2^-32 of their row's max and rounds P to 11 bits, where bfloat16 kept 8. With bfloat16 Q at
+Dv > 128 V widens to bfloat16 and P runs unscaled in it: float16 there spilled and cost
+1.25-1.30x the step. The key descale joins the softmax scale once per program (so softcap,
+the LSE and the masks see the dequantized scores) and the value descale
 multiplies the output (each split's, before the combine, which is linear in them). No switch:
 the cache's dtype is a compile-time fact.
 ``cache_append`` writes new rows given in Q's dtype as x / descale rounded to e4m3 (saturating
@@ -90,6 +92,7 @@ import math
 
 import cuda.tile as ct
 
+from ._pages import kv_tile, page_rows
 from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
                      keep_tile, log2_scores, sink_start, softmax_step)
 
@@ -101,78 +104,6 @@ def _cache_row(BatchIdx, batch, BATCH_IDX: ConstBool):
     if BATCH_IDX:
         return ct.load(BatchIdx, (batch,), shape=()).item()
     return batch
-
-
-def _page_rows(kv, j, TILE_N: ConstInt):
-    """Under GATHER: for the keys of key tile j, their page (from the block table) and their
-    row in it, [TILE_N] each. Keys at or past k_len take page 0 (every cache has it): the
-    table's entries past a sequence's pages need not be valid, and those keys are masked."""
-    _, _, BlockTable, _, batch, _, page_size, _, k_len = kv
-    keys = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)
-    page = ct.gather(BlockTable, (batch, keys // page_size), mask=keys < k_len)
-    return page, keys % page_size
-
-
-def _tile_load(A, row, kv_head, tile, N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstBool):
-    """Key tile ``tile`` of N keys of K (as K^T, [COLS, N]) or of V ([N, COLS]) in cache row
-    (or page) ``row`` of a [row, key, head, column] cache: one tile load. K's tile is
-    transposed on chip: the sm_86-sm_120 SASS is that of a load in permuted order, which on
-    sm_80 (no TMA) spilled up to 1,593 LDL/STL (tileiras 13.4, 2026-12-05)."""
-    if KEYS_LAST:
-        return ct.transpose(ct.load(A, index=(row, tile, kv_head, 0), shape=(1, N, 1, COLS),
-                                    padding_mode=ZERO).reshape((N, COLS)))
-    return ct.load(A, index=(row, tile, kv_head, 0), shape=(1, N, 1, COLS),
-                   padding_mode=ZERO).reshape((N, COLS))
-
-
-def _page_load(A, kv, start, PAGE_N: ConstInt, COLS: ConstInt, KEYS_LAST: ConstBool):
-    """The PAGE_N keys from key ``start`` on (PAGE_N divides the page size: one page holds
-    them) as one tile load of the page the block table names. A start past the sequence's
-    last key reads that key's page instead: the table's entries past a sequence's pages need
-    not be valid, and those keys are masked."""
-    _, _, BlockTable, _, batch, kv_head, page_size, _, k_len = kv
-    start = min(start, k_len - 1)
-    page = ct.load(BlockTable, (batch, start // page_size), shape=()).item()
-    return _tile_load(A, page, kv_head, (start % page_size) // PAGE_N, PAGE_N, COLS,
-                      KEYS_LAST)
-
-
-def _joined_load(A, kv, start, N: ConstInt, PAGE_N: ConstInt, COLS: ConstInt,
-                 KEYS_LAST: ConstBool):
-    """Keys start .. start + N - 1 as N // PAGE_N page loads joined in halves (``ct.cat``
-    along the keys' axis). The recursion unrolls at compile time: N and PAGE_N are
-    constants."""
-    if N == PAGE_N:
-        return _page_load(A, kv, start, PAGE_N, COLS, KEYS_LAST)
-    axis = 1 if KEYS_LAST else 0
-    return ct.cat((_joined_load(A, kv, start, N // 2, PAGE_N, COLS, KEYS_LAST),
-                   _joined_load(A, kv, start + N // 2, N // 2, PAGE_N, COLS, KEYS_LAST)), axis)
-
-
-def _kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
-             PAGE_N: ConstInt, GATHER: ConstBool, KEYS_LAST: ConstBool):
-    """Key tile j of K (as K^T, [COLS, TILE_N]) or of V ([TILE_N, COLS]).
-
-    - Contiguous: one tile load from the sequence's cache row.
-    - PAGED: TILE_N // PAGE_N tile loads of PAGE_N keys from the pages the block table
-      names, joined (``_joined_load``). Joined loads of 16-key pages read 1.34-1.84x the
-      GB/s of rows gathered from them (H200, 2026-12-04, docs/experiments).
-    - GATHER (pages of other sizes): the TILE_N rows gathered from their pages (``pages``,
-      ``_page_rows``'), 16 bytes a thread (cp.async on sm_80+), the columns past A's width
-      read as 0."""
-    _, _, _, cache_row, _, kv_head, _, _, _ = kv
-    if GATHER:
-        page, row = pages
-        col = ct.arange(COLS, dtype=ct.int32)
-        if KEYS_LAST:
-            page, row, col = page[None, :], row[None, :], col[:, None]
-        else:
-            page, row, col = page[:, None], row[:, None], col[None, :]
-        return ct.gather(A, (page, row, kv_head, col), mask=col < A.shape[3],
-                         check_bounds=False)
-    if not PAGED:
-        return _tile_load(A, cache_row, kv_head, j, TILE_N, COLS, KEYS_LAST)
-    return _joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
 
 
 def split_key_tiles(first_row, last_row, k_len, k_lo, diag_offset, window_left, window_right,
@@ -241,8 +172,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     TILE_M = TILE_LQ * TILE_G
     pages = None
     if GATHER:  # once for K and V
-        pages = _page_rows(kv, j, TILE_N)
-    k_t = _kv_tile(K, kv, j, pages, TILE_N, TILE_D, PAGED, PAGE_N, GATHER, True)  # [D, N]
+        pages = page_rows(kv, j, TILE_N)
+    k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, PAGED, PAGE_N, GATHER, True)  # [D, N]
     if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
         k_t = k_t.astype(q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
@@ -261,10 +192,11 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
         cut = cut | padded
     # Every tile is masked (GUARD).
     m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, P_LOG2_SCALE, True)
-    v = _kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
+    v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
     if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output): float16 takes
-        # one conversion from e4m3 on sm_90 where bfloat16 takes three, and P keeps 11 bits
-        v = v.astype(ct.float16)
+        # one conversion from e4m3 on sm_90 where bfloat16 takes three, and P keeps 11 bits;
+        # P unscaled (bfloat16 q at Dv > 128, ``_decode_impl``) keeps q's dtype
+        v = v.astype(ct.float16 if P_LOG2_SCALE else q.dtype)
     if cut:
         rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # V's keys
         v = ct.where((rows_v < band[0]) & (rows_v >= k_lo), v, 0.0).astype(v.dtype)
@@ -305,8 +237,12 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     # Packed row r is query row tile_q * TILE_LQ + r // TILE_G.
     offs_q = tile_q * TILE_LQ + ct.arange(TILE_M, dtype=ct.int32)[:, None] // TILE_G
     band = (k_len, qk_scale, softcap, diag_offset, window_left, window_right)
-    # An FP8 cache's P V runs in float16 on P scaled by 2**P_LOG2_SCALE (``_attend_kv_tile``).
-    P_LOG2_SCALE = FP8_P_LOG2_SCALE if V.dtype != Q.dtype else 0
+    # An FP8 cache's P V runs in float16 on P scaled by 2**P_LOG2_SCALE (``_attend_kv_tile``),
+    # but with bfloat16 q at Dv > 128 in bfloat16 on P as it is: there the float16 tiles took
+    # sm_90 from 148 to 254 LDL/STL and the step 1.25-1.30x the time (H100, 2026-12-07).
+    P_LOG2_SCALE = 0
+    if V.dtype != Q.dtype and (Q.dtype == ct.float16 or TILE_DV <= 128):
+        P_LOG2_SCALE = FP8_P_LOG2_SCALE
     TILES = (TILE_LQ, TILE_G, TILE_N, TILE_D, TILE_DV, PAGED, PAGE_N, GATHER, P_LOG2_SCALE)
     FEATURES = (MASK_LEFT, MASK_RIGHT, False, SOFTCAP, ALIBI, NO_MASK, False)
     rows = (batch, kv_head, offs_q, _slopes(Slopes, batch, kv_head, TILE_LQ, TILE_G, ALIBI), 0)

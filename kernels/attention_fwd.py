@@ -52,6 +52,17 @@ to its rows; diag_offset = k_len - q_len per sequence
 (flash-attn's varlen rule: bottom-right). ALiBi slopes and the dropout hash
 take b as the batch index and the sequence's own rows and columns.
 
+Paged keys (PAGED, under VARLEN). Packed queries against keys in pages (flash-attn's
+``block_table``, vLLM's prefill and mixed batches): K [num_blocks, page_size, H_kv, D] and V
+[num_blocks, page_size, H_kv, Dv] as flash-attn stores them, BlockTable [B, max_blocks] int32
+naming sequence b's page of keys [p * page_size, (p + 1) * page_size); sequence b's key count
+is CuSeqK[b + 1] - CuSeqK[b], or SeqUsedK[b] under SEQUSED_K (FA3's form, CuSeqK not read).
+A key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N keys (PAGE_N a power of
+two dividing the page size), or under GATHER its rows are gathered each from its page
+(``_pages``, the decode's loads). The keys past k_len in the last tile are real rows of some
+page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
+NaN, and 0 * NaN would reach the output). Not with FP8.
+
 Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
 with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. The running
 max and sum start from it (m_i = sink_h log2(e), l_i = 1; under FP8's scaled P m_i = sink_h
@@ -104,6 +115,7 @@ import math
 
 import cuda.tile as ct
 
+from ._pages import kv_tile, page_rows
 from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
                      descale, dropout_keep, fp8_sum_mma, heaviest_first, load_keys_major,
                      load_seq_rows, log2_scores, program_tile, query_rows, sequence_bounds,
@@ -114,18 +126,25 @@ from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, C
 FP8_SUM_N = 8
 
 
-def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, acc, ones,
-                    band, drop, TILES, MASKED: ConstBool, FEATURES):
+def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, band, drop,
+                    TILES, MASKED: ConstBool, FEATURES):
     """One step of the online softmax over key tile j; returns (m_i, l_i, acc).
-    ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``; TILES = (TILE_N, TILE_D,
-    TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA); under VARLEN the
-    sequence's keys start at row ``k_start`` of K, under FP8 V is V^T; under SUM_MMA l_i is
-    [TILE_M, FP8_SUM_N] and ``ones`` the row sum's [TILE_N, FP8_SUM_N] operand (unread
-    otherwise)."""
+    ``rows``, ``band``, ``drop`` and FEATURES as in ``_tiles``, ``kv`` as in ``_pages``;
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA,
+    PAGED, PAGE_N, GATHER); under VARLEN the sequence's keys start at row ``k_start`` of K
+    (under PAGED in its pages), under FP8 V is V^T; under SUM_MMA l_i is [TILE_M, FP8_SUM_N]
+    and ``ones`` the row sum's [TILE_N, FP8_SUM_N] operand (unread otherwise)."""
     batch, _, _, _, drop_rows = rows
-    TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA = TILES
+    K, V, _, _, _, kv_head, _, _, _ = kv
+    (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA, PAGED,
+     PAGE_N, GATHER) = TILES
     _, _, _, _, _, ATTN_MASK, DROPOUT = FEATURES
-    if VARLEN:  # a tile at any row: the view steps one row at a time
+    pages = None
+    if GATHER:  # each key's page and row, once for K and V
+        pages = page_rows(kv, j, TILE_N)
+    if PAGED:  # K^T [TILE_D, TILE_N] from the pages the block table names
+        k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, True, PAGE_N, GATHER, True)
+    elif VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
                                       traversal_steps=(1, 1, 1, TILE_D)).load(
             (0, kv_head, k_start + j * TILE_N, 0), latency=LATENCY_K), (0, 1, 3, 2))
@@ -149,6 +168,12 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
+    elif PAGED:
+        v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, True, PAGE_N, GATHER, False)
+        if MASKED:
+            if (j + 1) * TILE_N > band[0]:  # the tile k_len cuts: zero the rows past it
+                rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
+                v = ct.where(rows_v < band[0], v, 0.0).astype(v.dtype)
     else:
         v = load_seq_rows(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     if DROPOUT:  # after the row sum: dropout does not change the normaliser
@@ -172,22 +197,23 @@ def _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i, l_i, 
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
-                        dropout_seed, dropout_threshold, dropout_scale,
+                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
+                        window_right, dropout_seed, dropout_threshold, dropout_scale,
                         TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
                         TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
                         SINKS: ConstBool, SEQUSED_K: ConstBool, FP8: ConstBool,
-                        EXP2_FMA: ConstInt):
+                        EXP2_FMA: ConstInt, PAGED: ConstBool, PAGE_N: ConstInt,
+                        GATHER: ConstBool):
     """The forward for query tile ``heaviest_first`` of head bid(1) of the batch (or, under
     VARLEN, sequence) and tile index of ``program_tile``."""
     # Under VARLEN ``batch`` is the sequence: its rows of the packed [1, H, total, D] arrays,
     # its ALiBi slopes and its dropout hash.
     batch, index = program_tile(CuSeqQ, TILE_M, VARLEN)
     q_start, q_len, k_start, k_len = sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch,
-                                                     VARLEN, SEQUSED_K)
+                                                     VARLEN, SEQUSED_K, PAGED)
     if VARLEN:
         diag_offset = k_len - q_len  # bottom-right per sequence, flash-attn's varlen rule
     tile_m = heaviest_first(q_len, index, TILE_M)
@@ -195,7 +221,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
         if tile_m < 0:  # the flattened grid's idle program past this sequence's tiles
             return
     head = ct.bid(1)
-    kv_head = head // (Q.shape[1] // K.shape[1])  # GQA: the group's shared K/V head
+    kv_heads = K.shape[2] if PAGED else K.shape[1]  # pages are [.., page_size, H_kv, D]
+    kv_head = head // (Q.shape[1] // kv_heads)  # GQA: the group's shared K/V head
     m_start = tile_m * TILE_M
     P_LOG2_SCALE = FP8_P_LOG2_SCALE if FP8 else 0  # softmax_step's scale of the weights
     if FP8:
@@ -215,7 +242,10 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     # K-loop it went through shared memory each step). It paid on wide unmasked key steps
     # (FP8_SUM_MIN_N), not on narrower ones nor under a band mask (FP8_SUM_MIN_N's note).
     SUM_MMA = FP8 and fp8_sum_mma(TILE_N, MASK_LEFT or MASK_RIGHT)
-    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA)
+    TILES = (TILE_N, TILE_D, TILE_DV, LATENCY_K, LATENCY_V, VARLEN, FP8, SUM_MMA, EXP2_FMA,
+             PAGED, PAGE_N, GATHER)
+    # What the key tiles' loads read (``_pages``); under PAGED K.shape[1] is the page size.
+    kv = (K, V, BlockTable, 0, batch, kv_head, K.shape[1], 0, k_len)
     FEATURES = (MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, DROPOUT)
     rows = query_rows(Slopes, batch, head, Q.shape[1], offs_q, drop, FEATURES)
 
@@ -234,15 +264,14 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
         MASK_LEFT, MASK_RIGHT)
     if MASK_LEFT:
         for j in range(n_start, n_inner):
-            m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j,
-                                            m_i, l_i, acc, ones, band, drop, TILES, True,
-                                            FEATURES)
+            m_i, l_i, acc = _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i,
+                                            acc, ones, band, drop, TILES, True, FEATURES)
     for j in range(n_inner, n_outer):
-        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
-                                        l_i, acc, ones, band, drop, TILES, False, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc,
+                                        ones, band, drop, TILES, False, FEATURES)
     for j in range(n_outer, n_end):
-        m_i, l_i, acc = _attend_kv_tile(q, K, V, Mask, rows, kv_head, k_start, tile_m, j, m_i,
-                                        l_i, acc, ones, band, drop, TILES, True, FEATURES)
+        m_i, l_i, acc = _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc,
+                                        ones, band, drop, TILES, True, FEATURES)
 
     if SUM_MMA:  # its columns hold the same sum
         l_i = ct.max(l_i, axis=-1, keepdims=True)
@@ -276,7 +305,7 @@ def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
 
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                  Descale, qk_scale: float,
+                  Descale, BlockTable, qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
@@ -285,7 +314,8 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
                   SOFTCAP: ConstBool, ALIBI: ConstBool, ATTN_MASK: ConstInt,
                   STORE_LSE: ConstBool, DROPOUT: ConstBool, LATENCY_K: ConstInt,
                   LATENCY_V: ConstInt, VARLEN: ConstBool, SINKS: ConstBool,
-                  SEQUSED_K: ConstBool, FP8: ConstBool, EXP2_FMA: ConstInt):
+                  SEQUSED_K: ConstBool, FP8: ConstBool, EXP2_FMA: ConstInt,
+                  PAGED: ConstBool, PAGE_N: ConstInt, GATHER: ConstBool):
     """Grid (cdiv(Lq, TILE_M), H, B). ``Lse`` is only written when STORE_LSE, ``Slopes`` only
     read when ALIBI, ``Mask`` only when ATTN_MASK; ``softcap`` is only read when SOFTCAP, the
     window bounds only when the matching MASK_ switch is on, the dropout scalars only under
@@ -299,20 +329,24 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
     v descale factors (read only then); EXP2_FMA (0, 2 or 4; FP8 only) takes the exp2 of the
     last 1 / EXP2_FMA of each unmasked key step's columns from the FMA pipe
-    (``_tiles.exp2_fma``). Shapes and strides are 32-bit."""
+    (``_tiles.exp2_fma``). Under PAGED (with VARLEN, not FP8) K and V are pages
+    [num_blocks, page_size, H_kv, D / Dv] and BlockTable [B, max_blocks] int32 each
+    sequence's pages (read only then), joined from loads of PAGE_N keys or, under GATHER,
+    gathered by row. Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
-                        dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
-                        TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
-                        EXP2_FMA)
+                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
+                        window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
+                        TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
+                        ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS,
+                        SEQUSED_K, FP8, EXP2_FMA, PAGED, PAGE_N, GATHER)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, Descale, qk_scale: float,
+                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, Descale, BlockTable,
+                        qk_scale: float,
                         softcap: float, diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -322,15 +356,16 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         ALIBI: ConstBool, ATTN_MASK: ConstInt, STORE_LSE: ConstBool,
                         DROPOUT: ConstBool, LATENCY_K: ConstInt, LATENCY_V: ConstInt,
                         VARLEN: ConstBool, SINKS: ConstBool, SEQUSED_K: ConstBool,
-                        FP8: ConstBool, EXP2_FMA: ConstInt):
+                        FP8: ConstBool, EXP2_FMA: ConstInt, PAGED: ConstBool,
+                        PAGE_N: ConstInt, GATHER: ConstBool):
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, qk_scale, softcap, diag_offset, window_left, window_right,
-                        dropout_seed, dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D,
-                        TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK,
-                        STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
-                        EXP2_FMA)
+                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
+                        window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
+                        TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
+                        ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS,
+                        SEQUSED_K, FP8, EXP2_FMA, PAGED, PAGE_N, GATHER)
 
 
 @ct.kernel

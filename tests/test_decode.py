@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import (_launch, _launch_decode, _validate, aot, reference, reference_decode,
-                        variants)
+from flash_tile import (_launch, _launch_decode, _validate, aot, decode_variants, reference,
+                        reference_decode, variants)
 
 
 def _contiguous(batch, capacity, kv_heads, head_dim, v_head_dim, seed=0):
@@ -153,7 +153,7 @@ def test_paged_and_contiguous_caches_hold_the_same_sequences():
 
 
 def test_tiles_pack_the_group_and_fit_the_pages():
-    config = variants.DECODE_DEFAULT
+    config = decode_variants.DECODE_DEFAULT
     tiles = _launch_decode.decode_tiles
     assert tiles(1, 8, None, config) == (2, 8, 128, 128, False)  # 16 packed rows at least
     assert tiles(1, 1, None, config) == (16, 1, 128, 128, False)
@@ -175,7 +175,7 @@ def test_tiles_pack_the_group_and_fit_the_pages():
 
 
 def test_splits_fill_the_gpu_and_respect_the_caps():
-    config = variants.DECODE_DEFAULT
+    config = decode_variants.DECODE_DEFAULT
 
     def splits(num_splits, batch, kv_heads, key_tiles):  # 132 SMs, 2**20-element partials
         return _launch_decode.decode_splits(num_splits, batch, kv_heads, 1, key_tiles, 132,
@@ -199,7 +199,7 @@ def test_split_partials_and_outputs_stay_below_2_31_elements():
     """The split partials [S, B, Lq, H, Dv] fp32 index in 32 bits: a plan takes no more
     splits than keep them below 2**31 elements (8 x 2048 x 32 x 128 = 2**26 a split: 31 of
     the 64 asked); an output of 2**31 elements (Dv > D) raises before any launch."""
-    config = variants.DECODE_DEFAULT
+    config = decode_variants.DECODE_DEFAULT
     switches = (False, True, False, False, False, True, False, False, False)
 
     def splits(q_len, num_splits):
@@ -276,9 +276,9 @@ def test_decode_kernels_compile_with_tensor_cores(arch):
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
 def test_fp8_cache_compiles(arch, q_dtype):
     """The decode of an FP8 cache widens its tiles with the e4m3 unpack (F2FP ... E4M3) and
-    keeps its tensor cores, without spills; P V runs in float16 whatever q's dtype (with
-    bfloat16 q, Q K^T alone is a bfloat16 HMMA); the append that quantizes rotated rows into
-    it has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
+    keeps its tensor cores, without spills; P V runs in float16 whatever q's dtype at
+    D = 128 (with bfloat16 q, Q K^T alone is a bfloat16 HMMA); the append that quantizes
+    rotated rows into it has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
     cubins = aot.compile_decode(arch, q_dtype, page_size=64, splits=4, fp8_cache=True,
                                 rotary="neox")
     listing = aot.disassemble(cubins["decode"])
@@ -289,6 +289,16 @@ def test_fp8_cache_compiles(arch, q_dtype):
     # float16 P V; with bfloat16 q, Q K^T (as many matmuls) in bfloat16
     assert fp16_mma > 0 and bf16_mma == (fp16_mma if q_dtype == "bfloat16" else 0)
     assert append["local_memory"] == 0, append
+
+
+def test_fp8_cache_keeps_bfloat16_p_v_at_wide_values():
+    """With bfloat16 q at Dv > 128 an FP8 cache's P V stays in bfloat16, P unscaled (float16
+    tiles there took sm_90 from 148 to 254 LDL/STL and 1.25-1.30x the step time on an H100,
+    2026-12-07): every matmul a bfloat16 one."""
+    listing = aot.disassemble(aot.compile_decode("sm_90", "bfloat16", head_dim=256, splits=4,
+                                                 fp8_cache=True)["decode"])
+    assert listing.count("HMMA.16816.F32 ") == 0
+    assert listing.count("HMMA.16816.F32.BF16 ") > 0
 
 
 @pytest.mark.parametrize("q_dtype", ["bfloat16", "float16"])
@@ -448,7 +458,7 @@ def test_decode_variants_parse_their_configs_and_tabulate(monkeypatch):
     assert bench_decode.best_of_rounds({"a": "A", "b": "B"}) == {"a": 1.0, "b": 2.0}
     assert order == ["A", "B"] * bench_decode.ROUNDS  # in turn, round after round
     inspect.signature(_launch_decode.decode_plan).bind(
-        *[None] * 10, variants.DecodeConfig())
+        *[None] * 10, decode_variants.DecodeConfig())
     inspect.signature(_launch_decode._DecodePlan.launch).bind(None, *[None] * 13)
     rows = [dict(batch=8, seqlen=8192, heads=32, kv_heads=8, q_len=1, page_size=page,
                  us={"default": 20.5, '{"num_worker_warps": 8}': 18.0},

@@ -82,6 +82,8 @@ def test_index_checks():
         _validate.check_block_table(table, 3, page_size, None, dev)
     with pytest.raises(ValueError, match="must be positive"):
         _validate.check_block_table(table, 3, 0, None, dev)
+    with pytest.raises(ValueError, match="no columns"):
+        _validate.check_block_table(table[:, :0], 3, 64, None, dev)
     with pytest.raises(ValueError, match="cache_batch_idx"):
         _validate.check_block_table(table, 3, 64, lens, dev)
     with pytest.raises(ValueError, match=r"shape \[2, 4\]"):

@@ -7,7 +7,7 @@ import torch
 
 import flash_tile
 from conftest import array_interface
-from flash_tile import _launch, _launch_decode, _plans, _validate, variants
+from flash_tile import _launch, _launch_decode, _plans, _validate, decode_variants
 
 
 def _q(*shape, dtype=torch.bfloat16):
@@ -44,7 +44,7 @@ def test_the_call_reaches_the_launches_with_its_arguments(monkeypatch):
     assert dlens is lens and didx is idx and dtable is None and dslopes is None
     assert dsinks is None and ddescale is None and dmask is None
     assert (scale, softcap, window, new_len, splits) == (0.125, 10.0, (50, 0), 3, 3)
-    assert config == variants.default_decode_config((9, 0), 64)
+    assert config == decode_variants.default_decode_config((9, 0), 64)
     assert out.shape == (2, 3, 8, 32) and lse.shape == (2, 8, 3)
     # no rotary, no pad, the 64-bit choice left to the append
     assert append[7:] == (q, None, None, None, None) and dpads is None
@@ -188,7 +188,7 @@ def test_a_planned_step_hands_its_offsets_choice_to_the_append(monkeypatch, big,
                                       None, 0.088, 0.0, -1, 0, False, None, None, None, None,
                                       True, 0)
         assert lse is None and out.shape == (2, 1, 16, 128)
-    config = variants.default_decode_config((9, 0), 128)
+    config = decode_variants.default_decode_config((9, 0), 128)
     append = _launch_decode.cache_append_int64 if big else _launch_decode.cache_append
     assert kernels == [append, _launch_decode._decode_kernel(config, big)] * 2
 
@@ -213,7 +213,7 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     q = torch.empty(5, 1, 4, 128, device="meta", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     lens = torch.empty(5, device="meta", dtype=torch.int32)
-    config = variants.default_decode_config((9, 0), 128)
+    config = decode_variants.default_decode_config((9, 0), 128)
     _launch_decode.launch_decode(q, k, k, out, None, lens, None, None, None, 0.1, 0.0, (-1, 0),
                                  0, 1, config)
     assert [args[3][1].shape[0] for args in launches] == [3, 2]  # K of 3, then 2 sequences
@@ -223,7 +223,7 @@ def test_big_caches_run_in_32_bit_launches(monkeypatch):
     _launch_decode.launch_decode(q, k, k, out, None, lens, lens, None, None, 0.1, 0.0, (-1, 0),
                                  0, 1, config)
     assert len(launches) == 1 and launches[0][2] is _launch_decode._decode_kernel(config, True)
-    assert not variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only
+    assert not decode_variants.default_decode_config((8, 9), 128).pdl  # sm_90 and newer only
 
 
 @pytest.mark.parametrize("page_size,splits,store_lse,extras,dtype", [
@@ -282,7 +282,7 @@ def test_a_planned_decode_launches_what_the_full_path_launches(launched, monkeyp
                  *more, sinks=a["sinks"], leftpad=a["leftpad"], kv_descale=a["kv_descale"],
                  attn_mask=a["attn_mask"])
 
-    config = variants.default_decode_config((9, 0), d)
+    config = decode_variants.default_decode_config((9, 0), d)
     first, second = arrays(), arrays()
     plan = _launch_decode.decode_plan(
         first["q"], first["k_cache"], first["v_cache"], store_lse, first["batch_idx"],

@@ -387,8 +387,9 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
     assert config.tile_n == (128 if short else 256)
-    # Descale, FP8 and the config's EXP2_FMA
-    assert args[11] is descale and args[-2:] == (True, 4 if not short and right < 0 else 0)
+    # Descale, FP8 and the config's EXP2_FMA (then PAGED, PAGE_N, GATHER: off)
+    assert args[11] is descale
+    assert args[-5:] == (True, 4 if not short and right < 0 else 0, False, 0, False)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
                                 True, config, varlen=varlen, fp8=True)
     params = sig.parameters
@@ -402,7 +403,7 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
             assert arg.dim() == param.ndim, i
         elif type(param).__name__ != "ScalarConstraint":
             assert arg == param.value, (i, arg, param.value)
-    assert math.isclose(args[12], 0.1, rel_tol=1e-6)
+    assert math.isclose(args[13], 0.1, rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("exp2_fma", [0, 4])

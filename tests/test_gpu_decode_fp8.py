@@ -3,7 +3,7 @@ on a GPU of compute capability 9.0+ (skipped elsewhere, with the reason).
 
 The cache stands for k_descale * k8 and v_descale * v8. The decode widens each tile exactly
 (every e4m3 value is a float16 and a bfloat16; K to q's dtype, V to float16, and P V runs in
-float16, finer than bfloat16), so against attention of the dequantized cache its error is at
+float16, finer than bfloat16; with bfloat16 q at Dv > 128 V to bfloat16, P V in it), so against attention of the dequantized cache its error is at
 most that of a q-dtype cache: the reference is
 ``reference.attention_dense`` in fp32 on the dequantized keys and values read back from the
 cache, PyTorch's own low-precision error the same in q's dtype, and flash-attn's 2x rule.
@@ -110,6 +110,25 @@ def test_fp8_cache_matches_the_dequantized_cache(page_size, q_len, causal, dtype
     _check(q, k_deq, v_deq, out, lse, seqlens, table, (-1, 0) if causal else (-1, -1))
     again, _ = call()
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_at_wide_values(page_size, dtype):
+    """D = Dv = 256: with bfloat16 q the decode's P V stays in bfloat16 (P unscaled), with
+    float16 q in float16 on the scaled P; both against the dequantized cache, split."""
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    batch, capacity, kv_heads, heads, d = 2, 640, 2, 4, 256
+    seqlens = [17, 640]
+    k8, v8, kd, vd, table = _fp8_cache(batch, capacity, kv_heads, d, page_size, seqlens, gen,
+                                       "head" if page_size is None else "tensor")
+    q = torch.randn(batch, 1, heads, d, generator=gen, device="cuda").to(dtype)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    out, lse = flash_tile.flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens,
+                                                  block_table=table, causal=True,
+                                                  return_softmax_lse=True, k_descale=kd,
+                                                  v_descale=vd, num_splits=2)
+    _check(q, *_dequantized(k8, v8, kd, vd), out, lse, seqlens, table, (-1, 0))
 
 
 def test_fp8_cache_with_every_feature():

@@ -235,7 +235,7 @@ def test_decode_launches_match_the_compiled_signatures(launched, page_size, spli
     sinks and the LSE) against the signatures the AOT tests compile; every array a switch
     leaves unread goes as the int scalar ``_launch_decode.ABSENT``, which ``ct.launch`` takes
     faster than an array."""
-    from flash_tile import _launch_decode, aot, variants
+    from flash_tile import _launch_decode, aot, decode_variants
 
     monkeypatch.setattr(_launch_decode, "_sm_count", lambda device: 132)
     workspaces = []
@@ -254,7 +254,7 @@ def test_decode_launches_match_the_compiled_signatures(launched, page_size, spli
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, 1) if store_lse else None
     lens = torch.tensor([100, 200], dtype=torch.int32)
-    config = variants.default_decode_config((9, 0), d)
+    config = decode_variants.default_decode_config((9, 0), d)
     _launch_decode.launch_cache_append(k_new, k_new, k_cache, k_cache, lens, None, table)
     used = _launch_decode.launch_decode(q, k_cache, k_cache, out, lse, lens, None, table,
                                         None, 0.125, 0.0, (-1, 0), 1, splits, config,

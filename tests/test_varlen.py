@@ -55,8 +55,6 @@ def _args(dtype=torch.bfloat16):
 @pytest.mark.parametrize("change,error,match", [
     (dict(dropout_p=1.0), ValueError, "dropout_p"),
     (dict(return_attn_probs=True, dropout_p=0.1), NotImplementedError, "S_dmask"),
-    (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), NotImplementedError,
-     "flash_attn_with_kvcache"),
     (dict(max_seqlen_q=15.0), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_q=np.array(15.0)), ValueError, "max_seqlen_q"),
     (dict(max_seqlen_k=True), ValueError, "max_seqlen_k"),

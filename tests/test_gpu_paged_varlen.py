@@ -1,0 +1,182 @@
+"""flash_attn_varlen_func with a block_table on the GPU (the forward's PAGED switch): packed
+queries against the shuffled pages of a cache, every way a page is read (tile loads joined per
+key tile, gathered rows), against an fp32 reference on each sequence's keys re-packed
+(``reference_decode.packed_pages``) under flash-attn's 2x rule, and equal to the unpaged call
+on the same tiles. The pages' unwritten slots hold NaN and the table's unused entries point
+nowhere: neither may reach an output."""
+
+import math
+
+import pytest
+import torch
+
+import flash_tile
+from flash_tile import _launch, _ops, reference, reference_decode, variants
+
+pytestmark = pytest.mark.gpu
+
+#: Pages that no table entry names, beside a packing's own: a page index read by mistake
+#: lands on NaN rows.
+SPARE_PAGES = 3
+#: The table's entries past a sequence's pages: no page at all.
+NO_PAGE = 2**30
+
+LENGTHS_Q = [5, 1, 40, 113, 130, 0, 203, 17]
+LENGTHS_K = [3, 60, 40, 250, 0, 70, 203, 17]  # Lq != Lk, a sequence without keys, Lq = Lk
+
+
+def _rows(lengths, heads, dim, dtype, gen):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    return torch.randn(int(cu[-1]), heads, dim, generator=gen, device="cuda").to(dtype), cu
+
+
+def _pages(k, v, cu_k, page_size, gen):
+    """Packed k, v laid into shuffled pages of ``page_size`` keys (SPARE_PAGES more, and the
+    slots past each sequence's keys, left NaN) and the block table naming them, one entry
+    more than the longest sequence needs (NO_PAGE past each sequence's pages)."""
+    lengths = cu_k.diff().tolist()
+    counts = [-(-n // page_size) for n in lengths]
+    total = sum(counts) + SPARE_PAGES
+    order = torch.randperm(total, generator=gen, device="cuda")
+    pages = [torch.full((total, page_size, *t.shape[1:]), math.nan, dtype=t.dtype,
+                        device="cuda") for t in (k, v)]
+    table = torch.full((len(lengths), max(counts) + 1), NO_PAGE, dtype=torch.int32,
+                       device="cuda")
+    used = 0
+    for b, (start, n) in enumerate(zip(cu_k.tolist(), lengths)):
+        for p in range(counts[b]):
+            page = order[used]
+            table[b, p] = page
+            keys = slice(start + p * page_size, start + min((p + 1) * page_size, n))
+            for dst, src in zip(pages, (k, v)):
+                dst[page, :keys.stop - keys.start] = src[keys]
+            used += 1
+    return (*pages, table)
+
+
+def _inputs(heads, kv_heads, dim, v_dim, dtype, page_size, seed, lengths_k=LENGTHS_K):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, cu_q = _rows(LENGTHS_Q, heads, dim, dtype, gen)
+    k, cu_k = _rows(lengths_k, kv_heads, dim, dtype, gen)
+    v, _ = _rows(lengths_k, kv_heads, v_dim, dtype, gen)
+    return q, k, v, cu_q, cu_k, _pages(k, v, cu_k, page_size, gen)
+
+
+def _check(out, lse, q, k, v, cu_q, cu_k, dtype, **features):
+    """Each sequence's output rows under the 2x rule against fp32, its LSE against fp32's;
+    rows without keys 0 (or the sink's weight alone) with an LSE of +inf (or the sink)."""
+    for b, rows, seq, diag in reference.varlen_sequences(q, k, v, cu_q, cu_k):
+        slopes = features.get("alibi_slopes")
+        kw = dict(features, alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                  diag_offset=diag, return_lse=True)
+        ref, ref_lse = reference.attention_dense(*(t.float() for t in seq), **kw)
+        low, _ = reference.attention_dense(*(t.to(dtype) for t in seq), **kw)
+        report = reference.check_error(out[rows], ref[0].transpose(0, 1),
+                                       low[0].transpose(0, 1).float())
+        assert report["ok"], (b, report)
+        torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 48, 64, 256],
+                         ids=["gathered", "16", "48", "64", "256"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (20, 9))], ids=["full", "causal", "window"])
+def test_pages_against_each_sequence(page_size, causal, window):
+    q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(8, 2, 128, 128, torch.bfloat16,
+                                                             page_size, page_size)
+    out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,
+                                                 causal=causal, window_size=window,
+                                                 block_table=table, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (8, q.shape[0])
+    _check(out, lse, q, k, v, cu_q, cu_k, torch.bfloat16,
+           window=(window[0], 0) if causal else window)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "seqused_k", "dims",
+                                     "float16"])
+@pytest.mark.parametrize("page_size", [2, 32])
+def test_pages_with_each_feature(feature, page_size):
+    """Each feature of the varlen forward through pages: softcap, ALiBi, sinks, FA3's
+    seqused_k without cu_seqlens_k, head dims that are not powers of two (D 80, Dv 48, GQA
+    4:1), float16."""
+    dims = (80, 48) if feature == "dims" else (64, 64)
+    kv_heads = 1 if feature == "dims" else 2
+    dtype = torch.float16 if feature == "float16" else torch.bfloat16
+    q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(4, kv_heads, *dims, dtype,
+                                                             page_size, 7)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    features, call = dict(window=(-1, 0)), dict(causal=True)
+    cu_call, key_counts = cu_k, cu_k.diff()
+    if feature == "softcap":
+        features["softcap"] = call["softcap"] = 6.0
+    elif feature == "alibi":
+        slopes = torch.rand(len(LENGTHS_Q), 4, generator=gen, device="cuda")
+        features["alibi_slopes"] = call["alibi_slopes"] = slopes
+    elif feature == "sinks":
+        features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
+    elif feature == "seqused_k":  # each sequence's first keys, its band aligned to them
+        key_counts = (key_counts * 2) // 3
+        call["seqused_k"], cu_call = key_counts.to(torch.int32), None
+    out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_call, 203, 250,
+                                                 block_table=table, return_lse=True, **call)
+    k_used, v_used, cu_used = reference_decode.packed_pages(k_pages, v_pages, table,
+                                                            key_counts.to(torch.int32))
+    _check(out, lse, q, k_used, v_used, cu_q, cu_used, dtype, **features)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pages_equal_the_unpaged_call(page_size, causal):
+    """The same tiles over the same keys, from pages or packed: the same scores, the same
+    online softmax, bit for bit (both on the architecture's paged tile)."""
+    q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(8, 2, 128, 128, torch.bfloat16,
+                                                             page_size, 3)
+    config = variants.paged_config(torch.cuda.get_device_capability(), 128)
+    window = (-1, 0) if causal else (-1, -1)
+    out, lse = _ops._varlen_outputs(q, v, True)
+    _launch.launch_forward(*_ops._packed(q, k, v, out), lse[None], None, None, 128 ** -0.5,
+                           0.0, 0, window, config, varlen=_launch.Varlen(cu_q, cu_k))
+    paged, paged_lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203,
+                                                         250, causal=causal, return_lse=True,
+                                                         block_table=table)
+    assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
+
+
+def test_no_pages_and_rows_without_keys():
+    """Sequences without keys read no page (rows 0, LSE +inf); a call whose cache holds no
+    page at all launches nothing and returns the same."""
+    q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(4, 2, 64, 64, torch.bfloat16,
+                                                             16, 5, [0] * len(LENGTHS_K))
+    for pages in ((k_pages, v_pages), (k_pages[:0], v_pages[:0])):
+        out, lse = flash_tile.flash_attn_varlen_func(q, *pages, cu_q, cu_k, 203, 0,
+                                                     block_table=table, return_lse=True)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert bool((lse == math.inf).all())
+
+
+def test_compiles_into_a_graph_and_captures():
+    """torch.compile(fullgraph=True) traces the op; a CUDA graph of it replays the call."""
+    q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(4, 2, 64, 64, torch.bfloat16,
+                                                             64, 9)
+
+    def call(q):
+        return flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,
+                                                 causal=True, block_table=table)
+    want = call(q)
+    assert torch.equal(torch.compile(call, fullgraph=True)(q), want)
+    graph, static_q = torch.cuda.CUDAGraph(), q.clone()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = call(static_q)
+    static_q.copy_(torch.flip(q, (0,)))
+    graph.replay()
+    assert torch.equal(got, call(static_q)) and not torch.equal(got, want)
+
+
+def test_opcheck():
+    q, _, _, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(2, 2, 64, 64, torch.float16, 16,
+                                                             6)
+    torch.library.opcheck(torch.ops.flash_tile.paged_varlen_forward,
+                          (q, k_pages, v_pages, table, cu_q, cu_k, None, None, 0.125, 0.0, -1,
+                           0, True))
