@@ -42,9 +42,13 @@ dropout); without it the rows' scores are plain.
 ``--varlen TOKENS ...`` times the kernels' VARLEN switch instead, a row per token count on
 ``bench_varlen.py``'s packing of that many tokens (log-uniform lengths 64-8192, seeded by the
 count; H * D = 2048): with ``--baseline`` the one-command A/B of a varlen kernel change.
+``--pages PAGE_SIZE`` lays that packing's keys into shuffled pages (``bench_paged_varlen``'s
+layout) and times the PAGED switch, its configs laid over ``variants.paged_config``.
 
     python bench/bench_variants.py --backward --varlen 65536 --head-dims 64 --causal yes \
         --configs '{}' --baseline /tmp/base/kernels
+    python bench/bench_variants.py --varlen 16384 --pages 16 --head-dims 128 \
+        --configs '{"tile_n": 64}' --paired 10
 """
 
 import argparse
@@ -63,6 +67,7 @@ from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_WIDTH, cuda_time_ms, grid_shape,
                                 interleaved_ms, paired_ms)
 from bench_attention import SLEEP_CYCLES, machine_info, md_table, save_json, write_report
+from bench_paged_varlen import paged
 from bench_varlen import cu_seqlens, packing
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
@@ -187,15 +192,20 @@ def runner(batch: int, heads: int, length: int, head_dim: int, causal: bool, dty
 
 
 def varlen_runner(tokens: int, head_dim: int, causal: bool, dtype, backward: bool,
-                  dropout: _launch.Dropout = _launch.NO_DROPOUT):
+                  dropout: _launch.Dropout = _launch.NO_DROPOUT, page_size: int | None = None):
     """``run(config)`` for one packing row, as the autotuner builds it for the varlen ops:
     ``bench_varlen``'s packing of ``tokens`` tokens, q, k, v [tokens, H, D] with
-    H * D = 2048."""
+    H * D = 2048; with ``page_size`` the forward against k, v laid into shuffled pages."""
     heads = GRID_WIDTH // head_dim
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
-    cu = cu_seqlens(packing(tokens))
+    lengths = packing(tokens)
+    cu = cu_seqlens(lengths)
     sequences, scale = _launch.Varlen(cu, cu), head_dim ** -0.5
+    if page_size:
+        gen = torch.Generator(device="cuda").manual_seed(tokens + page_size)
+        k, v, table = paged(k, v, lengths, page_size, gen)
+        sequences = _launch.Varlen(cu, cu, None, table)
     window = (-1, 0 if causal else -1)
     forward = _ops.varlen_forward_runner(q, k, v, sequences, None, scale, 0.0, window, True,
                                          dropout)
@@ -246,9 +256,15 @@ def main():
     parser.add_argument("--varlen", nargs="+", type=int, metavar="TOKENS",
                         help="rows of packed sequences (bench_varlen's packing of TOKENS "
                              "tokens) through the VARLEN switch, instead of --lengths")
+    parser.add_argument("--pages", type=int, metavar="PAGE_SIZE",
+                        help="with --varlen: the keys in shuffled pages of PAGE_SIZE keys "
+                             "(the forward's PAGED switch)")
     args = parser.parse_args()
     if args.dtype == "fp8" and (args.backward or args.dropout or args.varlen):
         parser.error("--dtype fp8 times the dense FP8 forward: no backward, dropout or varlen")
+    if args.pages and (not args.varlen or args.backward or args.dropout):
+        parser.error("--pages times the paged varlen forward: needs --varlen, no backward "
+                     "or dropout")
     os.environ["FLASH_TILE_AUTOTUNE"] = "0"  # recorded as such: nothing here is tuned
     overlays = [json.loads(c) for c in args.configs]
     capability = torch.cuda.get_device_capability()
@@ -259,6 +275,8 @@ def main():
             return variants.default_backward_config(capability, head_dim, not args.dropout)
         if args.dtype == "fp8":  # (its causal rows' default may differ, by length too)
             return variants.fp8_config(capability, head_dim, causal, length)
+        if args.pages:
+            return variants.paged_config(capability, head_dim)
         return variants.default_config(capability, head_dim)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
 
@@ -275,7 +293,7 @@ def main():
                 configs = laid if baseline else [default, *laid]
                 if args.varlen:
                     run = varlen_runner(size, head_dim, causal, DTYPES[args.dtype],
-                                        args.backward, dropout)
+                                        args.backward, dropout, args.pages)
                 elif args.dtype == "fp8":
                     run = fp8_runner(*grid_shape(size, head_dim), size, head_dim, causal)
                 else:
@@ -283,7 +301,7 @@ def main():
                                  DTYPES[args.dtype], args.backward, dropout)
                 row = {"dtype": args.dtype, "head_dim": head_dim,
                        "tokens" if args.varlen else "length": size, "causal": causal,
-                       "dropout": args.dropout,
+                       "dropout": args.dropout, "page_size": args.pages,
                        "variants": [autotune.describe(c) for c in configs]}
                 if baseline:
                     row["ms"], row["max_diff"], row["ratio"] = against_baseline(
@@ -347,7 +365,9 @@ def table(rows, overlays, paired_with: str) -> str:
     head = ([f"{c} ms, {side} (ratio)" for c in overlays] if paired_with else
             ["default ms", *(f"{c} ms (over the default)" for c in overlays)])
     return md_table(["D", "L", "causal", *head],
-                    [[r["head_dim"], r.get("length", f"packed, {r.get('tokens')} tokens"),
+                    [[r["head_dim"], r.get("length", f"packed, {r.get('tokens')} tokens"
+                                       + (f", {r['page_size']}-key pages" if r.get("page_size")
+                                          else "")),
                       "yes" if r["causal"] else "no",
                       *(cell(r, i, n) for i, n in enumerate(r["variants"]))] for r in rows])
 

@@ -15,8 +15,8 @@ flash-attn stores them, [num_blocks, page_size, H_kv, D]; q and the output are t
 import torch
 
 from flash_tile import _ops, variants
-from flash_tile._launch import Varlen, launch_forward
-from flash_tile._ops import _packed, op_or_body
+from flash_tile._launch import Varlen
+from flash_tile._ops import op_or_body
 from flash_tile._validate import device_properties
 
 
@@ -30,17 +30,15 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     H_kv, D] and v [.., Dv] pages with unit last strides, block_table int32 [B, max_blocks];
     sequence b's key count cu_seqlens_k[b + 1] - cu_seqlens_k[b], or seqused_k[b] where
     given. No query rows or no pages: nothing to launch, the rows as ones that see no key."""
-    out, lse = _ops._varlen_outputs(q, v, return_lse)
     if q.shape[0] == 0 or k.shape[0] == 0:
-        return _ops._keyless_forward(out, lse, return_lse, sinks, 0)
+        return _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
+                                     sinks, 0)
     config = variants.paged_config(device_properties(q.device)[0],
                                     max(q.shape[-1], v.shape[-1]))
-    q4, out4 = _packed(q, out)
-    launch_forward(q4, k, v, out4, lse[None] if return_lse else None, alibi_slopes, None,
-                   scale, softcap, 0, (window_left, window_right), config,
-                   varlen=Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
-                   sinks=sinks)
-    return out, lse
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    return _ops.varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap,
+                                      (window_left, window_right), return_lse,
+                                      sinks=sinks)(config)
 
 
 paged_varlen_op = torch.library.custom_op("flash_tile::paged_varlen_forward",

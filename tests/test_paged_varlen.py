@@ -6,7 +6,7 @@ compiles of the switch for every architecture."""
 import pytest
 import torch
 
-from flash_tile import _launch, _ops_paged, _validate, aot, reference_decode, variants, varlen
+from flash_tile import _launch, _ops, _ops_paged, _validate, aot, reference_decode, variants, varlen
 from sass_checks import assert_tensor_core_path
 
 LENGTHS_K = [3, 0, 40, 17]
@@ -83,7 +83,7 @@ def _call(monkeypatch, **change):
     (dict(max_seqlen_k=2.5), ValueError, "max_seqlen_k"),
 ])
 def test_bad_paged_arguments_raise_before_launch(monkeypatch, change, error, match):
-    monkeypatch.setattr(_ops_paged, "launch_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(error, match=match):
         _call(monkeypatch, **change)
 
@@ -91,7 +91,7 @@ def test_bad_paged_arguments_raise_before_launch(monkeypatch, change, error, mat
 def test_a_gradient_raises_before_launch(monkeypatch):
     """No backward through pages (flash-attn's paged varlen has none): asked for by q, k or
     v, or by the sinks, it raises rather than returning an output without one."""
-    monkeypatch.setattr(_ops_paged, "launch_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a, **k: pytest.fail("launched"))
     q, k_pages, v_pages, *_ = _paged()
     for change in (dict(q=q.requires_grad_()), dict(k=k_pages.requires_grad_()),
                    dict(v=v_pages.requires_grad_()),
@@ -107,20 +107,22 @@ def test_the_call_reaches_the_launch_with_pages_as_they_are(monkeypatch, form):
     (seqused_k, no cu_seqlens_k) passes no cumulative key lengths."""
     calls = []
     monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(_ops_paged, "launch_forward", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
     q, k_pages, v_pages, table, cu_q, cu_k, _, _ = _paged(dim=80)
     used = cu_k.diff() if form == "seqused_k" else None
     out, lse = _call(monkeypatch, q=q, k=k_pages, v=v_pages, block_table=table,
                      cu_seqlens_q=cu_q, cu_seqlens_k=None if used is not None else cu_k,
                      seqused_k=used, causal=True, softcap=3.0, return_lse=True)
-    (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config), kw = calls[0]
+    (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config, dropout, varlen,
+     sinks), _ = calls[0]
     assert qv.shape == (1, 4, 20, 80) and outv.data_ptr() == out.data_ptr()
     assert kv is k_pages and vv is v_pages and lsev.shape == (1, 4, 20)
     assert (slopes, mask, softcap, window) == (None, None, 3.0, (-1, 0))
     assert scale == pytest.approx(80 ** -0.5)
     assert config == variants.paged_config((9, 0), 80)
-    assert kw["varlen"] == _launch.Varlen(cu_q, None if used is not None else cu_k, used,
+    assert dropout == _launch.NO_DROPOUT and sinks is None
+    assert varlen == _launch.Varlen(cu_q, None if used is not None else cu_k, used,
                                           table)
     assert out.shape == (20, 4, 80) and lse.shape == (4, 20)
 
