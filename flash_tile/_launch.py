@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 import cuda.tile as ct
 import torch
 
-from flash_tile._arrays import Array, layout as array_layout
 from flash_tile.kernels._tiles import ADDITIVE_MASK, BOOL_MASK, NO_MASK, dropout_threshold
 from flash_tile.kernels.attention_bwd import (
     attention_bwd_dkdv, attention_bwd_dkdv_int64, attention_bwd_dq, attention_bwd_dq_convert,
@@ -476,59 +475,6 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                         softcap, diag_offset, window, config, dropout, varlen,
                                         sinks, descale)
     launch_on(q.device, grid, kernel, args)
-
-
-class ForwardPlan:
-    """A forward launch with everything but its q, k, v, out and LSE settled: the grid, the
-    kernel and the rest of the argument tuple (``ABSENT`` ints, scalars, constants) that
-    ``forward_launch`` built for one call signature, the layouts of the five arrays as the
-    kernel reads them (``_arrays.layout``), and the outputs' (shape, strides) for
-    ``torch.empty_strided``, as the planned call had them: out [B, Lq, H, Dv] contiguous
-    (``out``) or, the same memory, as its [B, H, Lq, Dv] view (``out_bhld``: SDPA's layout,
-    which the kernel writes), and the LSE [B, H, Lq] contiguous or None. Valid for every
-    call of that signature (the same shapes, strides, dtypes, device and scalars) without
-    ALiBi, a mask, varlen, sinks, dropout or FP8, whose arrays or seeds change from call to
-    call (``flash_tile._plans``)."""
-
-    __slots__ = ("grid", "kernel", "tail", "layouts", "device", "dtype", "out", "out_bhld",
-                 "lse", "no_lse")
-
-    def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
-                 lse: torch.Tensor | None):
-        self.grid, self.kernel, self.tail = grid, kernel, args[5:]
-        self.layouts = tuple(array_layout(t) for t in args[:4]) + \
-            (None if lse is None else array_layout(lse),)
-        self.device, self.dtype = out.device, out.dtype
-        # The first call's own outputs (``_ops._forward_outputs``), as later ones allocate them.
-        self.out_bhld = tuple(out.shape), out.stride()
-        self.out = tuple(out.transpose(1, 2).shape), out.transpose(1, 2).stride()
-        self.lse = None if lse is None else (tuple(lse.shape), lse.stride())
-        # What a call without an LSE passes: ABSENT, or the 64-bit entry point's placeholder.
-        self.no_lse = args[4] if lse is None else None
-
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None) -> None:
-        """``launch_forward`` of the planned call on these arrays, each passed by address in
-        the plan's layout (``_arrays.Array``): q, k, v and out as the call's [B, L, H, D]
-        tensors or their [B, H, L, D] views alike. Their layouts are not read: the caller
-        vouches for them (a call whose plan key equals the planned call's)."""
-        q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
-        launch_on(self.device, self.grid, self.kernel,
-                  (Array(q_layout, q.data_ptr()), Array(k_layout, k.data_ptr()),
-                   Array(v_layout, v.data_ptr()), Array(out_layout, out.data_ptr()),
-                   self.no_lse if lse is None else Array(lse_layout, lse.data_ptr()),
-                   *self.tail))
-
-
-def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None, scale: float, softcap: float, diag_offset: int,
-                 window: tuple[int, int], config: TileConfig) -> ForwardPlan:
-    """The plan of a plain forward (no ALiBi, mask, varlen, sinks, dropout or FP8) with these
-    arrays and scalars, arguments as ``launch_forward``'s; out must be laid out as
-    [B, Lq, H, Dv] (the plan's outputs are)."""
-    grid, kernel, args = forward_launch(q, k, v, out, lse, None, None, scale, softcap,
-                                        diag_offset, window, config)
-    return ForwardPlan(grid, kernel, args, out, lse)
 
 
 def launch_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -75,7 +75,7 @@ def test_forward_past_2_31_elements_matches_the_64_bit_signature(launched, retur
     its AOT signature, from ``launch_forward`` and from the plan made of it: without an LSE
     a placeholder array stands in for it (the entry point types Lse as 64-bit indexed, which
     an int cannot be), where the 32-bit forward gets ``ABSENT``."""
-    from flash_tile import _launch, aot, variants
+    from flash_tile import _launch, _plans, aot, variants
 
     config = variants.default_config((9, 0), 128)
     for q_len, int64 in ((2**19, True), (2**19 - 1, False)):
@@ -85,7 +85,7 @@ def test_forward_past_2_31_elements_matches_the_64_bit_signature(launched, retur
         launched.clear()
         scalars = (0.1, 0.0, 0, (-1, 0), config)
         _launch.launch_forward(q, k, k, q, lse, None, None, *scalars)
-        _launch.forward_plan(q, k, k, q, lse, *scalars).launch(q, k, k, q, lse)
+        _plans.forward_plan(q, k, k, q, lse, *scalars).launch(q, k, k, q, lse)
         sig = aot.forward_signature("bfloat16", 128, 128, (-1, 0), False, False, None, True,
                                     return_lse, config, int64_index=int64)
         for _, kernel, args in launched:
@@ -334,7 +334,7 @@ def test_a_planned_forward_launches_what_the_full_path_launches(launched, monkey
     config = variants.default_config((9, 0), 64)
     scalars = (0.125, softcap, 203 - 113, window, config)
     _launch.launch_forward(q, k, v, out, lse, None, None, *scalars)
-    plan = _launch.forward_plan(q, k, v, out, lse, *scalars)
+    plan = _plans.forward_plan(q, k, v, out, lse, *scalars)
     blhd = torch.empty(2, 113, 8, 64)
     assert plan.out == (blhd.shape, blhd.stride()) and plan.dtype == dtype
     assert plan.out_bhld == (blhd.transpose(1, 2).shape, blhd.transpose(1, 2).stride())
