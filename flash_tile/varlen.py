@@ -204,7 +204,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             gradient asked for raises NotImplementedError, as do dropout_p > 0 and the FP8
             descales); float16 or bfloat16. Pages whose size has a power-of-two factor of 16
             or more load as tiles; others (1-8, odd multiples of them) are gathered by row.
-            Not checked (a device sync): that the entries a sequence uses name valid pages.
+            Not checked (a device sync): that the entries a sequence uses name valid pages;
+            entries past them are not read, and the slots of a last page past the sequence's
+            keys may hold anything (NaN included: their scores are masked, their V rows
+            zeroed). Inputs are not cast under ``torch.autocast`` (the pages are read in
+            place, as ``flash_attn_with_kvcache``'s cache): q must have the pages' dtype.
         return_lse: also return the LSE (differentiable, as ``flash_attn_func``'s).
         sinks: [H] float32 sink logits, as ``flash_attn_func``'s (the same for every sequence;
             the LSE includes them).
@@ -222,7 +226,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     The offsets may start past row 0 and end before the last row: rows that no sequence
     covers are left unwritten (their gradients too). Not checked (it would need a device
-    sync): that the offsets are monotone and within [0, total_q] / [0, total_k], and that
+    sync): that the offsets are monotone and within [0, total_q] / [0, total_k] (with
+    ``block_table``, cu_seqlens_k gives key counts only, within the sequence's pages), and that
     seqused_k[b] lies in [0, the sequence's keys] (more reads the next sequence's keys).
     Offsets past the ends read padding or other sequences' rows; offsets that decrease give
     wrong results (the kernels' search for each program's sequence assumes them monotone).
@@ -230,7 +235,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     past seqused_k[b], the next sequence's first rows, rows no sequence covers) must hold
     finite values: a tile that runs past the end reads them, and although their weights are
     exactly zero, a NaN or inf there makes 0 * NaN = NaN in the sequence's output and
-    gradients (the decode kernel zeroes such rows; the varlen kernels do not yet).
+    gradients (the decode kernel and the paged forward zero such rows; the packed varlen
+    kernels do not yet).
     """
     if block_table is not None:
         return _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

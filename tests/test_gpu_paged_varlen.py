@@ -93,13 +93,14 @@ def test_pages_against_each_sequence(page_size, causal, window):
            window=(window[0], 0) if causal else window)
 
 
-@pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "seqused_k", "dims",
-                                     "float16"])
-@pytest.mark.parametrize("page_size", [2, 32])
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "seqused_k",
+                                     "seqused_k_and_cu", "dims", "float16"])
+@pytest.mark.parametrize("page_size", [2, 32, 33])
 def test_pages_with_each_feature(feature, page_size):
     """Each feature of the varlen forward through pages: softcap, ALiBi, sinks, FA3's
-    seqused_k without cu_seqlens_k, head dims that are not powers of two (D 80, Dv 48, GQA
-    4:1), float16."""
+    seqused_k without cu_seqlens_k and with it (seqused_k read, cu_seqlens_k's counts not),
+    head dims that are not powers of two (D 80, Dv 48, GQA 4:1), float16; on gathered pages
+    of a power of two (2) and of an odd size (33: rows found by division), and loaded ones."""
     dims = (80, 48) if feature == "dims" else (64, 64)
     kv_heads = 1 if feature == "dims" else 2
     dtype = torch.float16 if feature == "float16" else torch.bfloat16
@@ -115,9 +116,10 @@ def test_pages_with_each_feature(feature, page_size):
         features["alibi_slopes"] = call["alibi_slopes"] = slopes
     elif feature == "sinks":
         features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
-    elif feature == "seqused_k":  # each sequence's first keys, its band aligned to them
+    elif feature.startswith("seqused_k"):  # each sequence's first keys, its band aligned to them
         key_counts = (key_counts * 2) // 3
-        call["seqused_k"], cu_call = key_counts.to(torch.int32), None
+        call["seqused_k"] = key_counts.to(torch.int32)
+        cu_call = cu_k if feature == "seqused_k_and_cu" else None
     out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_call, 203, 250,
                                                  block_table=table, return_lse=True, **call)
     k_used, v_used, cu_used = reference_decode.packed_pages(k_pages, v_pages, table,
