@@ -416,11 +416,11 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
-    v_head_dim = v.shape[2] if descale is not None else v.shape[3]  # FP8: v is V^T
+    fp8 = q.dtype == torch.float8_e4m3fn  # (else descale is an FP8 cache's, under pages)
+    v_head_dim = v.shape[2] if fp8 else v.shape[3]  # FP8: v is V^T
     spec = forward_spec(config, head_dim, v_head_dim, k.shape[2] % config.tile_n == 0, window,
                         softcap > 0.0, alibi_slopes is not None, mask_kind(attn_mask),
-                        lse is not None, dropout.p > 0.0, sinks is not None,
-                        descale is not None)
+                        lse is not None, dropout.p > 0.0, sinks is not None, fp8)
     attn_mask = kernel_mask(attn_mask)
     int64_index = needs_int64_index(q, k, v, out, *(t for t in (lse, attn_mask)
                                                      if t is not None))
@@ -463,11 +463,12 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     [1, H_kv, total_k, D / Dv], out [1, H, total_q, Dv], lse [1, H, total_q], alibi_slopes
     [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
     read) and attn_mask must be None; with ``varlen.block_table`` k and v are instead its
-    pages as flash-attn stores them, [num_blocks, page_size, H_kv, D / Dv] (not with
-    ``descale``). ``sinks`` [H] fp32 (or None) is each head's sink logit,
+    pages as flash-attn stores them, [num_blocks, page_size, H_kv, D / Dv], in q's dtype or
+    float8_e4m3fn (an FP8 cache: ``descale`` then holds its k and v factors in rows 1 and
+    2, row 0 unread). ``sinks`` [H] fp32 (or None) is each head's sink logit,
     which joins every row's softmax without a value; the LSE then includes it.
     With ``descale`` (fp32 [3, B, H_kv]: the q, k and v descale factors per batch, or
-    sequence, and key/value head) the FP8 forward: q and k float8_e4m3fn, v given as V^T
+    sequence, and key/value head) and float8_e4m3fn q the FP8 forward: k float8_e4m3fn, v as V^T
     [B, H_kv, Dv, Lk] in float8_e4m3fn (keys contiguous: the layout the e4m3 tensor-core
     matmul reads; packed [1, H_kv, Dv, total_k] under ``varlen``), out bfloat16.
     """

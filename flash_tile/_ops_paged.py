@@ -1,7 +1,8 @@
 """The varlen forward against paged keys as a torch custom op, with its fake kernel: the PAGED
 switch of the forward kernel (``kernels/attention_fwd.py``) behind
 ``flash_attn_varlen_func(..., block_table=...)``, packed queries of any lengths against the
-pages of a KV cache (vLLM's prefill and mixed prefill/decode batches).
+pages of a KV cache (vLLM's prefill and mixed prefill/decode batches), in q's dtype or an
+FP8 cache's float8_e4m3fn.
 
 Forward only, as flash-attn's paged varlen path: no autograd is registered (the public
 function raises before launching when a gradient is asked for). The variant is the
@@ -25,11 +26,14 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cu_seqlens_k: torch.Tensor | None, seqused_k: torch.Tensor | None,
                        alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                        window_left: int, window_right: int, return_lse: bool,
-                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       sinks: torch.Tensor | None = None,
+                       descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's body: q [total_q, H, D] with a unit last stride, k [num_blocks, page_size,
     H_kv, D] and v [.., Dv] pages with unit last strides, block_table int32 [B, max_blocks];
     sequence b's key count cu_seqlens_k[b + 1] - cu_seqlens_k[b], or seqused_k[b] where
-    given. No query rows or no pages: nothing to launch, the rows as ones that see no key."""
+    given. Pages of float8_e4m3fn (an FP8 cache, q float16 or bfloat16) come with
+    ``descale``, fp32 [3, B, H_kv] holding their k and v factors in rows 1 and 2. No query
+    rows or no pages: nothing to launch, the rows as ones that see no key."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                      sinks, 0)
@@ -38,7 +42,7 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     return _ops.varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap,
                                       (window_left, window_right), return_lse,
-                                      sinks=sinks)(config)
+                                      sinks=sinks, descale=descale)(config)
 
 
 paged_varlen_op = torch.library.custom_op("flash_tile::paged_varlen_forward",
@@ -49,7 +53,7 @@ paged_varlen_op = torch.library.custom_op("flash_tile::paged_varlen_forward",
 @paged_varlen_op.register_fake
 def _paged_varlen_fake(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k,
                        alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                       sinks=None):
+                       sinks=None, descale=None):
     return _ops._varlen_outputs(q, v, return_lse)
 
 

@@ -66,18 +66,19 @@ def check_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **descales) -> 
 
 
 def check_kv_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          new: tuple, k_descale, v_descale
+                          new: tuple, k_descale, v_descale, batch: int | None = None,
+                          entry: str = "flash_attn_with_kvcache"
                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The dtypes of a KV-cache call: q float16 or bfloat16; the caches in q's dtype, or both
-    float8_e4m3fn (an FP8 cache); the new k/v (``new``: (k, v) or ()) in q's dtype or, into
-    an FP8 cache, in e4m3. Returns an FP8 cache's (k, v) descale factors as [B, H_kv] fp32
-    (``descale_view``; None given is 1), None for a cache in q's dtype (where descale
-    factors raise). FP8 queries raise NotImplementedError (the decode runs its matmuls in
-    q's dtype)."""
+    """The dtypes of a KV-cache call (``entry``'s): q float16 or bfloat16; the caches in q's
+    dtype, or both float8_e4m3fn (an FP8 cache); the new k/v (``new``: (k, v) or ()) in q's
+    dtype or, into an FP8 cache, in e4m3. Returns an FP8 cache's (k, v) descale factors as
+    [B, H_kv] fp32 (``descale_view``; None given is 1; B is ``batch``, by default q's first
+    extent), None for a cache in q's dtype (where descale factors raise). FP8 queries raise
+    NotImplementedError (the kernels run their matmuls in q's dtype)."""
     if q.dtype in FP8_DTYPES:
-        raise NotImplementedError(f"flash_attn_with_kvcache takes float16 or bfloat16 q, got "
-                                  f"{q.dtype}: FP8 is supported for the cache (float8_e4m3fn "
-                                  f"k_cache and v_cache with k_descale and v_descale)")
+        raise NotImplementedError(f"{entry} takes float16 or bfloat16 q, got {q.dtype}: FP8 "
+                                  f"is supported for the cache (float8_e4m3fn keys and values "
+                                  f"with k_descale and v_descale)")
     caches = {k_cache.dtype, v_cache.dtype}
     if caches != {FP8_DTYPE}:
         check_dtypes(q, k_cache, v_cache, *new)
@@ -92,7 +93,8 @@ def check_kv_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise ValueError(f"the new k and v must both be in q's dtype ({q.dtype}) or in "
                          f"torch.float8_e4m3fn for an FP8 cache, got {new[0].dtype} and "
                          f"{new[1].dtype}")
-    return kv_descales(k_descale, v_descale, q.shape[0], k_cache.shape[2], q.device)
+    return kv_descales(k_descale, v_descale, q.shape[0] if batch is None else batch,
+                       k_cache.shape[2], q.device)
 
 
 def kv_descales(k_descale, v_descale, batch: int, kv_heads: int, device: torch.device

@@ -126,7 +126,8 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
                       int64_index: bool = False, dropout: bool = False,
                       aligned: bool = False, varlen: bool = False,
                       sinks: bool = False, seqused_k: bool = False,
-                      fp8: bool = False, page_size: int | None = None) -> KernelSignature:
+                      fp8: bool = False, page_size: int | None = None,
+                      kv_dtype: str | None = None) -> KernelSignature:
     """The signature of ``attention_fwd`` (or ``attention_fwd_int64``) for one variant;
     ``even_n`` picks a key length that is (or is not) a multiple of the config's TILE_N, and
     ``aligned`` a ragged one that is a multiple of 16 (rows TMA can read); ``varlen`` the
@@ -134,7 +135,8 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     its SEQUSED_K; ``sinks`` the SINKS switch; ``fp8`` the FP8 switch (``dtype`` is then
     not read: e4m3 Q, K and V^T, a bf16 Out); ``page_size`` (with ``varlen``) the PAGED
     switch, K and V pages of that many keys with a block table (with ``seqused_k``, FA3's
-    form: the key counts alone, no cu_seqlens_k)."""
+    form: the key counts alone, no cu_seqlens_k), in ``kv_dtype`` where given
+    ("float8_e4m3fn": an FP8 cache, its descale factors in a [3, B, H_kv] array)."""
     index = ct.int64 if int64_index else ct.int32
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
@@ -149,7 +151,10 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
             raise ValueError("page_size: paged keys are a switch of the varlen forward, "
                              "not of the dense or the FP8 one")
         spec, table = paged_spec(spec, page_size), _index_array(2)
-        k, v = (_array(DTYPES[dtype], 4, d, index) for d in (head_dim, v_head_dim))
+        k, v = (_array(DTYPES[kv_dtype or dtype], 4, d, index) for d in (head_dim, v_head_dim))
+    elif kv_dtype is not None:
+        raise ValueError("kv_dtype: a cache's own dtype is a switch of the paged forward")
+    fp8_cache = kv_dtype is not None and DTYPES[kv_dtype] != DTYPES[dtype]
     cu = cu_k = _index_array(1) if varlen else ABSENT
     if page_size is not None and seqused_k:  # FA3's paged form: no cumulative key lengths
         cu_k = ABSENT
@@ -158,7 +163,8 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
               slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu,
               cu_k,
               _sinks() if sinks else ABSENT, _index_array(1) if varlen and seqused_k else ABSENT,
-              _array(ct.float32, 3) if fp8 else ABSENT, table, *scalars, *spec.constants()]
+              _array(ct.float32, 3) if fp8 or fp8_cache else ABSENT, table, *scalars,
+              *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 
 
@@ -260,13 +266,15 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                     int64_index: bool = False, dropout: bool = False,
                     output_format: str = "cubin", aligned: bool = False,
                     varlen: bool = False, sinks: bool = False, seqused_k: bool = False,
-                    fp8: bool = False, page_size: int | None = None) -> bytes:
+                    fp8: bool = False, page_size: int | None = None,
+                    kv_dtype: str | None = None) -> bytes:
     """A cubin of the forward for ``arch`` (e.g. "sm_90"); the config defaults to the one that
     architecture launches. ``causal`` sets the window's right bound to 0; ``attn_mask`` is
     None, "bool" or "additive"; ``int64_index`` compiles the 64-bit-index entry point used for
     tensors of 2**31 elements or more; ``dropout`` the DROPOUT switch; ``aligned`` makes a
     ragged key length a multiple of 16 (rows TMA can read); ``fp8`` the FP8 switch (e4m3
-    inputs, ``dtype`` not read); ``page_size`` (with ``varlen``) keys in pages of that size;
+    inputs, ``dtype`` not read); ``page_size`` (with ``varlen``) keys in pages of that size,
+    in ``kv_dtype`` where given (an FP8 cache: "float8_e4m3fn");
     ``output_format="tileir_bytecode"`` stops before tileiras and returns the Tile IR
     (``disassemble_tile_ir`` prints it)."""
     window = (window[0], 0) if causal else tuple(window)
@@ -274,7 +282,7 @@ def compile_forward(arch: str, dtype: str = "float16", head_dim: int = 128,
                                        causal=window[1] >= 0, paged=page_size is not None)
     sig = forward_signature(dtype, head_dim, v_head_dim or head_dim, window, softcap, alibi,
                             attn_mask, even_n, store_lse, config, int64_index, dropout, aligned,
-                            varlen, sinks, seqused_k, fp8, page_size)
+                            varlen, sinks, seqused_k, fp8, page_size, kv_dtype)
     return _export(hinted_kernel(config, int64_index), sig, arch, output_format)
 
 

@@ -96,8 +96,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 
 
 def _check_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """q [total_q, H, D] and the pages k [num_blocks, page_size, H_kv, D], v [.., Dv] of one
-    float16 or bfloat16 dtype, read in place (unit last strides)."""
+    """The shapes of q [total_q, H, D] and of the pages k [num_blocks, page_size, H_kv, D],
+    v [.., Dv], read in place (unit last strides); their dtypes are ``_paged``'s to check."""
     if q.dim() != 3 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"with block_table, q must be [total_q, heads, head_dim] and k, v "
                          f"pages [num_blocks, page_size, heads_k, head_dim], got shapes "
@@ -105,11 +105,6 @@ def _check_pages(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k and v pages must agree in (num_blocks, page_size, heads_k), got "
                          f"{list(k.shape)} and {list(v.shape)}")
-    if k.dtype == torch.float8_e4m3fn or q.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError("block_table with float8_e4m3fn inputs: the paged varlen "
-                                  "forward reads float16 or bfloat16 pages; an FP8 cache "
-                                  "runs through flash_attn_with_kvcache")
-    _validate.check_dtypes(q, k, v)
     _validate.check_heads(q.shape[1], k.shape[2], v.shape[2])
     _validate.check_head_dims(q.shape[2], k.shape[3], v.shape[3])
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -128,9 +123,12 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                           max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
                           alibi_slopes, False, seqused_k, True, sinks, descales)
         return out, lse, q.new_empty((0,))
-    if any(d is not None for d in descales):
-        raise NotImplementedError("block_table with q_descale / k_descale / v_descale: the "
-                                  "paged varlen forward is not an FP8 one")
+    q_descale, k_descale, v_descale = descales
+    if q.dtype == torch.float8_e4m3fn or q_descale is not None:
+        raise NotImplementedError("block_table with float8_e4m3fn q (q_descale): the paged "
+                                  "varlen forward runs its matmuls in q's dtype, float16 or "
+                                  "bfloat16; an FP8 cache (float8_e4m3fn pages with k_descale "
+                                  "and v_descale) takes such q")
     if _validate.check_dropout(dropout_p) > 0.0:
         raise NotImplementedError("dropout_p > 0 with block_table: the paged varlen forward "
                                   "has no backward (as flash-attn's), so nothing would train "
@@ -149,9 +147,15 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
         softcap, seqused_k, alibi_slopes, sinks, paged=True)
     _validate.check_block_table(block_table, batch, k.shape[1], None, device)
+    descale = None
+    if _validate.check_kv_cache_dtypes(q, k, v, (), k_descale, v_descale, batch,
+                                       "flash_attn_varlen_func with block_table") is not None:
+        _validate.check_fp8_capability(device, "an FP8 cache")
+        descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
+                                         k_descale=k_descale, v_descale=v_descale)
     out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,
                                       cu_seqlens_k, seqused_k, alibi_slopes, scale, softcap,
-                                      left, right, return_lse, sinks)
+                                      left, right, return_lse, sinks, descale)
     return (out, lse) if return_lse else out
 
 
@@ -201,8 +205,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             block_table[b, p // page_size] at row p % page_size, as flash-attn's and vLLM's.
             Its key count is cu_seqlens_k[b + 1] - cu_seqlens_k[b] or, FA3's form,
             seqused_k[b] (cu_seqlens_k may then be None). Forward only (as flash-attn's: a
-            gradient asked for raises NotImplementedError, as do dropout_p > 0 and the FP8
-            descales); float16 or bfloat16. Pages whose size has a power-of-two factor of 16
+            gradient asked for raises NotImplementedError, as does dropout_p > 0). Pages in
+            q's dtype, or an FP8 cache: float8_e4m3fn pages with k_descale and v_descale
+            ([B, H_kv] or one element, None for 1), q float16 or bfloat16 (Hopper and newer;
+            the tiles are widened to q's dtype after their load, exactly, the factors applied
+            to the scores and the output; float8_e4m3fn q raises NotImplementedError).
+            Pages whose size has a power-of-two factor of 16
             or more load as tiles; others (1-8, odd multiples of them) are gathered by row.
             Not checked (a device sync): that the entries a sequence uses name valid pages;
             entries past them are not read, and the slots of a last page past the sequence's
@@ -214,7 +222,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             the LSE includes them).
         q_descale, k_descale, v_descale: the FP8 forward's factors, as ``flash_attn_func``'s,
             [B, H_kv] with one row per sequence, or one element; bfloat16 output, no
-            backward.
+            backward. With ``block_table``, k_descale and v_descale alone: an FP8 cache's.
 
     Gradients flow to q, k, v and the sinks (not alibi_slopes) through the backward's
     VARLEN switch.

@@ -61,7 +61,10 @@ A key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N keys (PAGE
 two dividing the page size), or under GATHER its rows are gathered each from its page
 (``_pages``, the decode's loads). The keys past k_len in the last tile are real rows of some
 page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
-NaN, and 0 * NaN would reach the output). Not with FP8.
+NaN, and 0 * NaN would reach the output). Not with FP8; but the pages may be an FP8 cache,
+float8_e4m3fn K and V standing for d_k k8 and d_v v8 (Descale's rows 1 and 2) with Q in
+float16 or bfloat16, as the decode's: each tile is widened to Q's dtype after its load
+(exactly), d_k joins the softmax scale and d_v multiplies the output with 1 / l_i.
 
 Sinks (SINKS). A learnt logit sink_h per head (gpt-oss) joins every row's softmax as a key
 with no value: l_i gains exp(sink_h - m_i) and the output sums the keys alone. The running
@@ -144,6 +147,8 @@ def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, 
         pages = page_rows(kv, j, TILE_N)
     if PAGED:  # K^T [TILE_D, TILE_N] from the pages the block table names
         k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, True, PAGE_N, GATHER, True)
+        if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
+            k_t = k_t.astype(q.dtype)
     elif VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
                                       traversal_steps=(1, 1, 1, TILE_D)).load(
@@ -170,6 +175,8 @@ def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, 
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     elif PAGED:
         v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, True, PAGE_N, GATHER, False)
+        if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
+            v = v.astype(q.dtype)
         if MASKED:
             if (j + 1) * TILE_N > band[0]:  # the tile k_len cuts: zero the rows past it
                 rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
@@ -231,6 +238,8 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
         # multiplies the output with 1 / l_i. One pair of scalars per (batch, kv head).
         qk_scale = qk_scale * descale(Descale, 0, batch, kv_head) * \
             descale(Descale, 1, batch, kv_head)
+    elif K.dtype != Q.dtype:  # an FP8 cache (PAGED): the scores are those of d_k k8
+        qk_scale = qk_scale * descale(Descale, 1, batch, kv_head)
 
     # Loaded once, reused by every key tile.
     q = load_seq_rows(Q, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
@@ -281,7 +290,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)  # [TILE_M, 1]
     if DROPOUT:
         inv_l = inv_l * dropout_scale
-    if FP8:
+    if FP8 or V.dtype != Q.dtype:  # (an FP8 cache: the values are d_v v8)
         inv_l = inv_l * descale(Descale, 2, batch, kv_head)
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
     # Under VARLEN clipped at the sequence's last row, not at the packed tensor's.
@@ -332,7 +341,8 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     (``_tiles.exp2_fma``). Under PAGED (with VARLEN, not FP8) K and V are pages
     [num_blocks, page_size, H_kv, D / Dv] and BlockTable [B, max_blocks] int32 each
     sequence's pages (read only then), joined from loads of PAGE_N keys or, under GATHER,
-    gathered by row. Shapes and strides are 32-bit."""
+    gathered by row; pages of float8_e4m3fn (an FP8 cache) take their factors from
+    Descale [3, B, H_kv] rows 1 and 2. Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                         Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
                         window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,

@@ -145,6 +145,40 @@ def test_pages_equal_the_unpaged_call(page_size, causal):
     assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_an_fp8_cache(page_size, dim):
+    """float8_e4m3fn pages (an FP8 cache, its unwritten slots NaN) with bfloat16 q and
+    descale factors per (sequence, key/value head): against fp32 on the dequantized keys and
+    values under the 2x rule, causal, GQA 4:1; a per-tensor v_descale the same as its
+    [B, H_kv] expansion, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(dim + page_size)
+    q, k, v, cu_q, cu_k, _ = _inputs(8, 2, dim, dim, torch.bfloat16, page_size, 11)
+    batch = len(LENGTHS_K)
+    # Each row's factor is its sequence's: |x| / descale stays inside e4m3's 448.
+    k_descale, v_descale = ((1.0 + torch.rand(batch, 2, generator=gen, device="cuda")) / 64
+                            for _ in range(2))
+    sequence = torch.repeat_interleave(torch.arange(batch, device="cuda"), cu_k.diff())
+    (k8, k_deq), (v8, v_deq) = (
+        ((x.float() / d[sequence][..., None]).to(torch.float8_e4m3fn), d[sequence][..., None])
+        for x, d in ((k, k_descale), (v, v_descale)))
+    k_deq, v_deq = k8.float() * k_deq, v8.float() * v_deq
+    # Laid out in float32 (exact for e4m3 values, NaN slots included), then e4m3 again.
+    *pages, table = _pages(k8.float(), v8.float(), cu_k, page_size, gen)
+    k_pages, v_pages = (t.to(torch.float8_e4m3fn) for t in pages)
+    out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,
+                                                 causal=True, block_table=table,
+                                                 return_lse=True, k_descale=k_descale,
+                                                 v_descale=v_descale)
+    assert out.dtype == torch.bfloat16
+    _check(out, lse, q, k_deq, v_deq, cu_q, cu_k, torch.bfloat16, window=(-1, 0))
+    one = torch.full((), 0.03, device="cuda")
+    scalar, expanded = (flash_tile.flash_attn_varlen_func(
+        q, k_pages, v_pages, cu_q, cu_k, 203, 250, causal=True, block_table=table,
+        k_descale=k_descale, v_descale=d) for d in (one, one.expand(batch, 2).contiguous()))
+    assert torch.equal(scalar, expanded)
+
+
 def test_no_pages_and_rows_without_keys():
     """Sequences without keys read no page (rows 0, LSE +inf); a call whose cache holds no
     page at all launches nothing and returns the same."""

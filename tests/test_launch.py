@@ -165,7 +165,8 @@ def test_bool_masks_reach_the_kernels_as_uint8_where_tma_can_read_them(launched,
 
 
 _TORCH_OF = {"float32": torch.float32, "int32": torch.int32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16, "uint8": torch.uint8, "bool": torch.bool}
+             "float16": torch.float16, "uint8": torch.uint8, "bool": torch.bool,
+             "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def _matches(args, signature):
@@ -225,6 +226,33 @@ def test_varlen_sinks_launches_match_the_compiled_signatures(launched):
         assert len(launched) == len(sigs)
         for (_, _, args), sig in zip(launched, sigs):
             _matches(args, sig)
+
+
+@pytest.mark.parametrize("page_size,seqused_k,kv_dtype", [
+    (16, False, None), (1, True, None), (64, True, "float8_e4m3fn"), (3, False, "float8_e4m3fn")])
+def test_paged_varlen_launches_match_the_compiled_signature(launched, page_size, seqused_k,
+                                                            kv_dtype):
+    """The JIT launch of the forward's PAGED switch (pages loaded as tiles or gathered by
+    row; FA3's seqused_k form without cu_seqlens_k; bfloat16 pages or an FP8 cache with its
+    descale array) passes its arguments in the order, dtypes and ranks of the signature the
+    AOT tests compile."""
+    from flash_tile import _launch, aot, variants
+
+    q, out = torch.randn(1, 4, 40, 64).bfloat16(), torch.randn(1, 4, 40, 64).bfloat16()
+    k, v = (torch.randn(9, page_size, 2, 64).to(getattr(torch, kv_dtype or "bfloat16"))
+            for _ in range(2))
+    cu_q = torch.tensor([0, 15, 40], dtype=torch.int32)
+    used = torch.tensor([20, 33], dtype=torch.int32)
+    table = torch.zeros(2, 5, dtype=torch.int32)
+    varlen = _launch.Varlen(cu_q, None if seqused_k else torch.tensor([0, 20, 53]).int(),
+                            used if seqused_k else None, table)
+    descale = torch.rand(3, 2, 2) if kv_dtype else None
+    config = variants.paged_config((9, 0), 64)
+    _launch.launch_forward(q, k, v, out, torch.empty(1, 4, 40), None, None, 0.125, 0.0, 0,
+                           (-1, 0), config, _launch.NO_DROPOUT, varlen, None, descale)
+    _matches(launched[0][2], aot.forward_signature(
+        "bfloat16", 64, 64, (-1, 0), False, False, None, False, True, config, varlen=True,
+        seqused_k=seqused_k, page_size=page_size, kv_dtype=kv_dtype))
 
 
 @pytest.mark.parametrize("page_size,splits,sinks,store_lse", [

@@ -63,9 +63,14 @@ def _call(monkeypatch, **change):
 @pytest.mark.parametrize("change,error,match", [
     (dict(dropout_p=0.1), NotImplementedError, "dropout_p > 0 with block_table"),
     (dict(return_attn_probs=True, dropout_p=0.1), NotImplementedError, "S_dmask"),
-    (dict(k_descale=torch.ones(1)), NotImplementedError, "not an FP8 one"),
+    (dict(k_descale=torch.ones(1)), ValueError, "float8_e4m3fn caches only"),
+    (dict(q_descale=torch.ones(1)), NotImplementedError, "float8_e4m3fn q"),
     (dict(q=torch.randn(20, 4, 64).to(torch.float8_e4m3fn)), NotImplementedError,
-     "float8_e4m3fn"),
+     "float8_e4m3fn q"),
+    (dict(k=torch.randn(8, 16, 2, 64).to(torch.float8_e4m3fn)), ValueError, "same dtype"),
+    (dict(k=torch.randn(8, 16, 2, 64).to(torch.float8_e4m3fn),
+          v=torch.randn(8, 16, 2, 64).to(torch.float8_e4m3fn), k_descale=torch.ones(4, 3)),
+     ValueError, r"k_descale must have shape \[4, 2\]"),
     (dict(block_table=torch.zeros(4, 3, dtype=torch.int64)), ValueError,
      "block_table must be an int32"),
     (dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError,
@@ -115,16 +120,37 @@ def test_the_call_reaches_the_launch_with_pages_as_they_are(monkeypatch, form):
                      cu_seqlens_q=cu_q, cu_seqlens_k=None if used is not None else cu_k,
                      seqused_k=used, causal=True, softcap=3.0, return_lse=True)
     (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config, dropout, varlen,
-     sinks), _ = calls[0]
+     sinks, descale), _ = calls[0]
     assert qv.shape == (1, 4, 20, 80) and outv.data_ptr() == out.data_ptr()
     assert kv is k_pages and vv is v_pages and lsev.shape == (1, 4, 20)
     assert (slopes, mask, softcap, window) == (None, None, 3.0, (-1, 0))
     assert scale == pytest.approx(80 ** -0.5)
     assert config == variants.paged_config((9, 0), 80)
-    assert dropout == _launch.NO_DROPOUT and sinks is None
-    assert varlen == _launch.Varlen(cu_q, None if used is not None else cu_k, used,
-                                          table)
+    assert dropout == _launch.NO_DROPOUT and sinks is None and descale is None
+    assert varlen == _launch.Varlen(cu_q, None if used is not None else cu_k, used, table)
     assert out.shape == (20, 4, 80) and lse.shape == (4, 20)
+
+
+def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
+    """float8_e4m3fn pages with bfloat16 q: the pages as they are, a bfloat16 output, and the
+    launch's descale [3, B, H_kv] holding k_descale (per sequence and key/value head) in row
+    1 and v_descale (None: 1) in row 2; before Hopper a RuntimeError, before any launch."""
+    calls = []
+    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "launch_forward", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
+    q, k_pages, v_pages, table, cu_q, cu_k, _, _ = _paged()
+    k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k_pages, v_pages))
+    k_descale = torch.rand(4, 2) + 0.5
+    out = _call(monkeypatch, q=q, k=k8, v=v8, k_descale=k_descale)
+    (qv, kv, vv, *_, descale), _ = calls[0]
+    assert kv is k8 and vv is v8 and out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.equal(descale, torch.stack([torch.ones(4, 2), k_descale, torch.ones(4, 2)]))
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
+    with pytest.raises(RuntimeError, match="needs 9.0"):
+        _call(monkeypatch, q=q, k=k8, v=v8, k_descale=k_descale)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("page_size,tile_n,page_n", [
@@ -178,3 +204,17 @@ def test_paged_switch_compiles_with_tensor_cores(arch):
             page_size=page_size, int64_index=int64_index))
         assert_tensor_core_path(arch, listing, (dim, page_size), forward=True)
         assert aot.summarize(listing)["local_memory"] == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
+def test_fp8_cache_compiles_on_the_inputs_tensor_cores(arch):
+    """An FP8 cache's e4m3 pages with bfloat16 q (Hopper and newer, where tileiras takes
+    e4m3 arrays): both matmuls on the architecture's bfloat16 tensor-core op (the tiles are
+    widened after their load; no e4m3 matmul), page loads through TMA, no spills, on 16-key
+    pages at D = 128."""
+    listing = aot.disassemble(aot.compile_forward(arch, dtype="bfloat16", head_dim=128,
+                                                  causal=True, varlen=True, page_size=16,
+                                                  kv_dtype="float8_e4m3fn"))
+    assert_tensor_core_path(arch, listing, "fp8 cache", forward=True)
+    sass = aot.summarize(listing)
+    assert sass["local_memory"] == 0 and sass["tma_load"] > 0, sass

@@ -105,14 +105,14 @@ def test_the_call_reaches_the_launch_as_packed_views(monkeypatch):
                                              window_size=(8, -1), softcap=5.0, return_lse=True,
                                              dropout_p=0.25)
     (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config, drop,
-     packing, sinks) = calls[0]
+     packing, sinks, descale) = calls[0]
     assert qv.shape == (1, 4, 20, 64) and kv.shape == (1, 2, 30, 64)
     assert outv.shape == (1, 4, 20, 64) and outv.data_ptr() == out.data_ptr()
     assert lsev.shape == (1, 4, 20) and lsev.data_ptr() == lse.data_ptr()
     assert (slopes, mask, scale, softcap, window) == (None, None, 0.125, 5.0, (8, 0))
     assert config == variants.default_config((9, 0), 64)
     assert drop == _launch.Dropout(0.25, 77)
-    assert packing == _launch.Varlen(cu_q, cu_k) and sinks is None
+    assert packing == _launch.Varlen(cu_q, cu_k) and sinks is None and descale is None
     assert out.shape == (20, 4, 64) and lse.shape == (4, 20)
 
 
