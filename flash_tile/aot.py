@@ -146,15 +146,16 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     if varlen:
         spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     spec = dataclasses.replace(spec, sinks=sinks)
+    if kv_dtype not in (None, "float8_e4m3fn") or (kv_dtype and page_size is None):
+        raise ValueError(f"kv_dtype {kv_dtype!r}: pages in q's dtype (None) or an FP8 cache's "
+                         "float8_e4m3fn, with page_size")
     if page_size is not None:  # pages [num_blocks, page_size, H_kv, D] as flash-attn's
         if not varlen or fp8:
             raise ValueError("page_size: paged keys are a switch of the varlen forward, "
                              "not of the dense or the FP8 one")
         spec, table = paged_spec(spec, page_size), _index_array(2)
         k, v = (_array(DTYPES[kv_dtype or dtype], 4, d, index) for d in (head_dim, v_head_dim))
-    elif kv_dtype is not None:
-        raise ValueError("kv_dtype: a cache's own dtype is a switch of the paged forward")
-    fp8_cache = kv_dtype is not None and DTYPES[kv_dtype] != DTYPES[dtype]
+    fp8_cache = kv_dtype is not None
     cu = cu_k = _index_array(1) if varlen else ABSENT
     if page_size is not None and seqused_k:  # FA3's paged form: no cumulative key lengths
         cu_k = ABSENT

@@ -148,11 +148,12 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         softcap, seqused_k, alibi_slopes, sinks, paged=True)
     _validate.check_block_table(block_table, batch, k.shape[1], None, device)
     descale = None
-    if _validate.check_kv_cache_dtypes(q, k, v, (), k_descale, v_descale, batch,
-                                       "flash_attn_varlen_func with block_table") is not None:
+    kv_descale = _validate.check_kv_cache_dtypes(q, k, v, (), k_descale, v_descale, batch,
+                                                 "flash_attn_varlen_func with block_table")
+    if kv_descale is not None:
         _validate.check_fp8_capability(device, "an FP8 cache")
         descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
-                                         k_descale=k_descale, v_descale=v_descale)
+                                         k_descale=kv_descale[0], v_descale=kv_descale[1])
     out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,
                                       cu_seqlens_k, seqused_k, alibi_slopes, scale, softcap,
                                       left, right, return_lse, sinks, descale)
@@ -207,7 +208,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             seqused_k[b] (cu_seqlens_k may then be None). Forward only (as flash-attn's: a
             gradient asked for raises NotImplementedError, as does dropout_p > 0). Pages in
             q's dtype, or an FP8 cache: float8_e4m3fn pages with k_descale and v_descale
-            ([B, H_kv] or one element, None for 1), q float16 or bfloat16 (Hopper and newer;
+            (positive, [B, H_kv] or one element, None for 1; not checked: a device sync),
+            q float16 or bfloat16 (Hopper and newer;
             the tiles are widened to q's dtype after their load, exactly, the factors applied
             to the scores and the output; float8_e4m3fn q raises NotImplementedError).
             Pages whose size has a power-of-two factor of 16

@@ -145,38 +145,83 @@ def test_pages_equal_the_unpaged_call(page_size, causal):
     assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
 
 
+@pytest.fixture
+def hopper_or_newer():
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("an FP8 cache needs compute capability 9.0+ (tileiras 13.4)")
+
+
+def _fp8_pages(k, v, cu_k, page_size, gen, descales):
+    """k, v quantized to float8_e4m3fn with ``descales`` ((k, v): each [B, H_kv], one row a
+    sequence, or 0-d), laid into shuffled pages (``_pages``: NaN in the unwritten slots), and
+    the dequantized k, v [total_k, H_kv, D] fp32 those pages stand for."""
+    sequence = torch.repeat_interleave(torch.arange(len(cu_k) - 1, device="cuda"), cu_k.diff())
+    quantized, dequantized = [], []
+    for x, d in zip((k, v), descales):
+        rows = (d[sequence] if d.dim() else d.expand(x.shape[0], x.shape[1]))[..., None]
+        x8 = (x.float() / rows).to(torch.float8_e4m3fn)
+        quantized.append(x8.float())  # laid out in fp32: exact, NaN slots included
+        dequantized.append(x8.float() * rows)
+    *pages, table = _pages(*quantized, cu_k, page_size, gen)
+    return *(t.to(torch.float8_e4m3fn) for t in pages), table, *dequantized
+
+
+@pytest.mark.usefixtures("hopper_or_newer")
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("dim", [64, 128, 256])
 def test_an_fp8_cache(page_size, dim):
-    """float8_e4m3fn pages (an FP8 cache, its unwritten slots NaN) with bfloat16 q and
-    descale factors per (sequence, key/value head): against fp32 on the dequantized keys and
-    values under the 2x rule, causal, GQA 4:1; a per-tensor v_descale the same as its
-    [B, H_kv] expansion, bit for bit."""
+    """float8_e4m3fn pages (an FP8 cache) with bfloat16 q and descale factors per (sequence,
+    key/value head): against fp32 on the dequantized keys and values under the 2x rule,
+    causal, GQA 4:1, a bfloat16 output."""
     gen = torch.Generator(device="cuda").manual_seed(dim + page_size)
     q, k, v, cu_q, cu_k, _ = _inputs(8, 2, dim, dim, torch.bfloat16, page_size, 11)
-    batch = len(LENGTHS_K)
-    # Each row's factor is its sequence's: |x| / descale stays inside e4m3's 448.
-    k_descale, v_descale = ((1.0 + torch.rand(batch, 2, generator=gen, device="cuda")) / 64
-                            for _ in range(2))
-    sequence = torch.repeat_interleave(torch.arange(batch, device="cuda"), cu_k.diff())
-    (k8, k_deq), (v8, v_deq) = (
-        ((x.float() / d[sequence][..., None]).to(torch.float8_e4m3fn), d[sequence][..., None])
-        for x, d in ((k, k_descale), (v, v_descale)))
-    k_deq, v_deq = k8.float() * k_deq, v8.float() * v_deq
-    # Laid out in float32 (exact for e4m3 values, NaN slots included), then e4m3 again.
-    *pages, table = _pages(k8.float(), v8.float(), cu_k, page_size, gen)
-    k_pages, v_pages = (t.to(torch.float8_e4m3fn) for t in pages)
+    # |x| / descale stays inside e4m3's 448 for N(0, 1) rows.
+    descales = [(1.0 + torch.rand(len(LENGTHS_K), 2, generator=gen, device="cuda")) / 64
+                for _ in range(2)]
+    k_pages, v_pages, table, k_deq, v_deq = _fp8_pages(k, v, cu_k, page_size, gen, descales)
     out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,
                                                  causal=True, block_table=table,
-                                                 return_lse=True, k_descale=k_descale,
-                                                 v_descale=v_descale)
+                                                 return_lse=True, k_descale=descales[0],
+                                                 v_descale=descales[1])
     assert out.dtype == torch.bfloat16
     _check(out, lse, q, k_deq, v_deq, cu_q, cu_k, torch.bfloat16, window=(-1, 0))
-    one = torch.full((), 0.03, device="cuda")
-    scalar, expanded = (flash_tile.flash_attn_varlen_func(
-        q, k_pages, v_pages, cu_q, cu_k, 203, 250, causal=True, block_table=table,
-        k_descale=k_descale, v_descale=d) for d in (one, one.expand(batch, 2).contiguous()))
-    assert torch.equal(scalar, expanded)
+
+
+@pytest.mark.usefixtures("hopper_or_newer")
+@pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "window", "float16",
+                                     "one_factor"])
+def test_an_fp8_cache_with_each_feature(feature):
+    """The FP8 cache with each feature whose maths meets the descale: softcap (applied to the
+    dequantized score), ALiBi and sinks (added unscaled), a two-sided window, float16 q, and
+    one factor for the whole cache (k_descale 0-d, v_descale None: 1); on odd gathered pages
+    of 33 keys at D = 128."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    dtype = torch.float16 if feature == "float16" else torch.bfloat16
+    q, k, v, cu_q, cu_k, _ = _inputs(4, 2, 128, 128, dtype, 33, 13)
+    if feature == "one_factor":
+        descales = [torch.tensor(1 / 50, device="cuda"), torch.tensor(1.0, device="cuda")]
+        v = v / 8  # inside e4m3's range with a factor of 1
+        call = dict(k_descale=descales[0])
+    else:
+        descales = [(1.0 + torch.rand(len(LENGTHS_K), 2, generator=gen, device="cuda")) / 64
+                    for _ in range(2)]
+        call = dict(k_descale=descales[0], v_descale=descales[1])
+    k_pages, v_pages, table, k_deq, v_deq = _fp8_pages(k, v, cu_k, 33, gen, descales)
+    features, call["causal"] = dict(window=(-1, 0)), True
+    if feature == "softcap":
+        features["softcap"] = call["softcap"] = 4.0
+    elif feature == "alibi":
+        slopes = torch.rand(len(LENGTHS_Q), 4, generator=gen, device="cuda")
+        features["alibi_slopes"] = call["alibi_slopes"] = slopes
+    elif feature == "sinks":
+        features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
+    elif feature == "window":
+        features["window"] = call["window_size"] = (30, 7)
+        call["causal"] = False
+    out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,
+                                                 block_table=table, return_lse=True, **call)
+    assert out.dtype == dtype
+    _check(out, lse, q, k_deq, v_deq, cu_q, cu_k, dtype, **features)
 
 
 def test_no_pages_and_rows_without_keys():

@@ -218,3 +218,14 @@ def test_fp8_cache_compiles_on_the_inputs_tensor_cores(arch):
     assert_tensor_core_path(arch, listing, "fp8 cache", forward=True)
     sass = aot.summarize(listing)
     assert sass["local_memory"] == 0 and sass["tma_load"] > 0, sass
+
+
+@pytest.mark.parametrize("kv_dtype,page_size", [("bfloat16", 16), ("float16", 16),
+                                                ("float8_e4m3fn", None)])
+def test_aot_kv_dtype_is_an_fp8_cache_of_pages(kv_dtype, page_size):
+    """``kv_dtype`` names an FP8 cache's pages alone: another dtype (a lossy widening the
+    launcher never makes) or no pages raise."""
+    with pytest.raises(ValueError, match="kv_dtype"):
+        aot.forward_signature("bfloat16", 64, 64, (-1, 0), False, False, None, False, True,
+                              variants.paged_config((9, 0), 64), varlen=True,
+                              page_size=page_size, kv_dtype=kv_dtype)
