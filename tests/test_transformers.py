@@ -426,6 +426,10 @@ def test_unsupported_requests_raise():
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="position biases"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None, position_bias=q)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None,
+                                        block_table=torch.zeros(1, 2, dtype=torch.int32),
+                                        k_cache=q, v_cache=q)
     with pytest.raises(ValueError, match="max_length_q"):
         flash_tile_hf.attention_forward(torch.nn.Module(), q, q, q, None,
                                         cu_seq_lens_q=torch.tensor([0, 3]),

@@ -75,6 +75,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         raise NotImplementedError("flash_tile does not take position biases (T5-style); use "
                                   "attn_implementation='sdpa' or 'eager'")
+    if kwargs.get("block_table") is not None:
+        # Continuous batching's decode fast path (new rows appended into a paged cache by
+        # the attention call): transformers takes it for flash_attention_2/3 alone, and
+        # turns it off for other implementations (max_blocks_per_request = 0).
+        raise NotImplementedError("flash_tile takes no block_table from transformers "
+                                  "(continuous batching's decode fast path); run continuous "
+                                  "batching with max_blocks_per_request=0")
     # gpt-oss's sinks, in the model's dtype: the kernels take them as fp32 (a differentiable
     # cast, so their gradient flows back to the parameter).
     sinks = kwargs.get("s_aux")
