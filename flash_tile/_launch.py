@@ -415,6 +415,11 @@ def launch_on(device: torch.device, grid: tuple, kernel, args: tuple, **attribut
             ct.launch(stream, grid, kernel, args, **attributes)
 
 
+#: Where ``forward_launch``'s arguments hold the sequences' arrays (cu_seqlens_q,
+#: cu_seqlens_k, seqused_k, the block table), which a planned varlen call passes by address.
+SEQUENCE_SLOTS = (7, 8, 10, 12)
+
+
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, scale: float, softcap: float,
@@ -444,6 +449,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     else:
         spec = varlen.spec(spec, k.shape[1])  # under a block table k is the pages
         grid = varlen_grid(q_len, config.tile_m, heads, varlen.batch)
+    # (SEQUENCE_SLOTS names where cu_q, cu_k, used_k and block_table sit.)
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
             block_table, float(scale),
             float(softcap),

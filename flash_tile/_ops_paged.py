@@ -37,12 +37,17 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                      sinks, 0)
-    config = variants.paged_config(device_properties(q.device)[0],
-                                    max(q.shape[-1], v.shape[-1]))
+    config = paged_tile(q, v)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     return _ops.varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap,
                                       (window_left, window_right), return_lse,
                                       sinks=sinks, descale=descale)(config)
+
+
+def paged_tile(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:
+    """The paged forward's variant for q's device and the head dims of q and v."""
+    return variants.paged_config(device_properties(q.device)[0],
+                                 max(q.shape[-1], v.shape[-1]))
 
 
 paged_varlen_op = torch.library.custom_op("flash_tile::paged_varlen_forward",

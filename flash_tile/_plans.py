@@ -7,17 +7,19 @@ in it, the tuner's environment (``autotune.settings``). The public functions run
 and choice on a signature's first call and keep the outcome as a plan, keyed by that
 signature: for the forward a
 ``ForwardPlan`` (a later call allocates its outputs and launches it, nothing
-else), for ``flash_attn_with_kvcache`` its checked arguments and an ``AddressedDecode`` (a
-later call launches the append and the decode plan, its arrays by address). On an
+else), for ``flash_attn_varlen_func`` (packed or paged) a ``VarlenPlan`` (the same, the
+sequences' arrays by address too), for ``flash_attn_with_kvcache`` its checked arguments and
+an ``AddressedDecode`` (a later call launches the append and the decode plan, its arrays by
+address). On an
 H200's host that took a ``flash_attn_func`` call from 85 to 33-44 us and a decode step from
 122 to 67-68 us, torch's SDPA taking 18-25 us (2026-12-03,
 docs/experiments/evidence/2026-12-03-launch-plans-h200.md). A key is only made where that is
 sound: plain tensors (no tensor subclass) on a CUDA device in eager mode (no torch.compile
 or other tracer, no dispatch mode), no autograd to record (no input needs its gradient, or
 grad mode is off) and autocast off.
-The callers add their own conditions (no ALiBi, mask or dropout, no FP8 forward, a unit
-last stride); every other call takes the full path each time, as does a call whose key is
-new.
+The callers add their own conditions (for the forwards: no ALiBi, mask, sinks or dropout,
+nothing in FP8, unit last strides); every other call takes the full path each time, as does
+a call whose key is new.
 
 The plans live in ``autotune.plans`` beside the choices they were made from, and
 ``autotune.clear_memory_cache`` forgets both.
@@ -27,7 +29,8 @@ import torch
 
 from flash_tile import _launch_decode, _ops, _ops_decode, autotune
 from flash_tile._arrays import TYPESTRS, Array, layout
-from flash_tile._launch import ABSENT, forward_launch, launch_on
+from flash_tile._launch import (ABSENT, NO_DROPOUT, SEQUENCE_SLOTS, Varlen, forward_launch,
+                                launch_on)
 from flash_tile.variants import TileConfig
 
 #: A process that meets more signatures than this starts its plans over.
@@ -156,6 +159,81 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
     plan = forward_plan(q, k, v, out, lse, scale, softcap, diag_offset, window, config)
     plan.launch(q, k, v, out, lse)
     return out.transpose(1, 2), lse, plan if _ops.choice_is_final(q, k) else None
+
+
+class VarlenPlan(ForwardPlan):
+    """A ``ForwardPlan`` of a packed (or paged) inference forward: the sequences' arrays
+    (``_launch.SEQUENCE_SLOTS``: cu_seqlens_q, cu_seqlens_k, seqused_k, the block table, those
+    the planned call passed) go by address as well, in the planned call's layouts; the
+    outputs are the packed [1, H, total_q, Dv] and [1, H, total_q] views the kernel writes."""
+
+    __slots__ = ("sequence_layouts",)
+
+    def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
+                 lse: torch.Tensor | None):
+        super().__init__(grid, kernel, args, out, lse)
+        self.sequence_layouts = tuple((i, layout(args[i])) for i in SEQUENCE_SLOTS
+                                      if isinstance(args[i], torch.Tensor))
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor | None, sequences: tuple = ()) -> None:
+        """``ForwardPlan.launch`` with ``sequences``, the call's arrays of the plan's
+        sequence slots in their order (cu_seqlens_q, then those of cu_seqlens_k, seqused_k
+        and the block table the planned call had)."""
+        tail = list(self.tail)
+        for (slot, slot_layout), t in zip(self.sequence_layouts, sequences):
+            tail[slot - 5] = Array(slot_layout, t.data_ptr())
+        q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
+        launch_on(self.device, self.grid, self.kernel,
+                  (Array(q_layout, q.data_ptr()), Array(k_layout, k.data_ptr()),
+                   Array(v_layout, v.data_ptr()), Array(out_layout, out.data_ptr()),
+                   self.no_lse if lse is None else Array(lse_layout, lse.data_ptr()), *tail))
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen, scale: float,
+           softcap: float, window: tuple[int, int], return_lse: bool,
+           config: TileConfig | None = None):
+    """A plain inference forward of packed sequences (no ALiBi, sinks, dropout or FP8) on
+    checked [total, H, D] tensors with unit last strides (k and v pages under
+    ``sequences.block_table``), as the varlen op's body runs it (the paged op's with its
+    ``config``, which is then never tuned), and its plan: (out [total_q, H, Dv], lse
+    [H, total_q] or None, a ``VarlenPlan`` for ``run_varlen`` or None where the choice is
+    not final). No query rows or no keys: the op's body answers (it launches nothing)."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        out, lse = _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
+                                         None, 0)
+        return out, lse if return_lse else None, None
+    if config is None:
+        run = _ops.varlen_forward_runner(q, k, v, sequences, None, scale, softcap, window,
+                                         return_lse)
+        config = _ops._choose(False, q, k, v, window, softcap, None, None, 0.0, run,
+                              batch=sequences.batch,
+                              written=_ops._varlen_written(sequences.cu_seqlens_q,
+                                                           sequences.cu_seqlens_k, False))
+    out, lse = _ops._varlen_outputs(q, v, return_lse)
+    q4, out4 = _ops._packed(q, out)
+    kv = (k, v) if sequences.block_table is not None else _ops._packed(k, v)
+    lse4 = lse[None] if return_lse else None
+    plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
+                                      window, config, NO_DROPOUT, sequences), out4, lse4)
+    plan.launch(q, k, v, out, lse4, _sequence_arrays(sequences))
+    final = _ops.choice_is_final(q, k)
+    return out, lse if return_lse else None, plan if final else None
+
+
+def _sequence_arrays(sequences: Varlen) -> tuple:
+    """The arrays of ``VarlenPlan``'s sequence slots, in order (those given)."""
+    return tuple(t for t in (sequences.cu_seqlens_q, sequences.cu_seqlens_k,
+                             sequences.seqused_k, sequences.block_table) if t is not None)
+
+
+def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sequences: Varlen) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [total_q, H, Dv], lse [H, total_q] or None) of a planned varlen forward on the
+    arrays of a call with the plan's signature: fresh outputs, one launch."""
+    out, lse = outputs(plan)  # [1, total_q, H, Dv] and [1, H, total_q]
+    plan.launch(q, k, v, out, lse, _sequence_arrays(sequences))
+    return out[0], None if lse is None else lse[0]
 
 
 def outputs(plan, bhld: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

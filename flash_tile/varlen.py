@@ -10,11 +10,12 @@ import math
 
 import torch
 
-from flash_tile import _validate
+from flash_tile import _plans, _validate
+from flash_tile._launch import Varlen
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
 from flash_tile._ops_fp8 import fp8_varlen_attention
-from flash_tile._ops_paged import paged_varlen_attention
+from flash_tile._ops_paged import paged_tile, paged_varlen_attention
 from flash_tile.api import (PACKED, _check_packed, _checked_inputs, _dropout_seed, _needs_grad,
                             _unit_last_stride)
 
@@ -36,8 +37,7 @@ def _checked_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """The checks the packed and the paged calls share: (device, batch, (left, right),
     softcap, seqused_k, alibi_slopes, sinks) checked. ``paged``: k and v are pages, so
     cu_seqlens_k (None where seqused_k gives the key counts) bounds no packed rows."""
-    _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k)
     left, right = _validate.check_window(window_size)
     if causal:
         right = 0
@@ -58,11 +58,22 @@ def _checked_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks
 
 
+def _present(*tensors) -> tuple:
+    """The tensors given (a plan key's), Nones left out."""
+    return tuple(t for t in tensors if t is not None)
+
+
+def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
+    _validate.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    _validate.check_max_seqlen("max_seqlen_k", max_seqlen_k)
+
+
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs, seqused_k, return_lse, sinks=None, descales=(None, None, None)):
     """flash_attn_varlen_func on [total, H, D] tensors (possibly views of packed ones);
-    ``descales`` the FP8 forward's (q_descale, k_descale, v_descale)."""
+    ``descales`` the FP8 forward's (q_descale, k_descale, v_descale). A plain inference call
+    of a seen signature runs its plan (``flash_tile._plans``)."""
     if return_attn_probs:  # flash-attn 2's (out, lse, S_dmask): S_dmask empty, no dropout
         _validate.check_attn_probs(dropout_p)
         out, lse = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -70,6 +81,18 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                            alibi_slopes, deterministic, False, seqused_k, True, sinks,
                            descales)
         return out, lse, q.new_empty((0,))
+    plan_key = None
+    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
+            all(d is None for d in descales):
+        plan_key = _plans.key("varlen", _present(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k),
+                              (seqused_k is None, softmax_scale, causal, window_size, softcap,
+                               return_lse))
+        plan = _plans.find(plan_key)
+        if plan is not None:
+            _check_max_seqlens(max_seqlen_q, max_seqlen_k)
+            out, lse = _plans.run_varlen(plan, q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k,
+                                                                seqused_k))
+            return (out, lse) if return_lse else out
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
@@ -77,6 +100,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks = _checked_packing(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
         softcap, seqused_k, alibi_slopes, sinks)
+    in_place = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1  # (a plan reads them so)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
@@ -87,6 +111,11 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
                                                   alibi_slopes=alibi_slopes), sinks)
+    if plan_key is not None and not needs_grad and in_place:
+        out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
+                                       scale, softcap, (left, right), bool(return_lse))
+        _plans.keep(plan_key, plan)
+        return (out, lse) if return_lse else out
     # The backward recomputes P from the LSE: compute it whenever a gradient will be needed.
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, scale,
                                 softcap, left, right,
@@ -116,7 +145,8 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
            dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
            return_attn_probs, seqused_k, return_lse, sinks, descales):
     """flash_attn_varlen_func with a block table: packed q against paged k and v (the
-    forward's PAGED switch), forward only."""
+    forward's PAGED switch), forward only; a plain call of a seen signature (pages in q's
+    dtype) runs its plan (``flash_tile._plans``)."""
     if return_attn_probs:
         _validate.check_attn_probs(dropout_p)
         out, lse = _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -124,6 +154,20 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                           alibi_slopes, False, seqused_k, True, sinks, descales)
         return out, lse, q.new_empty((0,))
     q_descale, k_descale, v_descale = descales
+    plan_key = None
+    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
+            all(d is None for d in descales):
+        plan_key = _plans.key(
+            "paged_varlen", _present(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
+                                     seqused_k),
+            (cu_seqlens_k is None, seqused_k is None, softmax_scale, causal, window_size,
+             softcap, return_lse), tuned=False)
+        plan = _plans.find(plan_key)
+        if plan is not None:
+            _check_max_seqlens(max_seqlen_q, max_seqlen_k)
+            out, lse = _plans.run_varlen(plan, q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k,
+                                                                seqused_k, block_table))
+            return (out, lse) if return_lse else out
     if q.dtype == torch.float8_e4m3fn or q_descale is not None:
         raise NotImplementedError("block_table with float8_e4m3fn q (q_descale): the paged "
                                   "varlen forward runs its matmuls in q's dtype, float16 or "
@@ -154,6 +198,12 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         _validate.check_fp8_capability(device, "an FP8 cache")
         descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
                                          k_descale=kv_descale[0], v_descale=kv_descale[1])
+    if plan_key is not None and descale is None and q.stride(-1) == 1:
+        out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                                       block_table), scale, softcap,
+                                       (left, right), bool(return_lse), paged_tile(q, v))
+        _plans.keep(plan_key, plan)
+        return (out, lse) if return_lse else out
     out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,
                                       cu_seqlens_k, seqused_k, alibi_slopes, scale, softcap,
                                       left, right, return_lse, sinks, descale)

@@ -135,6 +135,49 @@ def test_kvcache_plan_appends_and_attends(page_size, num_splits, monkeypatch):
     assert len(autotune.plans) == 1
 
 
+@pytest.mark.parametrize("form", ["packed", "seqused_k", "paged", "paged_fa3"])
+def test_varlen_plan(form, monkeypatch):
+    """flash_attn_varlen_func's plan, packed or against pages (16-key pages, a shuffled
+    table), with seqused_k (FA3's paged form without cu_seqlens_k): each sequence of the
+    later, planned calls against the fp32 reference on its own keys."""
+    lengths_q, lengths_k = [17, 0, 113, 1], [40, 5, 203, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                               device="cuda") for n in (lengths_q, lengths_k))
+    used = torch.tensor([33, 0, 150, 1], dtype=torch.int32, device="cuda")
+    fa3 = form in ("seqused_k", "paged_fa3")
+    counts = used if fa3 else cu_k.diff()
+    for call in range(3):
+        q = torch.randn(int(cu_q[-1]), 4, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        kw = dict(causal=True, seqused_k=used if fa3 else None)
+        if form.startswith("paged"):  # sequence b's keys in pages table[b] (shuffled)
+            table = torch.randperm(4 * 13, device="cuda").to(torch.int32).reshape(4, 13)
+            pages = [torch.zeros(52, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(2)]
+            for b, (start, n) in enumerate(zip(cu_k.tolist(), lengths_k)):
+                for dst, src in zip(pages, (k, v)):
+                    rows = torch.zeros(13 * 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+                    rows[:n] = src[start:start + n]
+                    dst[table[b].long()] = rows.view(13, 16, 2, 64)
+            out = flash_tile.flash_attn_varlen_func(
+                q, *pages, cu_q, None if form == "paged_fa3" else cu_k, 113, 203,
+                block_table=table, **kw)
+        else:
+            out = flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 113, 203, **kw)
+        assert out.shape == q.shape
+        for b in range(4):
+            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            keys = slice(int(cu_k[b]), int(cu_k[b]) + int(counts[b]))
+            seq = [t[None].transpose(1, 2) for t in (q[rows], k[keys], v[keys])]
+            if seq[0].shape[2] and seq[1].shape[2]:
+                _check(out[rows][None].transpose(1, 2), *seq, window=(-1, 0),
+                       diag_offset=seq[1].shape[2] - seq[0].shape[2])
+        if call == 0:
+            assert len(autotune.plans) == 1
+            _full_path_fails(monkeypatch)
+
+
 def test_no_plan_where_the_full_path_is_needed():
     """A call that records autograd, runs under autocast or passes a list for its window
     leaves no plan, and a call whose signature differs from a planned one is checked in

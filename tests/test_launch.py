@@ -528,3 +528,107 @@ def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypat
         else:
             assert now == before and type(now) is type(before), i
     assert first[1].shape == out.shape and first[1].stride() == out.stride()
+
+
+@pytest.mark.parametrize("entry", ["varlen", "seqused_k", "paged", "paged_fa3"])
+def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, monkeypatch,
+                                                                    entry):
+    """A packed (or paged) inference call of a seen signature takes its plan (the full path's
+    checks fail once the plan exists) and launches the first call's grid, kernel and scalars
+    with q, k, v, the outputs and the sequences' arrays (cu_seqlens_q/k, seqused_k, the block
+    table) at the new call's addresses in the first call's layouts; the out and LSE it
+    returns are what the kernel writes, packed as the full path's. CPU tensors stand for CUDA
+    ones: the device checks and the variant choice are stubbed."""
+    import flash_tile
+    from flash_tile import _launch, _ops, _ops_paged, _validate, autotune, variants
+
+    monkeypatch.setattr(autotune, "plans", {})
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+    paged = entry.startswith("paged")
+
+    def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
+        q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+        cu_k = torch.tensor([0, 30, 31, 80], dtype=torch.int32)
+        used = torch.tensor([25, 0, 49], dtype=torch.int32)
+        table = torch.randperm(12).to(torch.int32).reshape(3, 4)
+        if paged:
+            k, v = (torch.randn(12, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        else:
+            k, v = (torch.randn(80, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        fa3 = entry in ("seqused_k", "paged_fa3")
+        out, lse = flash_tile.flash_attn_varlen_func(
+            q, k, v, cu_q, None if entry == "paged_fa3" else cu_k, 23, 49, causal=True,
+            window_size=(16, -1), return_lse=True, seqused_k=used if fa3 else None,
+            block_table=table if paged else None)
+        sequences = [cu_q, None if entry == "paged_fa3" else cu_k, used if fa3 else None,
+                     table if paged else None]
+        return (q, k, v, out, lse), dict(zip(_launch.SEQUENCE_SLOTS, sequences)), out, lse
+
+    first = call()
+    assert len(autotune.plans) == 1
+
+    def fail(*args, **kwargs):
+        pytest.fail("the full path ran where a plan should have")
+    monkeypatch.setattr(_validate, "check_dtypes", fail)
+    arrays, sequences, out, lse = call()
+    assert len(autotune.plans) == 1 and len(launched) == 2
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    addresses = {i: t.data_ptr() for i, t in enumerate(arrays)}
+    addresses.update({i: t.data_ptr() for i, t in sequences.items() if t is not None})
+    for i, (before, now) in enumerate(zip(args, plan_args)):
+        if i in addresses:
+            face, face_before = now.__cuda_array_interface__, before.__cuda_array_interface__
+            assert face["data"] == (addresses[i], False), i
+            assert {**face, "data": None} == {**face_before, "data": None}, i
+        else:
+            assert now == before and type(now) is type(before), i
+    assert (out.shape, out.stride(), lse.shape) == (first[2].shape, first[2].stride(),
+                                                     first[3].shape)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, monkeypatch,
+                                                                    paged):
+    """The first call of a varlen signature runs ``_plans.varlen``, not the op: it must pass
+    ``ct.launch`` the grid, kernel and arguments the op's body passes for the same call
+    (each array by its CUDA Array Interface at that tensor's address; the same variant: the
+    tuner's choice, or the paged tile), and return the outputs the op returns, packed."""
+    from flash_tile import _launch, _ops, _ops_paged, _plans, variants
+
+    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+    q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 31, 80], dtype=torch.int32)
+    table = torch.randperm(12).to(torch.int32).reshape(3, 4) if paged else None
+    shape = (12, 16, 2, 64) if paged else (80, 2, 64)
+    k, v = (torch.randn(*shape, dtype=torch.bfloat16) for _ in range(2))
+    sequences = _launch.Varlen(cu_q, cu_k, None, table)
+    window = (16, 0)
+    if paged:
+        full = _ops_paged._paged_varlen_impl(q, k, v, table, cu_q, cu_k, None, None, 0.125,
+                                             0.0, *window, True)
+    else:
+        full = _ops._varlen_forward_impl(q, k, v, cu_q, cu_k, None, 0.125, 0.0, *window, True)
+    config = _ops_paged.paged_tile(q, v) if paged else None
+    out, lse, plan = _plans.varlen(q, k, v, sequences, 0.125, 0.0, window, True, config)
+    assert plan is not None and (out.shape, lse.shape) == (full[0].shape, full[1].shape)
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
+    assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
+    outputs = {3: out, 4: lse}  # each side's own outputs, in the layouts the kernel reads
+    for i, (before, passed) in enumerate(zip(args, plan_args)):
+        if isinstance(before, torch.Tensor):
+            face = array_interface(before)
+            if i in outputs:
+                view = outputs[i].transpose(0, 1)[None] if i == 3 else outputs[i][None]
+                face = array_interface(view)
+            assert passed.__cuda_array_interface__ == face, i
+        else:
+            assert passed == before and type(passed) is type(before), i
