@@ -237,12 +237,18 @@ def load_package(directory: str, name: str = "flash_tile_baseline"):
 
 def public_inputs() -> tuple:
     """The arrays of ``public_layers``: q, k, v [1, 128, 1, 64] bf16 (flash-attn's layout),
-    a decode step's q [1, 1, 32, 128], its caches [1, 1024, 8, 128], a new row of k and v
-    and the cache lengths 1024 (full) and 1000."""
+    a decode step's q [1, 1, 32, 128], its caches [1, 1024, 8, 128], a new row of k and v,
+    the cache lengths 1024 (full) and 1000, then for the varlen layers the int32 offsets
+    [0, 128] (q, k, v packed as one sequence), [0, 1] and [0, 1024] (the step's query
+    against the cache) and the block table [1, 64] of the cache read as 16-key pages."""
+    def offsets(*values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
     return (*inputs(1, 1, 128, 64, torch.bfloat16),
             torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16),
             *inputs(1, 8, 1024, 128, torch.bfloat16)[:2], *inputs(1, 8, 1, 128, torch.bfloat16)[:2],
-            *(torch.full((1,), n, dtype=torch.int32, device="cuda") for n in (1024, 1000)))
+            *(torch.full((1,), n, dtype=torch.int32, device="cuda") for n in (1024, 1000)),
+            offsets(0, 128), offsets(0, 1), offsets(0, 1024),
+            torch.arange(64, dtype=torch.int32, device="cuda")[None])
 
 
 def public_layers(package, arrays: tuple) -> dict:
@@ -250,8 +256,12 @@ def public_layers(package, arrays: tuple) -> dict:
     functions that a host-path change moves, on ``public_inputs``' arrays, each a repeated
     (planned) call: flash_attn_func and the SDPA drop-in (causal) and decode steps on
     ``decode_layers``' shapes: the chosen split count, one split, and the append of one row
-    at position 1000 (the same row each call)."""
-    q, k, v, step_q, k_cache, v_cache, k_new, v_new, full, filled = arrays
+    at position 1000 (the same row each call); flash_attn_varlen_func on q, k, v packed as
+    one sequence, and on the step's query against the cache read as 16-key pages (vLLM's
+    paged call for a decode row)."""
+    (q, k, v, step_q, k_cache, v_cache, k_new, v_new, full, filled, cu_packed, cu_step,
+     cu_cache, table) = arrays
+    pages = [t.view(-1, 16, *t.shape[2:]) for t in (k_cache, v_cache)]
     qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
     step = functools.partial(package.flash_attn_with_kvcache, step_q, k_cache, v_cache,
                              causal=True)
@@ -263,6 +273,10 @@ def public_layers(package, arrays: tuple) -> dict:
         "flash_attn_with_kvcache, one split": lambda: step(cache_seqlens=full, num_splits=1),
         "flash_attn_with_kvcache, append of a row": lambda: step(k_new, v_new,
                                                                  cache_seqlens=filled),
+        "flash_attn_varlen_func": lambda: package.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu_packed, cu_packed, 128, 128, causal=True),
+        "flash_attn_varlen_func, paged": lambda: package.flash_attn_varlen_func(
+            step_q[0], *pages, cu_step, cu_cache, 1, 1024, causal=True, block_table=table),
     }
 
 

@@ -47,24 +47,34 @@ def test_a_baseline_tree_imports_beside_this_one(bench_launch, tmp_path, monkeyp
 def test_public_layers_call_each_public_function_as_named(bench_launch):
     """Each layer calls the package's function on the shared arrays with its own arguments:
     the decode with the chosen split count, one split, and the append of the new row at the
-    shorter length."""
+    shorter length; the varlen call packed and paged (the cache as 16-key pages)."""
     calls = []
 
     def record(name):
         return lambda *args, **kwargs: calls.append((name, args, kwargs))
 
     package = types.SimpleNamespace(**{n: record(n) for n in (
-        "flash_attn_func", "scaled_dot_product_attention", "flash_attn_with_kvcache")})
-    arrays = tuple(torch.randn(1, 3, 2, 4) for _ in range(10))
-    q, k, v, step_q, k_cache, v_cache, k_new, v_new, full, filled = arrays
+        "flash_attn_func", "scaled_dot_product_attention", "flash_attn_with_kvcache",
+        "flash_attn_varlen_func")})
+    arrays = tuple(torch.randn(1, 32, 2, 4) for _ in range(14))
+    (q, k, v, step_q, k_cache, v_cache, k_new, v_new, full, filled, cu_packed, cu_step,
+     cu_cache, table) = arrays
     for fn in bench_launch.public_layers(package, arrays).values():
         fn()
     names = [name for name, _, _ in calls]
     assert names == ["flash_attn_func", "scaled_dot_product_attention"] + [
-        "flash_attn_with_kvcache"] * 3
+        "flash_attn_with_kvcache"] * 3 + ["flash_attn_varlen_func"] * 2
+    packed, paged = calls[5:]
+    assert [t.data_ptr() for t in packed[1][:3]] == [t.data_ptr() for t in (q, k, v)]
+    assert packed[1][3:] == (cu_packed, cu_packed, 128, 128)
+    assert paged[1][0].data_ptr() == step_q.data_ptr()
+    assert [(t.data_ptr(), t.shape) for t in paged[1][1:3]] == [
+        (t.data_ptr(), (2, 16, 2, 4)) for t in (k_cache, v_cache)]
+    assert paged[1][3:] == (cu_step, cu_cache, 1, 1024)
+    assert paged[2] == {"causal": True, "block_table": table}
     assert calls[0][1] == (q, k, v) and calls[0][2] == {"causal": True}
     assert [t.data_ptr() for t in calls[1][1]] == [t.data_ptr() for t in (q, k, v)]
-    decode = calls[2:]
+    decode = calls[2:5]
     assert all(c[1][:3] == (step_q, k_cache, v_cache) for c in decode)
     assert decode[0][2] == {"causal": True, "cache_seqlens": full}
     assert decode[1][2] == {"causal": True, "cache_seqlens": full, "num_splits": 1}
