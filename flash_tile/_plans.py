@@ -231,9 +231,13 @@ def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                sequences: Varlen) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [total_q, H, Dv], lse [H, total_q] or None) of a planned varlen forward on the
     arrays of a call with the plan's signature: fresh outputs, one launch."""
-    out, lse = outputs(plan)  # [1, total_q, H, Dv] and [1, H, total_q]
+    # The kernel's [1, total_q, H, Dv] and [1, H, total_q] layouts without the leading 1.
+    (shape, strides), device = plan.out, plan.device
+    out = torch.empty_strided(shape[1:], strides[1:], dtype=plan.dtype, device=device)
+    lse = None if plan.lse is None else torch.empty_strided(*(x[1:] for x in plan.lse),
+                                                            dtype=torch.float32, device=device)
     plan.launch(q, k, v, out, lse, _sequence_arrays(sequences))
-    return out[0], None if lse is None else lse[0]
+    return out, lse
 
 
 def outputs(plan, bhld: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
