@@ -162,10 +162,21 @@ def choice_is_final(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, dropout_p,
             run, deterministic: bool = False, batch: int | None = None, written=None):
-    """The tile variant for this call: the architecture's default for its class (plain scores
-    or not, deterministic or not: ``variants.default_backward_config``), or the autotuner's
-    pick among the registered candidates (``flash_tile.autotune``; a ``deterministic``
-    backward among the two-pass ones). ``batch``: a varlen call packing that many sequences
+    """``_choose_final``'s variant alone."""
+    return _choose_final(backward, q, k, v, window, softcap, alibi_slopes, attn_mask,
+                         dropout_p, run, deterministic, batch, written)[0]
+
+
+def _choose_final(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask,
+                  dropout_p, run, deterministic: bool = False, batch: int | None = None,
+                  written=None) -> tuple[variants.TileConfig, bool]:
+    """(variant, final): final where it is the class's answer from now on (kept in
+    ``autotune.decided``; not for a call left untuned: empty, under capture, NaN inputs),
+    which a plan may then keep. The variant for this call: the architecture's default for
+    its class (plain scores or not, deterministic or not:
+    ``variants.default_backward_config``), or the autotuner's pick among the registered
+    candidates (``flash_tile.autotune``; a ``deterministic`` backward among the two-pass
+    ones). ``batch``: a varlen call packing that many sequences
     (``_class_fields``), tuned as classes of their own; ``written`` as ``autotune.tune``'s.
     A call with no rows (q or k empty) launches the default untimed:
     there is nothing to time. After the first call of a problem class the answer comes from
@@ -174,22 +185,23 @@ def _choose(backward: bool, q, k, v, window, softcap, alibi_slopes, attn_mask, d
     varlen = batch is not None
     problem = (backward, deterministic, varlen, q.device, *fields, autotune.settings())
     config = autotune.decided.get(problem)
-    if config is None:
-        capability = device_properties(q.device)[0]
-        plain = variants.is_plain(*fields[-4:])  # softcap, ALiBi, mask name, dropout
-        configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward,
-                                      plain, deterministic)
-        config, final = configs[0], choice_is_final(q, k)
-        empty = q.numel() == 0 or k.numel() == 0
-        if autotune.enabled() and len(configs) > 1 and not empty:
-            key = autotune.problem_key(backward, capability, *fields,
-                                       deterministic=deterministic, varlen=varlen)
-            chosen = autotune.choose(key, q.device, configs, run, written)
-            config, final = (configs[0], False) if chosen is None else (chosen, final)
-        # Untuned (empty, under capture, NaN inputs): the next call of the class asks again.
-        if final:
-            autotune.decided[problem] = config
-    return config
+    if config is not None:
+        return config, True
+    capability = device_properties(q.device)[0]
+    plain = variants.is_plain(*fields[-4:])  # softcap, ALiBi, mask name, dropout
+    configs = variants.candidates(capability, max(q.shape[-1], v.shape[-1]), backward, plain,
+                                  deterministic)
+    config, final = configs[0], choice_is_final(q, k)
+    empty = q.numel() == 0 or k.numel() == 0
+    if autotune.enabled() and len(configs) > 1 and not empty:
+        key = autotune.problem_key(backward, capability, *fields, deterministic=deterministic,
+                                   varlen=varlen)
+        chosen = autotune.choose(key, q.device, configs, run, written)
+        config, final = (configs[0], False) if chosen is None else (chosen, final)
+    # Untuned (empty, under capture, NaN inputs): the next call of the class asks again.
+    if final:
+        autotune.decided[problem] = config
+    return config, final
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -126,6 +126,23 @@ def find(plan_key: tuple | None):
         return None
 
 
+def sighted(plan_key: tuple | None) -> bool:
+    """Whether ``plan_key`` was met before, recording it if not: a varlen call plans from a
+    signature's second call, since a serving batch's packing (its totals in the key) may
+    change every call, and a plan a call would only fill and clear the store."""
+    if plan_key is None:
+        return False
+    try:
+        if plan_key in autotune.sighted:
+            return True
+        if len(autotune.sighted) >= MAX_PLANS:
+            autotune.sighted.clear()
+        autotune.sighted.add(plan_key)
+    except TypeError:  # an unhashable argument: never planned
+        pass
+    return False
+
+
 def keep(plan_key: tuple | None, plan) -> None:
     """Keep ``plan`` (None: nothing to keep) for later calls with ``plan_key``."""
     if plan_key is None or plan is None:
@@ -153,12 +170,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
     window = (window_left, window_right)
     run = _ops.forward_runner(q, k, v, None, None, scale, softcap, diag_offset, window,
                               return_lse)
-    config = _ops._choose(False, q, k, v, window, softcap, None, None, 0.0, run)
+    config, final = _ops._choose_final(False, q, k, v, window, softcap, None, None, 0.0, run)
     out, lse = _ops._forward_outputs(q, v, return_lse)
     lse = lse if return_lse else None
     plan = forward_plan(q, k, v, out, lse, scale, softcap, diag_offset, window, config)
     plan.launch(q, k, v, out, lse)
-    return out.transpose(1, 2), lse, plan if _ops.choice_is_final(q, k) else None
+    return out.transpose(1, 2), lse, plan if final and _ops.choice_is_final(q, k) else None
 
 
 class VarlenPlan(ForwardPlan):
@@ -174,6 +191,9 @@ class VarlenPlan(ForwardPlan):
         super().__init__(grid, kernel, args, out, lse)
         self.sequence_layouts = tuple((i, layout(args[i])) for i in SEQUENCE_SLOTS
                                       if isinstance(args[i], torch.Tensor))
+        # Every call passes its own: the first call's tensors are not kept alive.
+        self.tail = tuple(ABSENT if i + 5 in dict(self.sequence_layouts) else arg
+                          for i, arg in enumerate(self.tail))
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, sequences: tuple = ()) -> None:
@@ -181,7 +201,7 @@ class VarlenPlan(ForwardPlan):
         sequence slots in their order (cu_seqlens_q, then those of cu_seqlens_k, seqused_k
         and the block table the planned call had)."""
         tail = list(self.tail)
-        for (slot, slot_layout), t in zip(self.sequence_layouts, sequences):
+        for (slot, slot_layout), t in zip(self.sequence_layouts, sequences, strict=True):
             tail[slot - 5] = Array(slot_layout, t.data_ptr())
         q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
         launch_on(self.device, self.grid, self.kernel,
@@ -203,13 +223,14 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
         out, lse = _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                          None, 0)
         return out, lse if return_lse else None, None
+    final = True  # a config given (the paged tile) is never tuned
     if config is None:
         run = _ops.varlen_forward_runner(q, k, v, sequences, None, scale, softcap, window,
                                          return_lse)
-        config = _ops._choose(False, q, k, v, window, softcap, None, None, 0.0, run,
-                              batch=sequences.batch,
-                              written=_ops._varlen_written(sequences.cu_seqlens_q,
-                                                           sequences.cu_seqlens_k, False))
+        config, final = _ops._choose_final(
+            False, q, k, v, window, softcap, None, None, 0.0, run, batch=sequences.batch,
+            written=_ops._varlen_written(sequences.cu_seqlens_q, sequences.cu_seqlens_k,
+                                         False))
     out, lse = _ops._varlen_outputs(q, v, return_lse)
     q4, out4 = _ops._packed(q, out)
     kv = (k, v) if sequences.block_table is not None else _ops._packed(k, v)
@@ -217,8 +238,8 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
     plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
                                       window, config, NO_DROPOUT, sequences), out4, lse4)
     plan.launch(q, k, v, out, lse4, _sequence_arrays(sequences))
-    final = _ops.choice_is_final(q, k)
-    return out, lse if return_lse else None, plan if final else None
+    keep = final and _ops.choice_is_final(q, k)
+    return out, lse if return_lse else None, plan if keep else None
 
 
 def _sequence_arrays(sequences: Varlen) -> tuple:

@@ -67,6 +67,10 @@ decided: dict[tuple, variants.TileConfig] = {}
 #: plus ``settings()``; emptied with them.
 plans: dict[tuple, object] = {}
 
+#: Signatures met once, whose second call makes a plan (``flash_tile._plans.sighted``, for
+#: calls whose keys may change every call, as a serving batch's packing); emptied with them.
+sighted: set[tuple] = set()
+
 
 def length_bucket(length: int) -> int:
     """Lengths share a tuning result per power of two, from 64 up to 16k (longer ones tile the
@@ -398,3 +402,4 @@ def clear_memory_cache() -> None:
     _caches.clear()
     decided.clear()
     plans.clear()
+    sighted.clear()

@@ -111,7 +111,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         return (out, lse) if return_lse else out
     needs_grad = _needs_grad(_validate.check_grad(*(t.transpose(0, 1)[None] for t in (q, k, v)),
                                                   alibi_slopes=alibi_slopes), sinks)
-    if plan_key is not None and not needs_grad and in_place:
+    if not needs_grad and in_place and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
                                        scale, softcap, (left, right), bool(return_lse))
         _plans.keep(plan_key, plan)
@@ -198,7 +198,7 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         _validate.check_fp8_capability(device, "an FP8 cache")
         descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
                                          k_descale=kv_descale[0], v_descale=kv_descale[1])
-    if plan_key is not None and descale is None and q.stride(-1) == 1:
+    if descale is None and q.stride(-1) == 1 and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                        block_table), scale, softcap,
                                        (left, right), bool(return_lse), paged_tile(q, v))

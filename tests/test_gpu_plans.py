@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def no_plans(monkeypatch):
     monkeypatch.setattr(autotune, "plans", {})
+    monkeypatch.setattr(autotune, "sighted", set())
 
 
 def _full_path_fails(monkeypatch):
@@ -138,15 +139,20 @@ def test_kvcache_plan_appends_and_attends(page_size, num_splits, monkeypatch):
 @pytest.mark.parametrize("form", ["packed", "seqused_k", "paged", "paged_fa3"])
 def test_varlen_plan(form, monkeypatch):
     """flash_attn_varlen_func's plan, packed or against pages (16-key pages, a shuffled
-    table), with seqused_k (FA3's paged form without cu_seqlens_k): each sequence of the
-    later, planned calls against the fp32 reference on its own keys."""
-    lengths_q, lengths_k = [17, 0, 113, 1], [40, 5, 203, 1]
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
-                               device="cuda") for n in (lengths_q, lengths_k))
-    used = torch.tensor([33, 0, 150, 1], dtype=torch.int32, device="cuda")
-    fa3 = form in ("seqused_k", "paged_fa3")
-    counts = used if fa3 else cu_k.diff()
-    for call in range(3):
+    table), with seqused_k (FA3's paged form without cu_seqlens_k): a signature's second
+    call makes the plan, the later ones run it, each call with its own sequences (the same
+    totals, other lengths, so a plan that read an earlier call's offsets would fail) and each
+    sequence against the fp32 reference on its own keys."""
+    for call in range(4):
+        turn = call  # the sequences' lengths rotate: the totals stay, the offsets move
+        lengths_q = ([17, 0, 113, 1] * 2)[turn:turn + 4]
+        lengths_k = ([40, 5, 203, 1] * 2)[turn:turn + 4]
+        counts_k = ([33, 0, 150, 1] * 2)[turn:turn + 4]
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda") for n in (lengths_q, lengths_k))
+        used = torch.tensor(counts_k, dtype=torch.int32, device="cuda")
+        fa3 = form in ("seqused_k", "paged_fa3")
+        counts = counts_k if fa3 else lengths_k
         q = torch.randn(int(cu_q[-1]), 4, 64, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
@@ -168,13 +174,13 @@ def test_varlen_plan(form, monkeypatch):
         assert out.shape == q.shape
         for b in range(4):
             rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-            keys = slice(int(cu_k[b]), int(cu_k[b]) + int(counts[b]))
+            keys = slice(int(cu_k[b]), int(cu_k[b]) + counts[b])
             seq = [t[None].transpose(1, 2) for t in (q[rows], k[keys], v[keys])]
             if seq[0].shape[2] and seq[1].shape[2]:
                 _check(out[rows][None].transpose(1, 2), *seq, window=(-1, 0),
                        diag_offset=seq[1].shape[2] - seq[0].shape[2])
-        if call == 0:
-            assert len(autotune.plans) == 1
+        assert len(autotune.plans) == (call >= 1)
+        if call == 1:
             _full_path_fails(monkeypatch)
 
 

@@ -492,7 +492,8 @@ def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypat
     monkeypatch.setattr(autotune, "plans", {})
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "_choose_final",
+                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
     monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
 
     def call():  # fresh inputs of one signature; (q, k, v as launched, out, lse)
@@ -545,9 +546,11 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     monkeypatch.setattr(autotune, "plans", {})
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "_choose_final",
+                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
     monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
     monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(autotune, "sighted", set())
     paged = entry.startswith("paged")
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
@@ -569,15 +572,17 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
                      table if paged else None]
         return (q, k, v, out, lse), dict(zip(_launch.SEQUENCE_SLOTS, sequences)), out, lse
 
-    first = call()
+    call()  # a signature's first sighting: the full path, no plan (its key is recorded)
+    assert not autotune.plans and len(autotune.sighted) == 1
+    first = call()  # the second: a plan
     assert len(autotune.plans) == 1
 
     def fail(*args, **kwargs):
         pytest.fail("the full path ran where a plan should have")
     monkeypatch.setattr(_validate, "check_dtypes", fail)
     arrays, sequences, out, lse = call()
-    assert len(autotune.plans) == 1 and len(launched) == 2
-    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
+    assert len(autotune.plans) == 1 and len(launched) == 3
+    (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
     addresses = {i: t.data_ptr() for i, t in enumerate(arrays)}
     addresses.update({i: t.data_ptr() for i, t in sequences.items() if t is not None})
@@ -590,6 +595,12 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
             assert now == before and type(now) is type(before), i
     assert (out.shape, out.stride(), lse.shape) == (first[2].shape, first[2].stride(),
                                                      first[3].shape)
+    # Another signature's call (the same arrays without the LSE) is not served by the plan:
+    # it takes the full path, whose checks now fail.
+    with pytest.raises(pytest.fail.Exception, match="full path"):
+        flash_tile.flash_attn_varlen_func(*arrays[:3], sequences[7], sequences[8], 23, 49,
+                                          causal=True, window_size=(16, -1),
+                                          seqused_k=sequences[10], block_table=sequences[12])
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -601,7 +612,8 @@ def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, mo
     tuner's choice, or the paged tile), and return the outputs the op returns, packed."""
     from flash_tile import _launch, _ops, _ops_paged, _plans, variants
 
-    monkeypatch.setattr(_ops, "_choose", lambda *args, **kw: variants.default_config((9, 0), 64))
+    monkeypatch.setattr(_ops, "_choose_final",
+                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
     monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
     monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
     q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
