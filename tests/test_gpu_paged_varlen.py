@@ -93,6 +93,21 @@ def test_pages_against_each_sequence(page_size, causal, window):
            window=(window[0], 0) if causal else window)
 
 
+def _scores(feature: str, softcap: float, gen) -> tuple[dict, dict]:
+    """(the reference's features, the call's arguments) of a causal call with ``feature``'s
+    scores: softcap (at ``softcap``), ALiBi slopes per sequence or sinks, for 4 heads; other
+    features leave them plain."""
+    features, call = dict(window=(-1, 0)), dict(causal=True)
+    if feature == "softcap":
+        features["softcap"] = call["softcap"] = softcap
+    elif feature == "alibi":
+        slopes = torch.rand(len(LENGTHS_Q), 4, generator=gen, device="cuda")
+        features["alibi_slopes"] = call["alibi_slopes"] = slopes
+    elif feature == "sinks":
+        features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
+    return features, call
+
+
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "seqused_k",
                                      "seqused_k_and_cu", "dims", "float16"])
 @pytest.mark.parametrize("page_size", [2, 32, 33])
@@ -107,16 +122,9 @@ def test_pages_with_each_feature(feature, page_size):
     q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(4, kv_heads, *dims, dtype,
                                                              page_size, 7)
     gen = torch.Generator(device="cuda").manual_seed(8)
-    features, call = dict(window=(-1, 0)), dict(causal=True)
+    features, call = _scores(feature, 6.0, gen)
     cu_call, key_counts = cu_k, cu_k.diff()
-    if feature == "softcap":
-        features["softcap"] = call["softcap"] = 6.0
-    elif feature == "alibi":
-        slopes = torch.rand(len(LENGTHS_Q), 4, generator=gen, device="cuda")
-        features["alibi_slopes"] = call["alibi_slopes"] = slopes
-    elif feature == "sinks":
-        features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
-    elif feature.startswith("seqused_k"):  # each sequence's first keys, its band aligned to them
+    if feature.startswith("seqused_k"):  # each sequence's first keys, its band aligned to them
         key_counts = (key_counts * 2) // 3
         call["seqused_k"] = key_counts.to(torch.int32)
         cu_call = cu_k if feature == "seqused_k_and_cu" else None
@@ -207,15 +215,9 @@ def test_an_fp8_cache_with_each_feature(feature):
                     for _ in range(2)]
         call = dict(k_descale=descales[0], v_descale=descales[1])
     k_pages, v_pages, table, k_deq, v_deq = _fp8_pages(k, v, cu_k, 33, gen, descales)
-    features, call["causal"] = dict(window=(-1, 0)), True
-    if feature == "softcap":
-        features["softcap"] = call["softcap"] = 4.0
-    elif feature == "alibi":
-        slopes = torch.rand(len(LENGTHS_Q), 4, generator=gen, device="cuda")
-        features["alibi_slopes"] = call["alibi_slopes"] = slopes
-    elif feature == "sinks":
-        features["sinks"] = call["sinks"] = torch.randn(4, generator=gen, device="cuda")
-    elif feature == "window":
+    features, scores = _scores(feature, 4.0, gen)
+    call.update(scores)
+    if feature == "window":
         features["window"] = call["window_size"] = (30, 7)
         call["causal"] = False
     out, lse = flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 203, 250,

@@ -479,6 +479,22 @@ def test_cupy_arguments_are_looked_for_once_cupy_is_imported(monkeypatch):
     assert len(calls) == 2
 
 
+def _stub_a_gpu_call(monkeypatch):
+    """A public call on CPU tensors as on CUDA ones, from no plans: the device checks, the
+    device's properties (sm_90) and the variant choice (sm_90's D = 64 default, final)
+    stubbed."""
+    from flash_tile import _ops, _ops_paged, _validate, autotune, variants
+
+    monkeypatch.setattr(autotune, "plans", {})
+    monkeypatch.setattr(autotune, "sighted", set())
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
+    monkeypatch.setattr(_ops, "_choose_final",
+                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
+    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+
+
 @pytest.mark.parametrize("entry", ["flash_attn_func", "qkvpacked", "sdpa"])
 def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypatch, entry):
     """A public call of a seen signature takes its plan (the full path's checks fail once the
@@ -487,14 +503,9 @@ def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypat
     call's layouts; the out (and LSE) it returns are the arrays the kernel writes. CPU
     tensors stand for CUDA ones: the device checks and the variant choice are stubbed."""
     import flash_tile
-    from flash_tile import _ops, _validate, autotune, variants
+    from flash_tile import _validate, autotune
 
-    monkeypatch.setattr(autotune, "plans", {})
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "_choose_final",
-                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
-    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+    _stub_a_gpu_call(monkeypatch)
 
     def call():  # fresh inputs of one signature; (q, k, v as launched, out, lse)
         if entry == "qkvpacked":
@@ -541,16 +552,9 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     returns are what the kernel writes, packed as the full path's. CPU tensors stand for CUDA
     ones: the device checks and the variant choice are stubbed."""
     import flash_tile
-    from flash_tile import _launch, _ops, _ops_paged, _validate, autotune, variants
+    from flash_tile import _launch, _validate, autotune
 
-    monkeypatch.setattr(autotune, "plans", {})
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(_validate, "check_device", lambda *tensors: tensors[0].device)
-    monkeypatch.setattr(_ops, "_choose_final",
-                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
-    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
-    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(autotune, "sighted", set())
+    _stub_a_gpu_call(monkeypatch)
     paged = entry.startswith("paged")
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
