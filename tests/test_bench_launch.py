@@ -80,3 +80,25 @@ def test_public_layers_call_each_public_function_as_named(bench_launch):
     assert decode[1][2] == {"causal": True, "cache_seqlens": full, "num_splits": 1}
     assert decode[2][1][3:] == (k_new, v_new) and decode[2][2] == {"causal": True,
                                                                    "cache_seqlens": filled}
+
+
+def test_host_cost_on_a_cpu_times_both_trees_and_restores_what_it_stubs(monkeypatch,
+                                                                          tmp_path):
+    """bench_host_cpu.py's rows on this tree against a copy of it (an A/A): each call timed
+    on both sides with a positive ratio, and every stub undone afterwards (torch's device
+    query, cuTile's launch)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_package prepends the copy
+    import bench_host_cpu
+
+    for part in ("flash_tile", "kernels"):
+        shutil.copytree(ROOT / part, tmp_path / part,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    get_device, launch = torch.Tensor.get_device, flash_tile._launch.ct.launch
+    rows = bench_host_cpu.measure(str(tmp_path), rounds=2, iters=2)
+    assert [r["call"] for r in rows] == ["flash_attn_func", "flash_attn_varlen_func",
+                                         "flash_attn_varlen_func, paged"]
+    assert all(r["host_us"] > 0 and r["baseline_host_us"] > 0 and r["ratio"] > 0
+               for r in rows)
+    assert torch.Tensor.get_device is get_device and flash_tile._launch.ct.launch is launch
+    assert torch.randn(2).get_device() == -1
