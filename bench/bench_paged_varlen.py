@@ -4,7 +4,8 @@ on the keys packed, in the same run.
 
 Each row packs ``bench_varlen.packing``'s sequences (log-uniform lengths 64 to 8192, seeded
 by the token count) into 16k or 64k tokens, H * D = 2048, Lq = Lk per sequence, lays the
-keys and values into pages of 16, 64 or 256 keys (1: rows gathered) in a random order, and
+keys and values into pages of 16, 64 or 256 keys (1: rows gathered) in a random order
+(``reference_decode.paged_layout``), and
 times in pairs of neighbouring calls (``_timing.paired_ms``):
 
 - ``packed``: ``flash_attn_varlen_func`` on the packed keys (the VARLEN switch);
@@ -33,32 +34,13 @@ import torch
 from tqdm import tqdm
 
 import flash_tile
+from flash_tile import reference_decode
 from bench_attention import (SLEEP_CYCLES, device_ms, machine_info, md_table, results_path,
                              save_json, write_report)
 from bench_varlen import _fa2, cu_seqlens, packing
 from flash_tile._timing import DTYPES, GRID_WIDTH, flops, paired_ms
 
 ROUNDS, PAIRS = 10, 10
-
-
-def paged(k, v, lengths, page_size, gen):
-    """Packed k, v [total, H, D] as shuffled pages [num_blocks, page_size, H, D] (zeros
-    past each sequence's keys) and their block table int32 [B, max_blocks]."""
-    counts = [-(-n // page_size) for n in lengths]
-    order = torch.randperm(sum(counts), generator=gen, device="cuda")
-    table = torch.zeros(len(lengths), max(counts), dtype=torch.int32, device="cuda")
-    pages = [t.new_zeros(sum(counts), page_size, *t.shape[1:]) for t in (k, v)]
-    first = 0
-    for b, (n, count) in enumerate(zip(lengths, counts)):
-        ids = order[first:first + count]
-        table[b, :count] = ids.to(torch.int32)
-        start = sum(lengths[:b])
-        for dst, src in zip(pages, (k, v)):
-            padded = src.new_zeros(count * page_size, *src.shape[1:])
-            padded[:n] = src[start:start + n]
-            dst[ids] = padded.view(count, page_size, *src.shape[1:])
-        first += count
-    return (*pages, table)
 
 
 def bench_row(tokens, page_size, causal, head_dim, dtype, fp8_cache):
@@ -68,7 +50,7 @@ def bench_row(tokens, page_size, causal, head_dim, dtype, fp8_cache):
     q, k, v = (torch.randn(tokens, heads, head_dim, device="cuda", dtype=dtype, generator=gen)
                for _ in range(3))
     cu, longest = cu_seqlens(lengths), max(lengths)
-    k_pages, v_pages, table = paged(k, v, lengths, page_size, gen)
+    k_pages, v_pages, table = reference_decode.paged_layout(k, v, cu, page_size, gen)
 
     def packed_call():
         return flash_tile.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,

@@ -43,7 +43,8 @@ dropout); without it the rows' scores are plain.
 ``bench_varlen.py``'s packing of that many tokens (log-uniform lengths 64-8192, seeded by the
 count; H * D = 2048): with ``--baseline`` the one-command A/B of a varlen kernel change.
 ``--pages PAGE_SIZE`` lays that packing's keys into shuffled pages (``bench_paged_varlen``'s
-layout) and times the PAGED switch, its configs laid over ``variants.paged_config``.
+layout, ``reference_decode.paged_layout``) and times the PAGED switch, its configs laid
+over ``variants.paged_config``.
 
     python bench/bench_variants.py --backward --varlen 65536 --head-dims 64 --causal yes \
         --configs '{}' --baseline /tmp/base/kernels
@@ -63,11 +64,11 @@ import sys
 import torch
 from tqdm import tqdm
 
-from flash_tile import _launch, _ops, _ops_fp8, autotune, quantize_fp8, variants
+from flash_tile import (_launch, _ops, _ops_fp8, autotune, quantize_fp8, reference_decode,
+                        variants)
 from flash_tile._timing import (DTYPES, GRID_LENGTHS, GRID_WIDTH, cuda_time_ms, grid_shape,
                                 interleaved_ms, paired_ms)
 from bench_attention import SLEEP_CYCLES, machine_info, md_table, save_json, write_report
-from bench_paged_varlen import paged
 from bench_varlen import cu_seqlens, packing
 
 # The kernel entry points ``_launch`` launches, which --baseline swaps for DIR's.
@@ -204,7 +205,7 @@ def varlen_runner(tokens: int, head_dim: int, causal: bool, dtype, backward: boo
     sequences, scale = _launch.Varlen(cu, cu), head_dim ** -0.5
     if page_size:
         gen = torch.Generator(device="cuda").manual_seed(tokens + page_size)
-        k, v, table = paged(k, v, lengths, page_size, gen)
+        k, v, table = reference_decode.paged_layout(k, v, cu, page_size, gen)
         sequences = _launch.Varlen(cu, cu, None, table)
     window = (-1, 0 if causal else -1)
     forward = _ops.varlen_forward_runner(q, k, v, sequences, None, scale, 0.0, window, True,

@@ -237,12 +237,12 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
     lse4 = lse[None] if return_lse else None
     plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
                                       window, config, NO_DROPOUT, sequences), out4, lse4)
-    plan.launch(q, k, v, out, lse4, _sequence_arrays(sequences))
+    plan.launch(q, k, v, out, lse4, sequence_arrays(sequences))
     keep = final and _ops.choice_is_final(q, k)
     return out, lse if return_lse else None, plan if keep else None
 
 
-def _sequence_arrays(sequences: Varlen) -> tuple:
+def sequence_arrays(sequences: Varlen) -> tuple:
     """The arrays of ``VarlenPlan``'s sequence slots, in order (those given)."""
     return tuple(t for t in (sequences.cu_seqlens_q, sequences.cu_seqlens_k,
                              sequences.seqused_k, sequences.block_table) if t is not None)
@@ -257,7 +257,7 @@ def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     out = torch.empty_strided(shape[1:], strides[1:], dtype=plan.dtype, device=device)
     lse = None if plan.lse is None else torch.empty_strided(*(x[1:] for x in plan.lse),
                                                             dtype=torch.float32, device=device)
-    plan.launch(q, k, v, out, lse, _sequence_arrays(sequences))
+    plan.launch(q, k, v, out, lse, sequence_arrays(sequences))
     return out, lse
 
 

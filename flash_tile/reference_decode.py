@@ -48,6 +48,38 @@ def packed_pages(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torc
     return k, v, cu
 
 
+def paged_layout(k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor, page_size: int,
+                 generator: torch.Generator | None = None, fill: float = 0.0,
+                 spare_pages: int = 0, no_page: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed k [total_k, H_kv, D] and v [.., Dv] laid into the pages of a cache, as a paged
+    ``flash_attn_varlen_func`` call reads them (``packed_pages`` undoes it): (k_pages,
+    v_pages [num_blocks, page_size, H_kv, D / Dv], block_table int32 [B, max_blocks]).
+    Sequence b (rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1]) gets its pages in the shuffled
+    order of ``generator``; ``spare_pages`` more pages that no entry names; the slots past
+    each sequence's keys and the spare pages hold ``fill``; the table has one column more
+    than the longest sequence needs, and its entries past a sequence's pages hold
+    ``no_page``."""
+    lengths = cu_seqlens_k.diff().tolist()
+    counts = [-(-n // page_size) for n in lengths]
+    total = sum(counts) + spare_pages
+    order = torch.randperm(total, generator=generator, device=generator.device
+                           if generator is not None else k.device)
+    pages = [t.new_full((total, page_size, *t.shape[1:]), fill) for t in (k, v)]
+    table = torch.full((len(lengths), max(counts, default=0) + 1), no_page, dtype=torch.int32,
+                       device=k.device)
+    first = 0
+    for b, (start, n, count) in enumerate(zip(cu_seqlens_k.tolist(), lengths, counts)):
+        ids = order[first:first + count].to(k.device)
+        table[b, :count] = ids.to(torch.int32)
+        for dst, src in zip(pages, (k, v)):
+            padded = src.new_full((count * page_size, *src.shape[1:]), fill)
+            padded[:n] = src[start:start + n]
+            dst[ids] = padded.view(count, page_size, *src.shape[1:])
+        first += count
+    return (*pages, table)
+
+
 def cache_masks(attn_mask: torch.Tensor, seqlens_k: torch.Tensor,
                 leftpad: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each sequence's part of a KV-cache call's mask, aligned with ``cache_sequences``'s keys:

@@ -58,9 +58,19 @@ def _checked_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return device, batch, (left, right), softcap, seqused_k, alibi_slopes, sinks
 
 
-def _present(*tensors) -> tuple:
-    """The tensors given (a plan key's), Nones left out."""
-    return tuple(t for t in tensors if t is not None)
+def _planned(entry: str, q, k, v, sequences: Varlen, arguments: tuple, max_seqlen_q,
+             max_seqlen_k, tuned: bool = True):
+    """(plan key, (out, lse) or None) of a plain inference call of ``entry`` on q, k, v and
+    ``sequences``' arrays: the outputs where a plan was kept for its key (max_seqlen_q/k,
+    which the key leaves out, still checked), None where the full path must run (it makes
+    the plan from the key's second sighting: ``_plans.sighted``)."""
+    plan_key = _plans.key(entry, (q, k, v, *_plans.sequence_arrays(sequences)), arguments,
+                          tuned)
+    plan = _plans.find(plan_key)
+    if plan is None:
+        return plan_key, None
+    _check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    return plan_key, _plans.run_varlen(plan, q, k, v, sequences)
 
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
@@ -84,15 +94,12 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     plan_key = None
     if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
             all(d is None for d in descales):
-        plan_key = _plans.key("varlen", _present(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k),
-                              (seqused_k is None, softmax_scale, causal, window_size, softcap,
-                               return_lse))
-        plan = _plans.find(plan_key)
-        if plan is not None:
-            _check_max_seqlens(max_seqlen_q, max_seqlen_k)
-            out, lse = _plans.run_varlen(plan, q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k,
-                                                                seqused_k))
-            return (out, lse) if return_lse else out
+        plan_key, planned = _planned(
+            "varlen", q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k),
+            (seqused_k is None, softmax_scale, causal, window_size, softcap, return_lse),
+            max_seqlen_q, max_seqlen_k)
+        if planned is not None:
+            return planned if return_lse else planned[0]
     dropout_p = _validate.check_dropout(dropout_p)
     names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
     q, k, v, fp8 = _checked_inputs(q, k, v, PACKED, names)
@@ -157,17 +164,12 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     plan_key = None
     if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
             all(d is None for d in descales):
-        plan_key = _plans.key(
-            "paged_varlen", _present(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k,
-                                     seqused_k),
+        plan_key, planned = _planned(
+            "paged_varlen", q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
             (cu_seqlens_k is None, seqused_k is None, softmax_scale, causal, window_size,
-             softcap, return_lse), tuned=False)
-        plan = _plans.find(plan_key)
-        if plan is not None:
-            _check_max_seqlens(max_seqlen_q, max_seqlen_k)
-            out, lse = _plans.run_varlen(plan, q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k,
-                                                                seqused_k, block_table))
-            return (out, lse) if return_lse else out
+             softcap, return_lse), max_seqlen_q, max_seqlen_k, tuned=False)
+        if planned is not None:
+            return planned if return_lse else planned[0]
     if q.dtype == torch.float8_e4m3fn or q_descale is not None:
         raise NotImplementedError("block_table with float8_e4m3fn q (q_descale): the paged "
                                   "varlen forward runs its matmuls in q's dtype, float16 or "

@@ -278,7 +278,8 @@ def test_fp8_cache_compiles(arch, q_dtype):
     """The decode of an FP8 cache widens its tiles with the e4m3 unpack (F2FP ... E4M3) and
     keeps its tensor cores, without spills; P V runs in float16 whatever q's dtype at
     D = 128 (with bfloat16 q, Q K^T alone is a bfloat16 HMMA); the append that quantizes
-    rotated rows into it has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code below)."""
+    rotated rows into it has none either (sm_90 and newer: tileiras 13.4 compiles no e4m3 code
+    below)."""
     cubins = aot.compile_decode(arch, q_dtype, page_size=64, splits=4, fp8_cache=True,
                                 rotary="neox")
     listing = aot.disassemble(cubins["decode"])

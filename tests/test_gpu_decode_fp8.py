@@ -3,8 +3,9 @@ on a GPU of compute capability 9.0+ (skipped elsewhere, with the reason).
 
 The cache stands for k_descale * k8 and v_descale * v8. The decode widens each tile exactly
 (every e4m3 value is a float16 and a bfloat16; K to q's dtype, V to float16, and P V runs in
-float16, finer than bfloat16; with bfloat16 q at Dv > 128 V to bfloat16, P V in it), so against attention of the dequantized cache its error is at
-most that of a q-dtype cache: the reference is
+float16, finer than bfloat16; with bfloat16 q at Dv > 128 V to bfloat16, P V in it), so
+against attention of the dequantized cache its error is at most that of a q-dtype cache: the
+reference is
 ``reference.attention_dense`` in fp32 on the dequantized keys and values read back from the
 cache, PyTorch's own low-precision error the same in q's dtype, and flash-attn's 2x rule.
 Slots past each sequence's length hold NaN (0x7F in e4m3): a kernel that reads one fails.

@@ -35,24 +35,8 @@ def _pages(k, v, cu_k, page_size, gen):
     """Packed k, v laid into shuffled pages of ``page_size`` keys (SPARE_PAGES more, and the
     slots past each sequence's keys, left NaN) and the block table naming them, one entry
     more than the longest sequence needs (NO_PAGE past each sequence's pages)."""
-    lengths = cu_k.diff().tolist()
-    counts = [-(-n // page_size) for n in lengths]
-    total = sum(counts) + SPARE_PAGES
-    order = torch.randperm(total, generator=gen, device="cuda")
-    pages = [torch.full((total, page_size, *t.shape[1:]), math.nan, dtype=t.dtype,
-                        device="cuda") for t in (k, v)]
-    table = torch.full((len(lengths), max(counts) + 1), NO_PAGE, dtype=torch.int32,
-                       device="cuda")
-    used = 0
-    for b, (start, n) in enumerate(zip(cu_k.tolist(), lengths)):
-        for p in range(counts[b]):
-            page = order[used]
-            table[b, p] = page
-            keys = slice(start + p * page_size, start + min((p + 1) * page_size, n))
-            for dst, src in zip(pages, (k, v)):
-                dst[page, :keys.stop - keys.start] = src[keys]
-            used += 1
-    return (*pages, table)
+    return reference_decode.paged_layout(k, v, cu_k, page_size, gen, fill=math.nan,
+                                         spare_pages=SPARE_PAGES, no_page=NO_PAGE)
 
 
 def _inputs(heads, kv_heads, dim, v_dim, dtype, page_size, seed, lengths_k=LENGTHS_K):

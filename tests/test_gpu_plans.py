@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flash_tile
-from flash_tile import _validate, autotune
+from flash_tile import _validate, autotune, reference_decode
 from flash_tile.reference import attention_dense, check_error
 
 pytestmark = pytest.mark.gpu
@@ -157,15 +157,8 @@ def test_varlen_plan(form, monkeypatch):
         k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         kw = dict(causal=True, seqused_k=used if fa3 else None)
-        if form.startswith("paged"):  # sequence b's keys in pages table[b] (shuffled)
-            table = torch.randperm(4 * 13, device="cuda").to(torch.int32).reshape(4, 13)
-            pages = [torch.zeros(52, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(2)]
-            for b, (start, n) in enumerate(zip(cu_k.tolist(), lengths_k)):
-                for dst, src in zip(pages, (k, v)):
-                    rows = torch.zeros(13 * 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-                    rows[:n] = src[start:start + n]
-                    dst[table[b].long()] = rows.view(13, 16, 2, 64)
+        if form.startswith("paged"):  # shuffled 16-key pages, of one shape every call
+            *pages, table = reference_decode.paged_layout(k, v, cu_k, 16)
             out = flash_tile.flash_attn_varlen_func(
                 q, *pages, cu_q, None if form == "paged_fa3" else cu_k, 113, 203,
                 block_table=table, **kw)

@@ -14,27 +14,17 @@ LENGTHS_K = [3, 0, 40, 17]
 
 def _paged(page_size=16, heads=4, kv_heads=2, dim=64, dtype=torch.bfloat16, seed=0):
     """(q [20, H, D], k and v pages, block table, cu_seqlens_q, cu_seqlens_k, the packed k
-    and v the pages hold): sequence b's keys written to shuffled pages."""
+    and v the pages hold): sequence b's keys written to shuffled pages
+    (``reference_decode.paged_layout``, NaN in the slots no key fills)."""
     gen = torch.Generator().manual_seed(seed)
     cu_k = torch.tensor([0, *torch.tensor(LENGTHS_K).cumsum(0).tolist()], dtype=torch.int32)
     k, v = (torch.randn(int(cu_k[-1]), kv_heads, dim, generator=gen).to(dtype)
             for _ in range(2))
-    counts = [-(-n // page_size) for n in LENGTHS_K]
-    order = torch.randperm(sum(counts) + 2, generator=gen)
-    pages = [torch.randn(len(order), page_size, kv_heads, dim, generator=gen).to(dtype)
-             for _ in range(2)]
-    table = torch.zeros(len(LENGTHS_K), max(counts), dtype=torch.int32)
-    used = 0
-    for b, (start, n) in enumerate(zip(cu_k.tolist(), LENGTHS_K)):
-        for p in range(counts[b]):
-            table[b, p] = int(order[used])
-            rows = min(page_size, n - p * page_size)
-            for dst, src in zip(pages, (k, v)):
-                dst[order[used], :rows] = src[start + p * page_size:][:rows]
-            used += 1
+    pages = reference_decode.paged_layout(k, v, cu_k, page_size, gen, fill=float("nan"),
+                                          spare_pages=2)
     q = torch.randn(20, heads, dim, generator=gen).to(dtype)
     cu_q = torch.tensor([0, 5, 5, 19, 20], dtype=torch.int32)
-    return q, *pages, table, cu_q, cu_k, k, v
+    return q, *pages, cu_q, cu_k, k, v
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 16, 64])
