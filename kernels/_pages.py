@@ -74,8 +74,10 @@ def joined_load(A, kv, start, N: ConstInt, PAGE_N: ConstInt, COLS: ConstInt,
 
 
 def kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
-            PAGE_N: ConstInt, GATHER: ConstBool, KEYS_LAST: ConstBool):
-    """Key tile j of K (as K^T, [COLS, TILE_N]) or of V ([TILE_N, COLS]).
+            PAGE_N: ConstInt, GATHER: ConstBool, KEYS_LAST: ConstBool, DTYPE):
+    """Key tile j of K (as K^T, [COLS, TILE_N]) or of V ([TILE_N, COLS]) in DTYPE: an FP8
+    cache's e4m3 tile is widened after its load (exactly: every e4m3 value is a float16 and
+    a bfloat16), a tile of A's own dtype is as loaded.
 
     - Contiguous: one tile load from the sequence's cache row.
     - PAGED: TILE_N // PAGE_N tile loads of PAGE_N keys from the pages the block table
@@ -92,8 +94,12 @@ def kv_tile(A, kv, j, pages, TILE_N: ConstInt, COLS: ConstInt, PAGED: ConstBool,
             page, row, col = page[None, :], row[None, :], col[:, None]
         else:
             page, row, col = page[:, None], row[:, None], col[None, :]
-        return ct.gather(A, (page, row, kv_head, col), mask=col < A.shape[3],
+        tile = ct.gather(A, (page, row, kv_head, col), mask=col < A.shape[3],
                          check_bounds=False)
-    if not PAGED:
-        return tile_load(A, cache_row, kv_head, j, TILE_N, COLS, KEYS_LAST)
-    return joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
+    elif not PAGED:
+        tile = tile_load(A, cache_row, kv_head, j, TILE_N, COLS, KEYS_LAST)
+    else:
+        tile = joined_load(A, kv, j * TILE_N, TILE_N, PAGE_N, COLS, KEYS_LAST)
+    if A.dtype != DTYPE:
+        tile = tile.astype(DTYPE)
+    return tile

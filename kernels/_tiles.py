@@ -267,16 +267,13 @@ def sequence_bounds(Q, K, CuSeqQ, CuSeqK, SeqUsedK, batch, VARLEN: ConstBool,
     (FA3's paged calls pass no cumulative key lengths)."""
     q_start, q_len = query_bounds(Q, CuSeqQ, batch, VARLEN)
     if VARLEN:
-        k_start = 0
-        if not (PAGED and SEQUSED_K):
-            k_start = ct.load(CuSeqK, (batch,), shape=()).item()
+        first = 0 if PAGED and SEQUSED_K else ct.load(CuSeqK, (batch,), shape=()).item()
         if SEQUSED_K:
             k_len = ct.load(SeqUsedK, (batch,), shape=()).item()
         else:
-            k_len = ct.load(CuSeqK, (batch + 1,), shape=()).item() - k_start
-        if PAGED:
-            k_start = 0
-        return q_start, q_len, k_start, k_len
+            k_len = ct.load(CuSeqK, (batch + 1,), shape=()).item() - first
+        # Under PAGED the keys start in the sequence's first page, not at a packed row.
+        return q_start, q_len, 0 if PAGED else first, k_len
     return q_start, q_len, 0, K.shape[2]
 
 

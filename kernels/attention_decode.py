@@ -173,9 +173,8 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
     pages = None
     if GATHER:  # once for K and V
         pages = page_rows(kv, j, TILE_N)
-    k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, PAGED, PAGE_N, GATHER, True)  # [D, N]
-    if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
-        k_t = k_t.astype(q.dtype)
+    # An FP8 cache's K in q's dtype (its descale is in the scale): [D, N]
+    k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, PAGED, PAGE_N, GATHER, True, q.dtype)
     s = ct.mma(q, k_t, ct.zeros((TILE_M, TILE_N), ct.float32))
     offs_k = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[None, :]
     # K stands in for log2_scores' Mask, never read: the decode's FEATURES carry NO_MASK
@@ -192,11 +191,11 @@ def _attend_kv_tile(q, kv, rows, band, tile_q, j, m_i, l_i, acc, TILES, FEATURES
         cut = cut | padded
     # Every tile is masked (GUARD).
     m_new, p, alpha, l_i = softmax_step(s, factor, m_i, l_i, True, P_LOG2_SCALE, True)
-    v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False)  # [N, DV]
-    if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output): float16 takes
-        # one conversion from e4m3 on sm_90 where bfloat16 takes three, and P keeps 11 bits;
-        # P unscaled (bfloat16 q at Dv > 128, ``_decode_impl``) keeps q's dtype
-        v = v.astype(ct.float16 if P_LOG2_SCALE else q.dtype)
+    # An FP8 cache's V (its descale multiplies the output) in float16: one conversion from
+    # e4m3 on sm_90 where bfloat16 takes three, and P keeps 11 bits; P unscaled (bfloat16 q
+    # at Dv > 128, ``_decode_impl``) keeps q's dtype. [N, DV]
+    v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, PAGED, PAGE_N, GATHER, False,
+                ct.float16 if P_LOG2_SCALE else q.dtype)
     if cut:
         rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]  # V's keys
         v = ct.where((rows_v < band[0]) & (rows_v >= k_lo), v, 0.0).astype(v.dtype)

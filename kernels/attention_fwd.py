@@ -145,10 +145,8 @@ def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, 
     pages = None
     if GATHER:  # each key's page and row, once for K and V
         pages = page_rows(kv, j, TILE_N)
-    if PAGED:  # K^T [TILE_D, TILE_N] from the pages the block table names
-        k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, True, PAGE_N, GATHER, True)
-        if K.dtype != q.dtype:  # an FP8 cache, widened exactly (its descale is in the scale)
-            k_t = k_t.astype(q.dtype)
+    if PAGED:  # K^T [TILE_D, TILE_N] from the pages (an FP8 cache's in q's dtype)
+        k_t = kv_tile(K, kv, j, pages, TILE_N, TILE_D, True, PAGE_N, GATHER, True, q.dtype)
     elif VARLEN:  # a tile at any row: the view steps one row at a time
         k_t = ct.permute(K.tiled_view((1, 1, TILE_N, TILE_D), padding_mode=ZERO,
                                       traversal_steps=(1, 1, 1, TILE_D)).load(
@@ -174,9 +172,7 @@ def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, 
     if FP8:  # V^T [.., Dv, Lk] read back as [TILE_N, TILE_DV]: keys contiguous (FP8 below)
         v = load_keys_major(V, batch, kv_head, k_start, j, TILE_N, TILE_DV, VARLEN, LATENCY_V)
     elif PAGED:
-        v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, True, PAGE_N, GATHER, False)
-        if V.dtype != q.dtype:  # an FP8 cache (its descale multiplies the output)
-            v = v.astype(q.dtype)
+        v = kv_tile(V, kv, j, pages, TILE_N, TILE_DV, True, PAGE_N, GATHER, False, q.dtype)
         if MASKED:
             if (j + 1) * TILE_N > band[0]:  # the tile k_len cuts: zero the rows past it
                 rows_v = j * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
