@@ -9,14 +9,16 @@ checks, the device's properties (sm_90) and the variant choice (the sm_90 defaul
 are stubbed, and CPU tensors stand for CUDA ones (``torch.Tensor.get_device`` answers 0);
 everything is restored on exit. The calls (bf16, causal): ``flash_attn_func`` (B 1, L 128,
 H 8 / 2, D 64) and ``flash_attn_varlen_func`` on 8 sequences of 100 queries and keys
-(H 32 / 8, D 128), packed and against 16-key pages. Rounds alternate which side goes first;
-a call's ratio is the median of the rounds' ratios (this tree's time over the baseline's).
+(H 32 / 8, D 128), packed and against 16-key pages, in bf16 and as an FP8 cache (e4m3 pages
+with k_descale per (sequence, key/value head) and a 0-d v_descale). Rounds alternate which
+side goes first; a call's ratio is the median of the rounds' ratios (this tree's time over
+the baseline's).
 
     mkdir -p ab/base && git archive HEAD~1 flash_tile kernels | tar -x -C ab/base
     python bench/bench_host_cpu.py --baseline ab/base --out /tmp/host-cpu
 
-The baseline must have the paged varlen call (d822128 or later). Writes <out>.json and
-<out>.md. A GPU host's figures come from ``bench_launch.py --baseline``.
+The baseline must have the paged varlen call with an FP8 cache (eabed3e or later). Writes
+<out>.json and <out>.md. A GPU host's figures come from ``bench_launch.py --baseline``.
 """
 
 import argparse
@@ -71,6 +73,8 @@ def calls(package) -> dict:
     pq = torch.randn(800, 32, 128, dtype=torch.bfloat16)
     pk, pv = (torch.randn(800, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     pages = [torch.randn(64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(2)]
+    pages8 = [p.to(torch.float8_e4m3fn) for p in pages]
+    descales = {"k_descale": torch.rand(8, 8) + 0.5, "v_descale": torch.tensor(0.5)}
     table = torch.arange(64, dtype=torch.int32).reshape(8, 8)
     varlen = package.flash_attn_varlen_func
     return {
@@ -78,6 +82,8 @@ def calls(package) -> dict:
         "flash_attn_varlen_func": lambda: varlen(pq, pk, pv, cu, cu, 100, 100, causal=True),
         "flash_attn_varlen_func, paged": lambda: varlen(pq, *pages, cu, cu, 100, 100,
                                                         causal=True, block_table=table),
+        "flash_attn_varlen_func, paged FP8 cache": lambda: varlen(
+            pq, *pages8, cu, cu, 100, 100, causal=True, block_table=table, **descales),
     }
 
 

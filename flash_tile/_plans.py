@@ -29,8 +29,8 @@ import torch
 
 from flash_tile import _launch_decode, _ops, _ops_decode, autotune
 from flash_tile._arrays import TYPESTRS, Array, layout
-from flash_tile._launch import (ABSENT, NO_DROPOUT, SEQUENCE_SLOTS, Varlen, forward_launch,
-                                launch_on)
+from flash_tile._launch import (ABSENT, DESCALE_SLOT, NO_DROPOUT, SEQUENCE_SLOTS, Varlen,
+                                forward_launch, launch_on)
 from flash_tile.variants import TileConfig
 
 #: A process that meets more signatures than this starts its plans over.
@@ -55,7 +55,8 @@ class ForwardPlan:
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
         self.grid, self.kernel, self.tail = grid, kernel, args[5:]
-        self.layouts = tuple(layout(t) for t in args[:4]) + \
+        # (None for e4m3 pages, which only a VarlenPlan passes, as tensors)
+        self.layouts = tuple(layout(t) if t.dtype in TYPESTRS else None for t in args[:4]) + \
             (None if lse is None else layout(lse),)
         self.device, self.dtype = out.device, out.dtype
         # The first call's own outputs (``_ops._forward_outputs``), as later ones allocate them.
@@ -181,44 +182,50 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
 class VarlenPlan(ForwardPlan):
     """A ``ForwardPlan`` of a packed (or paged) inference forward: the sequences' arrays
     (``_launch.SEQUENCE_SLOTS``: cu_seqlens_q, cu_seqlens_k, seqused_k, the block table, those
-    the planned call passed) go by address as well, in the planned call's layouts; the
-    outputs are the packed [1, H, total_q, Dv] and [1, H, total_q] views the kernel writes."""
+    the planned call passed) and an FP8 cache's descale factors (``_launch.DESCALE_SLOT``)
+    go by address as well, in the planned call's layouts; the outputs are the packed
+    [1, H, total_q, Dv] and [1, H, total_q] views the kernel writes. An FP8 cache's
+    float8_e4m3fn pages go as the tensors themselves: the interface has no type string for
+    e4m3 (``_arrays.TYPESTRS``)."""
 
-    __slots__ = ("sequence_layouts",)
+    __slots__ = ("call_layouts",)
 
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
         super().__init__(grid, kernel, args, out, lse)
-        self.sequence_layouts = tuple((i, layout(args[i])) for i in SEQUENCE_SLOTS
-                                      if isinstance(args[i], torch.Tensor))
+        self.call_layouts = tuple((i, layout(args[i])) for i in (*SEQUENCE_SLOTS, DESCALE_SLOT)
+                                  if isinstance(args[i], torch.Tensor))
         # Every call passes its own: the first call's tensors are not kept alive.
-        self.tail = tuple(ABSENT if i + 5 in dict(self.sequence_layouts) else arg
+        self.tail = tuple(ABSENT if i + 5 in dict(self.call_layouts) else arg
                           for i, arg in enumerate(self.tail))
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor | None, sequences: tuple = ()) -> None:
-        """``ForwardPlan.launch`` with ``sequences``, the call's arrays of the plan's
-        sequence slots in their order (cu_seqlens_q, then those of cu_seqlens_k, seqused_k
-        and the block table the planned call had)."""
+               lse: torch.Tensor | None, arrays: tuple = ()) -> None:
+        """``ForwardPlan.launch`` with ``arrays``, the call's arrays of the plan's slots in
+        their order (cu_seqlens_q, then those of cu_seqlens_k, seqused_k, the block table and
+        the descale factors the planned call had)."""
         tail = list(self.tail)
-        for (slot, slot_layout), t in zip(self.sequence_layouts, sequences, strict=True):
+        for (slot, slot_layout), t in zip(self.call_layouts, arrays, strict=True):
             tail[slot - 5] = Array(slot_layout, t.data_ptr())
         q_layout, k_layout, v_layout, out_layout, lse_layout = self.layouts
         launch_on(self.device, self.grid, self.kernel,
-                  (Array(q_layout, q.data_ptr()), Array(k_layout, k.data_ptr()),
-                   Array(v_layout, v.data_ptr()), Array(out_layout, out.data_ptr()),
+                  (Array(q_layout, q.data_ptr()),
+                   k if k_layout is None else Array(k_layout, k.data_ptr()),
+                   v if v_layout is None else Array(v_layout, v.data_ptr()),
+                   Array(out_layout, out.data_ptr()),
                    self.no_lse if lse is None else Array(lse_layout, lse.data_ptr()), *tail))
 
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen, scale: float,
            softcap: float, window: tuple[int, int], return_lse: bool,
-           config: TileConfig | None = None):
-    """A plain inference forward of packed sequences (no ALiBi, sinks, dropout or FP8) on
+           config: TileConfig | None = None, descale: torch.Tensor | None = None):
+    """A plain inference forward of packed sequences (no ALiBi, sinks, dropout or FP8 q) on
     checked [total, H, D] tensors with unit last strides (k and v pages under
-    ``sequences.block_table``), as the varlen op's body runs it (the paged op's with its
-    ``config``, which is then never tuned), and its plan: (out [total_q, H, Dv], lse
-    [H, total_q] or None, a ``VarlenPlan`` for ``run_varlen`` or None where the choice is
-    not final). No query rows or no keys: the op's body answers (it launches nothing)."""
+    ``sequences.block_table``, with ``descale`` [3, B, H_kv] fp32 where they are an FP8
+    cache), as the varlen op's body runs it (the paged op's with its ``config``, which is
+    then never tuned), and its plan: (out [total_q, H, Dv], lse [H, total_q] or None, a
+    ``VarlenPlan`` for ``run_varlen`` or None where the choice is not final). No query rows
+    or no keys: the op's body answers (it launches nothing)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                          None, 0)
@@ -236,28 +243,32 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
     kv = (k, v) if sequences.block_table is not None else _ops._packed(k, v)
     lse4 = lse[None] if return_lse else None
     plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
-                                      window, config, NO_DROPOUT, sequences), out4, lse4)
-    plan.launch(q, k, v, out, lse4, sequence_arrays(sequences))
+                                      window, config, NO_DROPOUT, sequences, None, descale),
+                      out4, lse4)
+    plan.launch(q, k, v, out, lse4, call_arrays(sequences, descale))
     keep = final and _ops.choice_is_final(q, k)
     return out, lse if return_lse else None, plan if keep else None
 
 
-def sequence_arrays(sequences: Varlen) -> tuple:
-    """The arrays of ``VarlenPlan``'s sequence slots, in order (those given)."""
+def call_arrays(sequences: Varlen, descale: torch.Tensor | None = None) -> tuple:
+    """The arrays of ``VarlenPlan``'s slots, in order (those given)."""
     return tuple(t for t in (sequences.cu_seqlens_q, sequences.cu_seqlens_k,
-                             sequences.seqused_k, sequences.block_table) if t is not None)
+                             sequences.seqused_k, sequences.block_table, descale)
+                 if t is not None)
 
 
 def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sequences: Varlen) -> tuple[torch.Tensor, torch.Tensor | None]:
+               sequences: Varlen, descale: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [total_q, H, Dv], lse [H, total_q] or None) of a planned varlen forward on the
-    arrays of a call with the plan's signature: fresh outputs, one launch."""
+    arrays of a call with the plan's signature (``descale`` an FP8 cache's, as ``varlen``
+    takes it): fresh outputs, one launch."""
     # The kernel's [1, total_q, H, Dv] and [1, H, total_q] layouts without the leading 1.
     (shape, strides), device = plan.out, plan.device
     out = torch.empty_strided(shape[1:], strides[1:], dtype=plan.dtype, device=device)
     lse = None if plan.lse is None else torch.empty_strided(*(x[1:] for x in plan.lse),
                                                             dtype=torch.float32, device=device)
-    plan.launch(q, k, v, out, lse, sequence_arrays(sequences))
+    plan.launch(q, k, v, out, lse, call_arrays(sequences, descale))
     return out, lse
 
 

@@ -59,18 +59,24 @@ def _checked_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def _planned(entry: str, q, k, v, sequences: Varlen, arguments: tuple, max_seqlen_q,
-             max_seqlen_k, tuned: bool = True):
-    """(plan key, (out, lse) or None) of a plain inference call of ``entry`` on q, k, v and
-    ``sequences``' arrays: the outputs where a plan was kept for its key (max_seqlen_q/k,
-    which the key leaves out, still checked), None where the full path must run (it makes
-    the plan from the key's second sighting: ``_plans.sighted``)."""
-    plan_key = _plans.key(entry, (q, k, v, *_plans.sequence_arrays(sequences)), arguments,
-                          tuned)
+             max_seqlen_k, tuned: bool = True, kv_descales: tuple = (None, None)):
+    """(plan key, (out, lse) or None) of a plain inference call of ``entry`` on q, k, v,
+    ``sequences``' arrays and an FP8 cache's ``kv_descales`` (k_descale, v_descale; their
+    presence must be in ``arguments``): the outputs where a plan was kept for its key
+    (max_seqlen_q/k, which the key leaves out, still checked), None where the full path must
+    run (it makes the plan from the key's second sighting: ``_plans.sighted``)."""
+    scales = tuple(t for t in kv_descales if t is not None)
+    plan_key = _plans.key(entry, (q, k, v, *_plans.call_arrays(sequences), *scales),
+                          arguments, tuned)
     plan = _plans.find(plan_key)
     if plan is None:
         return plan_key, None
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    return plan_key, _plans.run_varlen(plan, q, k, v, sequences)
+    descale = None
+    if k.dtype == torch.float8_e4m3fn:  # an FP8 cache: its factors as the full path stacks them
+        descale = _validate.fp8_descales(sequences.batch, k.shape[2], q.device, q_descale=None,
+                                         k_descale=kv_descales[0], v_descale=kv_descales[1])
+    return plan_key, _plans.run_varlen(plan, q, k, v, sequences, descale)
 
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
@@ -153,7 +159,7 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
            return_attn_probs, seqused_k, return_lse, sinks, descales):
     """flash_attn_varlen_func with a block table: packed q against paged k and v (the
     forward's PAGED switch), forward only; a plain call of a seen signature (pages in q's
-    dtype) runs its plan (``flash_tile._plans``)."""
+    dtype or an FP8 cache's) runs its plan (``flash_tile._plans``)."""
     if return_attn_probs:
         _validate.check_attn_probs(dropout_p)
         out, lse = _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -162,12 +168,12 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         return out, lse, q.new_empty((0,))
     q_descale, k_descale, v_descale = descales
     plan_key = None
-    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and \
-            all(d is None for d in descales):
+    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and q_descale is None:
         plan_key, planned = _planned(
             "paged_varlen", q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
-            (cu_seqlens_k is None, seqused_k is None, softmax_scale, causal, window_size,
-             softcap, return_lse), max_seqlen_q, max_seqlen_k, tuned=False)
+            (cu_seqlens_k is None, seqused_k is None, k_descale is None, v_descale is None,
+             softmax_scale, causal, window_size, softcap, return_lse), max_seqlen_q,
+            max_seqlen_k, tuned=False, kv_descales=(k_descale, v_descale))
         if planned is not None:
             return planned if return_lse else planned[0]
     if q.dtype == torch.float8_e4m3fn or q_descale is not None:
@@ -200,10 +206,11 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         _validate.check_fp8_capability(device, "an FP8 cache")
         descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
                                          k_descale=kv_descale[0], v_descale=kv_descale[1])
-    if descale is None and q.stride(-1) == 1 and _plans.sighted(plan_key):
+    if q.stride(-1) == 1 and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                        block_table), scale, softcap,
-                                       (left, right), bool(return_lse), paged_tile(q, v))
+                                       (left, right), bool(return_lse), paged_tile(q, v),
+                                       descale)
         _plans.keep(plan_key, plan)
         return (out, lse) if return_lse else out
     out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,

@@ -136,13 +136,33 @@ def test_kvcache_plan_appends_and_attends(page_size, num_splits, monkeypatch):
     assert len(autotune.plans) == 1
 
 
-@pytest.mark.parametrize("form", ["packed", "seqused_k", "paged", "paged_fa3"])
+def _fp8_cache(k, v, cu_k, gen):
+    """Packed k, v rounded to float8_e4m3fn with power-of-two descales (k: one factor, 0-d;
+    v: one a (sequence, key/value head), [B, H_kv]), so that the dequantized rows are exact
+    in bfloat16: (k8, v8, k_descale, v_descale, dequantized k, dequantized v)."""
+    batch, kv_heads = len(cu_k) - 1, v.shape[1]
+    k_descale = torch.tensor(2.0**-6, device="cuda")
+    v_descale = 2.0 ** -torch.randint(5, 7, (batch, kv_heads), generator=gen,
+                                      device="cuda").float()
+    k8 = (k.float() / k_descale).to(torch.float8_e4m3fn)
+    rows = v_descale[torch.repeat_interleave(torch.arange(batch, device="cuda"),
+                                             cu_k.diff())][..., None]
+    v8 = (v.float() / rows).to(torch.float8_e4m3fn)
+    return k8, v8, k_descale, v_descale, (k8.float() * k_descale).to(k.dtype), \
+        (v8.float() * rows).to(v.dtype)
+
+
+@pytest.mark.parametrize("form", ["packed", "seqused_k", "paged", "paged_fa3", "paged_fp8"])
 def test_varlen_plan(form, monkeypatch):
     """flash_attn_varlen_func's plan, packed or against pages (16-key pages, a shuffled
-    table), with seqused_k (FA3's paged form without cu_seqlens_k): a signature's second
-    call makes the plan, the later ones run it, each call with its own sequences (the same
-    totals, other lengths, so a plan that read an earlier call's offsets would fail) and each
-    sequence against the fp32 reference on its own keys."""
+    table), with seqused_k (FA3's paged form without cu_seqlens_k), and against an FP8
+    cache's pages (its descales fresh tensors each call): a signature's second call makes
+    the plan, the later ones run it, each call with its own sequences (the same totals, other
+    lengths, so a plan that read an earlier call's offsets would fail) and each sequence
+    against the fp32 reference on its own keys."""
+    if form == "paged_fp8" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("an FP8 cache needs compute capability 9.0+ (tileiras 13.4)")
+    gen = torch.Generator(device="cuda").manual_seed(5)
     for call in range(4):
         turn = call  # the sequences' lengths rotate: the totals stay, the offsets move
         lengths_q = ([17, 0, 113, 1] * 2)[turn:turn + 4]
@@ -157,7 +177,13 @@ def test_varlen_plan(form, monkeypatch):
         k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         kw = dict(causal=True, seqused_k=used if fa3 else None)
-        if form.startswith("paged"):  # shuffled 16-key pages, of one shape every call
+        if form == "paged_fp8":  # the reference reads the dequantized keys and values
+            k8, v8, kw["k_descale"], kw["v_descale"], k, v = _fp8_cache(k, v, cu_k, gen)
+            *pages, table = reference_decode.paged_layout(k8.float(), v8.float(), cu_k, 16)
+            pages = [p.to(torch.float8_e4m3fn) for p in pages]
+            out = flash_tile.flash_attn_varlen_func(q, *pages, cu_q, cu_k, 113, 203,
+                                                    block_table=table, **kw)
+        elif form.startswith("paged"):  # shuffled 16-key pages, of one shape every call
             *pages, table = reference_decode.paged_layout(k, v, cu_k, 16)
             out = flash_tile.flash_attn_varlen_func(
                 q, *pages, cu_q, None if form == "paged_fa3" else cu_k, 113, 203,

@@ -493,6 +493,7 @@ def _stub_a_gpu_call(monkeypatch):
                         lambda *args, **kw: (variants.default_config((9, 0), 64), True))
     monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
     monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
+    monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "H200"))
 
 
 @pytest.mark.parametrize("entry", ["flash_attn_func", "qkvpacked", "sdpa"])
@@ -542,20 +543,28 @@ def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypat
     assert first[1].shape == out.shape and first[1].stride() == out.stride()
 
 
-@pytest.mark.parametrize("entry", ["varlen", "seqused_k", "paged", "paged_fa3"])
+@pytest.mark.parametrize("entry", ["varlen", "seqused_k", "paged", "paged_fa3", "paged_fp8"])
 def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, monkeypatch,
                                                                     entry):
     """A packed (or paged) inference call of a seen signature takes its plan (the full path's
     checks fail once the plan exists) and launches the first call's grid, kernel and scalars
     with q, k, v, the outputs and the sequences' arrays (cu_seqlens_q/k, seqused_k, the block
-    table) at the new call's addresses in the first call's layouts; the out and LSE it
-    returns are what the kernel writes, packed as the full path's. CPU tensors stand for CUDA
-    ones: the device checks and the variant choice are stubbed."""
+    table) at the new call's addresses in the first call's layouts, an FP8 cache's pages as
+    the call's tensors and its descales stacked anew in the first call's layout; the out and
+    LSE it returns are what the kernel writes, packed as the full path's. CPU tensors stand
+    for CUDA ones: the device checks and the variant choice are stubbed."""
     import flash_tile
     from flash_tile import _launch, _validate, autotune
 
     _stub_a_gpu_call(monkeypatch)
     paged = entry.startswith("paged")
+    fp8 = entry == "paged_fp8"
+    stacks = []  # every [3, B, H_kv] descale stack made, kept alive to be read
+
+    def stacked(*args, fp8_descales=_validate.fp8_descales, **kwargs):
+        stacks.append(fp8_descales(*args, **kwargs))
+        return stacks[-1]
+    monkeypatch.setattr(_validate, "fp8_descales", stacked)
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
         q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
@@ -567,14 +576,19 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
             k, v = (torch.randn(12, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
         else:
             k, v = (torch.randn(80, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+        scales = {}
+        if fp8:  # per (sequence, key/value head) for k, one factor for v
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            scales = {"k_descale": torch.rand(3, 2) + 0.5, "v_descale": torch.tensor(0.7)}
         fa3 = entry in ("seqused_k", "paged_fa3")
         out, lse = flash_tile.flash_attn_varlen_func(
             q, k, v, cu_q, None if entry == "paged_fa3" else cu_k, 23, 49, causal=True,
             window_size=(16, -1), return_lse=True, seqused_k=used if fa3 else None,
-            block_table=table if paged else None)
+            block_table=table if paged else None, **scales)
         sequences = [cu_q, None if entry == "paged_fa3" else cu_k, used if fa3 else None,
                      table if paged else None]
-        return (q, k, v, out, lse), dict(zip(_launch.SEQUENCE_SLOTS, sequences)), out, lse
+        return (q, k, v, out, lse), dict(zip(_launch.SEQUENCE_SLOTS, sequences)), out, lse, \
+            scales
 
     call()  # a signature's first sighting: the full path, no plan (its key is recorded)
     assert not autotune.plans and len(autotune.sighted) == 1
@@ -584,13 +598,22 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     def fail(*args, **kwargs):
         pytest.fail("the full path ran where a plan should have")
     monkeypatch.setattr(_validate, "check_dtypes", fail)
-    arrays, sequences, out, lse = call()
+    arrays, sequences, out, lse, scales = call()
     assert len(autotune.plans) == 1 and len(launched) == 3
     (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched[1:]
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
     addresses = {i: t.data_ptr() for i, t in enumerate(arrays)}
     addresses.update({i: t.data_ptr() for i, t in sequences.items() if t is not None})
+    if fp8:  # the pages as the call's tensors, the descales as this call's stack of them
+        assert plan_args[1] is arrays[1] and plan_args[2] is arrays[2]
+        addresses[1] = addresses[2] = None
+        descale = stacks[-1]
+        addresses[_launch.DESCALE_SLOT] = descale.data_ptr()
+        assert torch.equal(descale, torch.stack((torch.ones(3, 2), scales["k_descale"],
+                                                 scales["v_descale"].expand(3, 2))))
     for i, (before, now) in enumerate(zip(args, plan_args)):
+        if i in addresses and addresses[i] is None:
+            continue
         if i in addresses:
             face, face_before = now.__cuda_array_interface__, before.__cuda_array_interface__
             assert face["data"] == (addresses[i], False), i
@@ -607,13 +630,14 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
                                           seqused_k=sequences[10], block_table=sequences[12])
 
 
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("paged,fp8", [(False, False), (True, False), (True, True)])
 def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, monkeypatch,
-                                                                    paged):
+                                                                    paged, fp8):
     """The first call of a varlen signature runs ``_plans.varlen``, not the op: it must pass
     ``ct.launch`` the grid, kernel and arguments the op's body passes for the same call
-    (each array by its CUDA Array Interface at that tensor's address; the same variant: the
-    tuner's choice, or the paged tile), and return the outputs the op returns, packed."""
+    (each array by its CUDA Array Interface at that tensor's address, an FP8 cache's pages
+    as the tensors; the same variant: the tuner's choice, or the paged tile), and return the
+    outputs the op returns, packed."""
     from flash_tile import _launch, _ops, _ops_paged, _plans, variants
 
     monkeypatch.setattr(_ops, "_choose_final",
@@ -626,21 +650,28 @@ def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, mo
     table = torch.randperm(12).to(torch.int32).reshape(3, 4) if paged else None
     shape = (12, 16, 2, 64) if paged else (80, 2, 64)
     k, v = (torch.randn(*shape, dtype=torch.bfloat16) for _ in range(2))
+    descale = None
+    if fp8:  # an FP8 cache: e4m3 pages, the [3, B, H_kv] factors (row 0 unread)
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        descale = torch.rand(3, 3, 2) + 0.5
     sequences = _launch.Varlen(cu_q, cu_k, None, table)
     window = (16, 0)
     if paged:
         full = _ops_paged._paged_varlen_impl(q, k, v, table, cu_q, cu_k, None, None, 0.125,
-                                             0.0, *window, True)
+                                             0.0, *window, True, None, descale)
     else:
         full = _ops._varlen_forward_impl(q, k, v, cu_q, cu_k, None, 0.125, 0.0, *window, True)
     config = _ops_paged.paged_tile(q, v) if paged else None
-    out, lse, plan = _plans.varlen(q, k, v, sequences, 0.125, 0.0, window, True, config)
+    out, lse, plan = _plans.varlen(q, k, v, sequences, 0.125, 0.0, window, True, config,
+                                   descale)
     assert plan is not None and (out.shape, lse.shape) == (full[0].shape, full[1].shape)
     (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
     outputs = {3: out, 4: lse}  # each side's own outputs, in the layouts the kernel reads
     for i, (before, passed) in enumerate(zip(args, plan_args)):
-        if isinstance(before, torch.Tensor):
+        if isinstance(before, torch.Tensor) and before.dtype == torch.float8_e4m3fn:
+            assert passed is before, i  # e4m3 has no type string: the tensor itself
+        elif isinstance(before, torch.Tensor):
             face = array_interface(before)
             if i in outputs:
                 view = outputs[i].transpose(0, 1)[None] if i == 3 else outputs[i][None]
