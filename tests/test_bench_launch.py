@@ -97,7 +97,8 @@ def test_host_cost_on_a_cpu_times_both_trees_and_restores_what_it_stubs(monkeypa
     get_device, launch = torch.Tensor.get_device, flash_tile._launch.ct.launch
     rows = bench_host_cpu.measure(str(tmp_path), rounds=2, iters=2)
     assert [r["call"] for r in rows] == ["flash_attn_func", "flash_attn_varlen_func",
-                                         "flash_attn_varlen_func, paged"]
+                                         "flash_attn_varlen_func, paged",
+                                         "flash_attn_varlen_func, paged FP8 cache"]
     assert all(r["host_us"] > 0 and r["baseline_host_us"] > 0 and r["ratio"] > 0
                for r in rows)
     assert torch.Tensor.get_device is get_device and flash_tile._launch.ct.launch is launch
