@@ -18,8 +18,8 @@ sound: plain tensors (no tensor subclass) on a CUDA device in eager mode (no tor
 or other tracer, no dispatch mode), no autograd to record (no input needs its gradient, or
 grad mode is off) and autocast off.
 The callers add their own conditions (for the forwards: no ALiBi, mask, sinks or dropout,
-nothing in FP8, unit last strides); every other call takes the full path each time, as does
-a call whose key is new.
+nothing in FP8 but a paged call's FP8 cache, unit last strides); every other call takes the
+full path each time, as does a call whose key is new.
 
 The plans live in ``autotune.plans`` beside the choices they were made from, and
 ``autotune.clear_memory_cache`` forgets both.
