@@ -196,8 +196,8 @@ class VarlenPlan(ForwardPlan):
         self.call_layouts = tuple((i, layout(args[i])) for i in (*SEQUENCE_SLOTS, DESCALE_SLOT)
                                   if isinstance(args[i], torch.Tensor))
         # Every call passes its own: the first call's tensors are not kept alive.
-        self.tail = tuple(ABSENT if i + 5 in dict(self.call_layouts) else arg
-                          for i, arg in enumerate(self.tail))
+        passed = {slot for slot, _ in self.call_layouts}
+        self.tail = tuple(ABSENT if i + 5 in passed else arg for i, arg in enumerate(self.tail))
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse: torch.Tensor | None, arrays: tuple = ()) -> None:
@@ -258,17 +258,16 @@ def call_arrays(sequences: Varlen, descale: torch.Tensor | None = None) -> tuple
 
 
 def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               sequences: Varlen, descale: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out [total_q, H, Dv], lse [H, total_q] or None) of a planned varlen forward on the
-    arrays of a call with the plan's signature (``descale`` an FP8 cache's, as ``varlen``
-    takes it): fresh outputs, one launch."""
+               arrays: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [total_q, H, Dv], lse [H, total_q] or None) of a planned varlen forward on q, k,
+    v and ``arrays`` (``call_arrays``') of a call with the plan's signature: fresh outputs,
+    one launch."""
     # The kernel's [1, total_q, H, Dv] and [1, H, total_q] layouts without the leading 1.
     (shape, strides), device = plan.out, plan.device
     out = torch.empty_strided(shape[1:], strides[1:], dtype=plan.dtype, device=device)
     lse = None if plan.lse is None else torch.empty_strided(*(x[1:] for x in plan.lse),
                                                             dtype=torch.float32, device=device)
-    plan.launch(q, k, v, out, lse, call_arrays(sequences, descale))
+    plan.launch(q, k, v, out, lse, arrays)
     return out, lse
 
 

@@ -104,6 +104,13 @@ def kv_descales(k_descale, v_descale, batch: int, kv_heads: int, device: torch.d
             descale_view("v_descale", v_descale, batch, kv_heads, device))
 
 
+def cache_descales(kv_views: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """An FP8 cache's (k, v) [B, H_kv] descale views (``kv_descales``) as the forward
+    kernel's fp32 [3, B, H_kv] factors: rows 1 and 2, row 0 (q's, unread there) 1."""
+    k_view = kv_views[0]
+    return torch.stack((_one(k_view.device).expand(k_view.shape), *kv_views))
+
+
 def _one(device: torch.device) -> torch.Tensor:
     """The factor 1 on ``device``: made once (a call without descales launches no fill
     kernel), except while a CUDA graph is captured, where the fill is the graph's to replay

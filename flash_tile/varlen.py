@@ -66,17 +66,16 @@ def _planned(entry: str, q, k, v, sequences: Varlen, arguments: tuple, max_seqle
     (max_seqlen_q/k, which the key leaves out, still checked), None where the full path must
     run (it makes the plan from the key's second sighting: ``_plans.sighted``)."""
     scales = tuple(t for t in kv_descales if t is not None)
-    plan_key = _plans.key(entry, (q, k, v, *_plans.call_arrays(sequences), *scales),
-                          arguments, tuned)
+    arrays = _plans.call_arrays(sequences)
+    plan_key = _plans.key(entry, (q, k, v, *arrays, *scales), arguments, tuned)
     plan = _plans.find(plan_key)
     if plan is None:
         return plan_key, None
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    descale = None
     if k.dtype == torch.float8_e4m3fn:  # an FP8 cache: its factors as the full path stacks them
-        descale = _validate.fp8_descales(sequences.batch, k.shape[2], q.device, q_descale=None,
-                                         k_descale=kv_descales[0], v_descale=kv_descales[1])
-    return plan_key, _plans.run_varlen(plan, q, k, v, sequences, descale)
+        arrays += (_validate.cache_descales(_validate.kv_descales(
+            *kv_descales, sequences.batch, k.shape[2], q.device)),)
+    return plan_key, _plans.run_varlen(plan, q, k, v, arrays)
 
 
 def _check_max_seqlens(max_seqlen_q, max_seqlen_k) -> None:
@@ -204,8 +203,7 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                                                  "flash_attn_varlen_func with block_table")
     if kv_descale is not None:
         _validate.check_fp8_capability(device, "an FP8 cache")
-        descale = _validate.fp8_descales(batch, k.shape[2], device, q_descale=None,
-                                         k_descale=kv_descale[0], v_descale=kv_descale[1])
+        descale = _validate.cache_descales(kv_descale)
     if q.stride(-1) == 1 and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                        block_table), scale, softcap,

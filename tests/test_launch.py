@@ -561,10 +561,10 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     fp8 = entry == "paged_fp8"
     stacks = []  # every [3, B, H_kv] descale stack made, kept alive to be read
 
-    def stacked(*args, fp8_descales=_validate.fp8_descales, **kwargs):
-        stacks.append(fp8_descales(*args, **kwargs))
+    def stacked(kv_views, cache_descales=_validate.cache_descales):
+        stacks.append(cache_descales(kv_views))
         return stacks[-1]
-    monkeypatch.setattr(_validate, "fp8_descales", stacked)
+    monkeypatch.setattr(_validate, "cache_descales", stacked)
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
         q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
