@@ -5,9 +5,9 @@ allocations, the argument tuple), measured where no GPU is: both trees imported 
 (``bench_launch.load_package``), and in each ``ct.launch`` replaced by a function that
 returns, so that cuTile's own host cost (3-7 us on the GPU hosts of
 docs/experiments/evidence/2026-12-06-launch-cost-cpu.md) is in neither figure. The device
-checks, the device's properties (sm_90) and the variant choice (the sm_90 default, final)
-are stubbed, and CPU tensors stand for CUDA ones (``torch.Tensor.get_device`` answers 0);
-everything is restored on exit. The calls (bf16, causal): ``flash_attn_func`` (B 1, L 128,
+checks, the device's properties (sm_90) and the variant choice (the sm_90 default for the
+call's head dim, final) are stubbed, and CPU tensors stand for CUDA ones
+(``torch.Tensor.get_device`` answers 0); everything is restored on exit. The calls (bf16, causal): ``flash_attn_func`` (B 1, L 128,
 H 8 / 2, D 64) and ``flash_attn_varlen_func`` on 8 sequences of 100 queries and keys
 (H 32 / 8, D 128), packed and against 16-key pages, in bf16 and as an FP8 cache (e4m3 pages
 with k_descale per (sequence, key/value head) and a 0-d v_descale). Rounds alternate which
@@ -58,10 +58,11 @@ def stubbed(*packages):
             for name in ("_validate", "_ops", "_ops_paged"):
                 patch(module(name), "device_properties", lambda device: ((9, 0), "H200"))
             ops = module("_ops")
-            final = (variants.default_config((9, 0), 64), True)
+            def final(backward, q, k, v, *args, variants=variants, **kwargs):
+                return variants.default_config((9, 0), max(q.shape[-1], v.shape[-1])), True
             if hasattr(ops, "_choose_final"):  # (older trees choose without it)
-                patch(ops, "_choose_final", lambda *args, **kwargs: final)
-            patch(ops, "_choose", lambda *args, **kwargs: final[0])
+                patch(ops, "_choose_final", final)
+            patch(ops, "_choose", lambda *args, **kwargs: final(*args, **kwargs)[0])
             patch(ops, "choice_is_final", lambda q, k: True)
         yield
 

@@ -69,6 +69,14 @@ def launched(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def hopper_or_newer():
+    """Skips on a GPU older than sm_90: tileiras 13.4 compiles no float8_e4m3fn code for
+    it (the FP8 forward, an FP8 KV cache)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 (float8_e4m3fn) needs compute capability 9.0+ (tileiras 13.4)")
+
+
 def array_interface(t: torch.Tensor) -> dict:
     """The CUDA Array Interface of ``t`` (strides in bytes), as a planned launch passes it."""
     typestr = {torch.float32: "<f4", torch.bfloat16: "<V2", torch.float16: "<f2",

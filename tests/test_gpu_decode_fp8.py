@@ -21,16 +21,10 @@ import torch
 import flash_tile
 from flash_tile import reference, reference_decode
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hopper_or_newer")]
 
 E4M3 = torch.float8_e4m3fn
 NAN_E4M3 = 0x7F
-
-
-@pytest.fixture(autouse=True)
-def hopper_or_newer():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("an FP8 KV cache needs compute capability 9.0+ (tileiras 13.4)")
 
 
 def _fp8_cache(batch, capacity, kv_heads, head_dim, page_size, seqlens, gen, per):

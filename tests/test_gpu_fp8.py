@@ -36,16 +36,10 @@ import torch
 import flash_tile
 from flash_tile import _launch, _ops_fp8, _validate, reference, variants
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hopper_or_newer")]
 
 E4M3 = torch.float8_e4m3fn
 outlier_inputs = functools.partial(reference.outlier_inputs, device="cuda")  # FA3's Table 3
-
-
-@pytest.fixture(autouse=True)
-def hopper_or_newer():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the FP8 forward needs compute capability 9.0+")
 
 
 def quantized(q, k, v, per="head"):

@@ -137,11 +137,6 @@ def test_pages_equal_the_unpaged_call(page_size, causal):
     assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
 
 
-@pytest.fixture
-def hopper_or_newer():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("an FP8 cache needs compute capability 9.0+ (tileiras 13.4)")
-
 
 def _fp8_pages(k, v, cu_k, page_size, gen, descales):
     """k, v quantized to float8_e4m3fn with ``descales`` ((k, v): each [B, H_kv], one row a

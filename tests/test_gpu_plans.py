@@ -6,11 +6,13 @@ Each test starts from no plans, and proves that a call used its plan by making t
 path's first step fail once the plan exists.
 """
 
+import math
+
 import pytest
 import torch
 
 import flash_tile
-from flash_tile import _validate, autotune, reference_decode
+from flash_tile import _validate, autotune, reference, reference_decode
 from flash_tile.reference import attention_dense, check_error
 
 pytestmark = pytest.mark.gpu
@@ -153,51 +155,49 @@ def _fp8_cache(k, v, cu_k, gen):
 
 
 @pytest.mark.parametrize("form", ["packed", "seqused_k", "paged", "paged_fa3", "paged_fp8"])
-def test_varlen_plan(form, monkeypatch):
+def test_varlen_plan(form, monkeypatch, request):
     """flash_attn_varlen_func's plan, packed or against pages (16-key pages, a shuffled
     table), with seqused_k (FA3's paged form without cu_seqlens_k), and against an FP8
     cache's pages (its descales fresh tensors each call): a signature's second call makes
     the plan, the later ones run it, each call with its own sequences (the same totals, other
     lengths, so a plan that read an earlier call's offsets would fail) and each sequence
     against the fp32 reference on its own keys."""
-    if form == "paged_fp8" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("an FP8 cache needs compute capability 9.0+ (tileiras 13.4)")
+    if form == "paged_fp8":
+        request.getfixturevalue("hopper_or_newer")
     gen = torch.Generator(device="cuda").manual_seed(5)
     for call in range(4):
-        turn = call  # the sequences' lengths rotate: the totals stay, the offsets move
-        lengths_q = ([17, 0, 113, 1] * 2)[turn:turn + 4]
-        lengths_k = ([40, 5, 203, 1] * 2)[turn:turn + 4]
-        counts_k = ([33, 0, 150, 1] * 2)[turn:turn + 4]
+        # The sequences' lengths rotate: the totals stay, the offsets move.
+        lengths_q = ([17, 0, 113, 1] * 2)[call:call + 4]
+        lengths_k = ([40, 5, 203, 1] * 2)[call:call + 4]
+        counts_k = ([33, 0, 150, 1] * 2)[call:call + 4]
         cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32,
                                    device="cuda") for n in (lengths_q, lengths_k))
         used = torch.tensor(counts_k, dtype=torch.int32, device="cuda")
         fa3 = form in ("seqused_k", "paged_fa3")
-        counts = counts_k if fa3 else lengths_k
         q = torch.randn(int(cu_q[-1]), 4, 64, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(int(cu_k[-1]), 2, 64, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
         kw = dict(causal=True, seqused_k=used if fa3 else None)
         if form == "paged_fp8":  # the reference reads the dequantized keys and values
             k8, v8, kw["k_descale"], kw["v_descale"], k, v = _fp8_cache(k, v, cu_k, gen)
-            *pages, table = reference_decode.paged_layout(k8.float(), v8.float(), cu_k, 16)
+            *pages, table = reference_decode.paged_layout(k8.float(), v8.float(), cu_k, 16,
+                                                          fill=math.nan)
             pages = [p.to(torch.float8_e4m3fn) for p in pages]
             out = flash_tile.flash_attn_varlen_func(q, *pages, cu_q, cu_k, 113, 203,
                                                     block_table=table, **kw)
         elif form.startswith("paged"):  # shuffled 16-key pages, of one shape every call
-            *pages, table = reference_decode.paged_layout(k, v, cu_k, 16)
+            *pages, table = reference_decode.paged_layout(k, v, cu_k, 16, fill=math.nan)
             out = flash_tile.flash_attn_varlen_func(
                 q, *pages, cu_q, None if form == "paged_fa3" else cu_k, 113, 203,
                 block_table=table, **kw)
         else:
             out = flash_tile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 113, 203, **kw)
         assert out.shape == q.shape
-        for b in range(4):
-            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-            keys = slice(int(cu_k[b]), int(cu_k[b]) + counts[b])
-            seq = [t[None].transpose(1, 2) for t in (q[rows], k[keys], v[keys])]
-            if seq[0].shape[2] and seq[1].shape[2]:
+        for _, rows, seq, diag_offset in reference.varlen_sequences(q, k, v, cu_q, cu_k,
+                                                                      used if fa3 else None):
+            if seq[1].shape[2]:
                 _check(out[rows][None].transpose(1, 2), *seq, window=(-1, 0),
-                       diag_offset=seq[1].shape[2] - seq[0].shape[2])
+                       diag_offset=diag_offset)
         assert len(autotune.plans) == (call >= 1)
         if call == 1:
             _full_path_fails(monkeypatch)

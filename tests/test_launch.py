@@ -624,10 +624,11 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
                                                      first[3].shape)
     # Another signature's call (the same arrays without the LSE) is not served by the plan:
     # it takes the full path, whose checks now fail.
+    cu_q, cu_k, used, table = sequences.values()
     with pytest.raises(pytest.fail.Exception, match="full path"):
-        flash_tile.flash_attn_varlen_func(*arrays[:3], sequences[7], sequences[8], 23, 49,
-                                          causal=True, window_size=(16, -1),
-                                          seqused_k=sequences[10], block_table=sequences[12])
+        flash_tile.flash_attn_varlen_func(*arrays[:3], cu_q, cu_k, 23, 49, causal=True,
+                                          window_size=(16, -1), seqused_k=used,
+                                          block_table=table, **scales)
 
 
 @pytest.mark.parametrize("paged,fp8", [(False, False), (True, False), (True, True)])
@@ -638,12 +639,9 @@ def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, mo
     (each array by its CUDA Array Interface at that tensor's address, an FP8 cache's pages
     as the tensors; the same variant: the tuner's choice, or the paged tile), and return the
     outputs the op returns, packed."""
-    from flash_tile import _launch, _ops, _ops_paged, _plans, variants
+    from flash_tile import _launch, _ops, _ops_paged, _plans
 
-    monkeypatch.setattr(_ops, "_choose_final",
-                        lambda *args, **kw: (variants.default_config((9, 0), 64), True))
-    monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(_ops, "choice_is_final", lambda q, k: True)
+    _stub_a_gpu_call(monkeypatch)
     q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
     cu_q = torch.tensor([0, 17, 17, 40], dtype=torch.int32)
     cu_k = torch.tensor([0, 30, 31, 80], dtype=torch.int32)
@@ -673,8 +671,9 @@ def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, mo
             assert passed is before, i  # e4m3 has no type string: the tensor itself
         elif isinstance(before, torch.Tensor):
             face = array_interface(before)
-            if i in outputs:
+            if i in outputs:  # the plan's own outputs, laid out as the full path's
                 view = outputs[i].transpose(0, 1)[None] if i == 3 else outputs[i][None]
+                assert {**array_interface(view), "data": None} == {**face, "data": None}, i
                 face = array_interface(view)
             assert passed.__cuda_array_interface__ == face, i
         else:
