@@ -8,11 +8,11 @@ docs/experiments/evidence/2026-12-06-launch-cost-cpu.md) is in neither figure. T
 checks, the device's properties (sm_90) and the variant choice (the sm_90 default for the
 call's head dim, final) are stubbed, and CPU tensors stand for CUDA ones
 (``torch.Tensor.get_device`` answers 0); everything is restored on exit. The calls (bf16,
-causal): ``flash_attn_func`` (B 1, L 128, H 8 / 2, D 64) and ``flash_attn_varlen_func`` on 8 sequences of 100 queries and keys
-(H 32 / 8, D 128), packed and against 16-key pages, in bf16 and as an FP8 cache (e4m3 pages
-with k_descale per (sequence, key/value head) and a 0-d v_descale). Rounds alternate which
-side goes first; a call's ratio is the median of the rounds' ratios (this tree's time over
-the baseline's).
+causal): ``flash_attn_func`` (B 1, L 128, H 8 / 2, D 64) and ``flash_attn_varlen_func`` on
+8 sequences of 100 queries and keys (H 32 / 8, D 128), packed and against 16-key pages, in
+bf16 and as an FP8 cache (e4m3 pages with k_descale per (sequence, key/value head) and a
+0-d v_descale). Rounds alternate which side goes first; a call's ratio is the median of the
+rounds' ratios (this tree's time over the baseline's).
 
     mkdir -p ab/base && git archive HEAD~1 flash_tile kernels | tar -x -C ab/base
     python bench/bench_host_cpu.py --baseline ab/base --out /tmp/host-cpu
