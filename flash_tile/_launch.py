@@ -415,11 +415,15 @@ def launch_on(device: torch.device, grid: tuple, kernel, args: tuple, **attribut
             ct.launch(stream, grid, kernel, args, **attributes)
 
 
-#: Where ``forward_launch``'s arguments hold the sequences' arrays (cu_seqlens_q,
-#: cu_seqlens_k, seqused_k, the block table), which a planned varlen call passes by address,
-#: and the FP8 descale factors, which a planned paged call on an FP8 cache passes so too.
-SEQUENCE_SLOTS = (7, 8, 10, 12)
-DESCALE_SLOT = 11
+#: The forward kernel's arrays, in ``forward_launch``'s order (its arguments' first 13).
+FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "alibi_slopes", "attn_mask", "cu_seqlens_q",
+                  "cu_seqlens_k", "sinks", "seqused_k", "descale", "block_table")
+#: Where those arguments hold the sequences' arrays, which a planned varlen call passes by
+#: address, and the FP8 descale factors, which a planned paged call on an FP8 cache passes
+#: so too.
+SEQUENCE_SLOTS = tuple(FORWARD_ARRAYS.index(name) for name in
+                       ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table"))
+DESCALE_SLOT = FORWARD_ARRAYS.index("descale")
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -451,8 +455,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     else:
         spec = varlen.spec(spec, k.shape[1])  # under a block table k is the pages
         grid = varlen_grid(q_len, config.tile_m, heads, varlen.batch)
-    # (SEQUENCE_SLOTS names where cu_q, cu_k, used_k and block_table sit, DESCALE_SLOT
-    # where descale does.)
+    # (In FORWARD_ARRAYS' order.)
     args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
             block_table, float(scale),
             float(softcap),
