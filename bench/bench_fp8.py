@@ -6,7 +6,7 @@ N(0, 1) with 0.1% of the entries N(0, 10), bf16, quantized per (batch, head) wit
 ``flash_tile.quantize_fp8``. Per row, in the same run:
 
 - ``flash_tile_fp8``: ``flash_attn_func`` on the e4m3 tensors with their descale factors
-  (the timed call includes the keys-major copy of V and the descale stack it makes);
+  (the timed call includes the keys-major copy of V it makes);
 - ``flash_tile_bf16``: ``flash_attn_func`` on the bf16 inputs;
 - ``cudnn_fp8``: cuDNN's FP8 SDPA forward (``graph.sdpa_fp8`` of ``nvidia-cudnn-frontend``'s
   Python graph API, heuristics A then fallback) on the same inputs quantized per tensor (its

@@ -8,7 +8,9 @@ docs/experiments/evidence/2026-12-06-launch-cost-cpu.md) is in neither figure. T
 checks, the device's properties (sm_90) and the variant choice (the sm_90 default for the
 call's head dim, final) are stubbed, and CPU tensors stand for CUDA ones
 (``torch.Tensor.get_device`` answers 0); everything is restored on exit. The calls (bf16,
-causal): ``flash_attn_func`` (B 1, L 128, H 8 / 2, D 64) and ``flash_attn_varlen_func`` on
+causal): ``flash_attn_func`` (B 1, L 128, H 8 / 2, D 64; also in FP8: e4m3 q, k, v with a
+descale per (batch, key/value head) for q and k and a 0-d one for v, the forward's two
+launches) and ``flash_attn_varlen_func`` on
 8 sequences of 100 queries and keys (H 32 / 8, D 128), packed and against 16-key pages, in
 bf16 and as an FP8 cache (e4m3 pages with k_descale per (sequence, key/value head) and a
 0-d v_descale). Rounds alternate which side goes first; a call's ratio is the median of the
@@ -55,7 +57,7 @@ def stubbed(*packages):
             patch(launch.ct, "launch", lambda stream, grid, kernel, args, **hints: None)
             patch(launch, "current_stream", lambda device: None)
             patch(module("_validate"), "check_device", lambda *tensors: tensors[0].device)
-            for name in ("_validate", "_ops", "_ops_paged"):
+            for name in ("_validate", "_ops", "_ops_paged", "_ops_fp8"):
                 patch(module(name), "device_properties", lambda device: ((9, 0), "H200"))
             ops = module("_ops")
             def final(backward, q, k, v, *args, variants=variants, **kwargs):
@@ -70,6 +72,9 @@ def stubbed(*packages):
 def calls(package) -> dict:
     """The timed calls of ``package``, each on arrays of its own signature."""
     q, k, v = (torch.randn(1, 128, h, 64, dtype=torch.bfloat16) for h in (8, 2, 2))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    fp8_descales = {"q_descale": torch.rand(1, 2) + 0.5, "k_descale": torch.rand(1, 2) + 0.5,
+                    "v_descale": torch.tensor(0.5)}
     cu = torch.tensor([100 * i for i in range(9)], dtype=torch.int32)
     pq = torch.randn(800, 32, 128, dtype=torch.bfloat16)
     pk, pv = (torch.randn(800, 8, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -80,6 +85,8 @@ def calls(package) -> dict:
     varlen = package.flash_attn_varlen_func
     return {
         "flash_attn_func": lambda: package.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func, FP8": lambda: package.flash_attn_func(q8, k8, v8, causal=True,
+                                                                **fp8_descales),
         "flash_attn_varlen_func": lambda: varlen(pq, pk, pv, cu, cu, 100, 100, causal=True),
         "flash_attn_varlen_func, paged": lambda: varlen(pq, *pages, cu, cu, 100, 100,
                                                         causal=True, block_table=table),

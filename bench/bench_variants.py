@@ -221,15 +221,15 @@ def fp8_runner(batch: int, heads: int, length: int, head_dim: int, causal: bool)
     """``run(config)`` of the FP8 forward's kernel alone: e4m3 q, k, v quantized per head and
     V^T (``_launch.keys_major``) made once, then ``_ops_fp8.fp8_forward``: fresh bf16 outputs
     and one launch a call."""
-    x8, descale = zip(*(quantize_fp8(torch.randn(batch, length, heads, head_dim, device="cuda",
-                                                 dtype=torch.bfloat16))
-                        for _ in range(3)))
+    x8, descales = zip(*(quantize_fp8(torch.randn(batch, length, heads, head_dim,
+                                                  device="cuda", dtype=torch.bfloat16))
+                         for _ in range(3)))
     q, k, v = (t.transpose(1, 2) for t in x8)
-    v_t, descale = _launch.keys_major(v), torch.stack(descale)
+    v_t = _launch.keys_major(v)
     scale, window = head_dim ** -0.5, (-1, 0 if causal else -1)
 
     def run(config):
-        return _ops_fp8.fp8_forward(q, k, v_t, descale, None, scale, 0.0, 0, window, True,
+        return _ops_fp8.fp8_forward(q, k, v_t, descales, None, scale, 0.0, 0, window, True,
                                     config)
     return run
 

@@ -415,15 +415,16 @@ def launch_on(device: torch.device, grid: tuple, kernel, args: tuple, **attribut
             ct.launch(stream, grid, kernel, args, **attributes)
 
 
-#: The forward kernel's arrays, in ``forward_launch``'s order (its arguments' first 13).
+#: The forward kernel's arrays, in ``forward_launch``'s order (its arguments' first 15).
 FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "alibi_slopes", "attn_mask", "cu_seqlens_q",
-                  "cu_seqlens_k", "sinks", "seqused_k", "descale", "block_table")
+                  "cu_seqlens_k", "sinks", "seqused_k", "q_descale", "k_descale", "v_descale",
+                  "block_table")
 #: Where those arguments hold the sequences' arrays, which a planned varlen call passes by
-#: address, and the FP8 descale factors, which a planned paged call on an FP8 cache passes
-#: so too.
+#: address, and an FP8 cache's k and v descale factors, which a planned paged call on one
+#: passes so too.
 SEQUENCE_SLOTS = tuple(FORWARD_ARRAYS.index(name) for name in
                        ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table"))
-DESCALE_SLOT = FORWARD_ARRAYS.index("descale")
+CACHE_DESCALE_SLOTS = tuple(FORWARD_ARRAYS.index(name) for name in ("k_descale", "v_descale"))
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -432,11 +433,11 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
                    dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
                    sinks: torch.Tensor | None = None,
-                   descale: torch.Tensor | None = None) -> tuple:
+                   descales: tuple | None = None) -> tuple:
     """(grid, kernel, args) of the forward for these arrays: what ``launch_forward`` passes to
     ``ct.launch``. Arguments as ``launch_forward``."""
     batch, heads, q_len, head_dim = q.shape
-    fp8 = q.dtype == torch.float8_e4m3fn  # (else descale is an FP8 cache's, under pages)
+    fp8 = q.dtype == torch.float8_e4m3fn  # (else the descales are an FP8 cache's, under pages)
     v_head_dim = v.shape[2] if fp8 else v.shape[3]  # FP8: v is V^T
     spec = forward_spec(config, head_dim, v_head_dim, k.shape[2] % config.tile_n == 0, window,
                         softcap > 0.0, alibi_slopes is not None, mask_kind(attn_mask),
@@ -445,8 +446,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     int64_index = needs_int64_index(q, k, v, out, *(t for t in (lse, attn_mask)
                                                      if t is not None))
     block_table = None if varlen is None else varlen.block_table
-    lse, slopes, attn_mask, sinks, descale, block_table = _or_absent(
-        lse, alibi_slopes, attn_mask, sinks, descale, block_table)
+    lse, slopes, attn_mask, sinks, q_descale, k_descale, v_descale, block_table = _or_absent(
+        lse, alibi_slopes, attn_mask, sinks, *(descales or (None,) * 3), block_table)
     if int64_index:
         lse, attn_mask = _int64_placeholders(q.device, (lse, 3), (attn_mask, 4))
     cu_q, cu_k, used_k = _cu_seqlens(varlen)
@@ -456,8 +457,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         spec = varlen.spec(spec, k.shape[1])  # under a block table k is the pages
         grid = varlen_grid(q_len, config.tile_m, heads, varlen.batch)
     # (In FORWARD_ARRAYS' order.)
-    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, descale,
-            block_table, float(scale),
+    args = (q, k, v, out, lse, slopes, attn_mask, cu_q, cu_k, sinks, used_k, q_descale,
+            k_descale, v_descale, block_table, float(scale),
             float(softcap),
             int(diag_offset), int(window[0]), int(window[1]), *dropout.scalars(),
             *spec.constants())
@@ -470,7 +471,7 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    diag_offset: int, window: tuple[int, int], config: TileConfig,
                    dropout: Dropout = NO_DROPOUT, varlen: Varlen | None = None,
                    sinks: torch.Tensor | None = None,
-                   descale: torch.Tensor | None = None) -> None:
+                   descales: tuple | None = None) -> None:
     """Launch the forward on the current stream of ``q``'s device.
 
     q [B, H, Lq, D], k [B, H_kv, Lk, D], v [B, H_kv, Lk, Dv] with H a multiple of H_kv;
@@ -485,17 +486,17 @@ def launch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     [B, H] per sequence; each sequence's band is aligned bottom-right (``diag_offset`` is not
     read) and attn_mask must be None; with ``varlen.block_table`` k and v are instead its
     pages as flash-attn stores them, [num_blocks, page_size, H_kv, D / Dv], in q's dtype or
-    float8_e4m3fn (an FP8 cache: ``descale`` then holds its k and v factors in rows 1 and
-    2, row 0 unread). ``sinks`` [H] fp32 (or None) is each head's sink logit,
-    which joins every row's softmax without a value; the LSE then includes it.
-    With ``descale`` (fp32 [3, B, H_kv]: the q, k and v descale factors per batch, or
-    sequence, and key/value head) and float8_e4m3fn q the FP8 forward: k float8_e4m3fn, v as V^T
+    float8_e4m3fn (an FP8 cache: ``descales`` then (None, k's, v's factors)). ``sinks`` [H]
+    fp32 (or None) is each head's sink logit, which joins every row's softmax without a
+    value; the LSE then includes it. With ``descales`` (the q, k and v descale factors, fp32
+    [B, H_kv] each, per batch, or sequence, and key/value head; stride-0 views for one
+    factor a tensor) and float8_e4m3fn q the FP8 forward: k float8_e4m3fn, v as V^T
     [B, H_kv, Dv, Lk] in float8_e4m3fn (keys contiguous: the layout the e4m3 tensor-core
     matmul reads; packed [1, H_kv, Dv, total_k] under ``varlen``), out bfloat16.
     """
     grid, kernel, args = forward_launch(q, k, v, out, lse, alibi_slopes, attn_mask, scale,
                                         softcap, diag_offset, window, config, dropout, varlen,
-                                        sinks, descale)
+                                        sinks, descales)
     launch_on(q.device, grid, kernel, args)
 
 

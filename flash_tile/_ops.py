@@ -421,10 +421,10 @@ def _varlen_written(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, back
 
 
 def varlen_forward_runner(q, k, v, varlen: Varlen, alibi_slopes, scale, softcap, window,
-                          return_lse, dropout=NO_DROPOUT, sinks=None, descale=None):
+                          return_lse, dropout=NO_DROPOUT, sinks=None, descales=None):
     """``forward_runner`` of the forward's VARLEN switch: q, k, v packed [total, H, D] with
     ``varlen`` their sequences (k, v as pages [num_blocks, page_size, H_kv, D] where
-    ``varlen`` has a block table: the PAGED switch, and ``descale`` an FP8 cache's factors
+    ``varlen`` has a block table: the PAGED switch, and ``descales`` an FP8 cache's factors
     as ``launch_forward`` takes them); each call fresh (out [total_q, H, Dv], LSE
     [H, total_q] or an empty tensor) and one launch."""
     def run(config):
@@ -432,7 +432,7 @@ def varlen_forward_runner(q, k, v, varlen: Varlen, alibi_slopes, scale, softcap,
         q4, out4 = _packed(q, out)
         kv = _packed(k, v) if varlen.block_table is None else (k, v)
         launch_forward(q4, *kv, out4, lse[None] if return_lse else None, alibi_slopes, None,
-                       scale, softcap, 0, window, config, dropout, varlen, sinks, descale)
+                       scale, softcap, 0, window, config, dropout, varlen, sinks, descales)
         return out, lse
     return run
 

@@ -27,12 +27,14 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        alibi_slopes: torch.Tensor | None, scale: float, softcap: float,
                        window_left: int, window_right: int, return_lse: bool,
                        sinks: torch.Tensor | None = None,
-                       descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_descale: torch.Tensor | None = None,
+                       v_descale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's body: q [total_q, H, D] with a unit last stride, k [num_blocks, page_size,
     H_kv, D] and v [.., Dv] pages with unit last strides, block_table int32 [B, max_blocks];
     sequence b's key count cu_seqlens_k[b + 1] - cu_seqlens_k[b], or seqused_k[b] where
-    given. Pages of float8_e4m3fn (an FP8 cache, q float16 or bfloat16) come with
-    ``descale``, fp32 [3, B, H_kv] holding their k and v factors in rows 1 and 2. No query
+    given. Pages of float8_e4m3fn (an FP8 cache, q float16 or bfloat16) come with their
+    ``k_descale`` and ``v_descale``, fp32 [B, H_kv] views (``_validate.kv_descales``). No query
     rows or no pages: nothing to launch, the rows as ones that see no key."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
@@ -41,7 +43,9 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     return _ops.varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap,
                                       (window_left, window_right), return_lse,
-                                      sinks=sinks, descale=descale)(config)
+                                      sinks=sinks,
+                                      descales=None if k_descale is None else
+                                      (None, k_descale, v_descale))(config)
 
 
 def paged_tile(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:
@@ -58,7 +62,7 @@ paged_varlen_op = torch.library.custom_op("flash_tile::paged_varlen_forward",
 @paged_varlen_op.register_fake
 def _paged_varlen_fake(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, seqused_k,
                        alibi_slopes, scale, softcap, window_left, window_right, return_lse,
-                       sinks=None, descale=None):
+                       sinks=None, k_descale=None, v_descale=None):
     return _ops._varlen_outputs(q, v, return_lse)
 
 

@@ -29,7 +29,7 @@ import torch
 
 from flash_tile import _launch_decode, _ops, _ops_decode, autotune
 from flash_tile._arrays import TYPESTRS, Array, layout
-from flash_tile._launch import (ABSENT, DESCALE_SLOT, NO_DROPOUT, SEQUENCE_SLOTS, Varlen,
+from flash_tile._launch import (ABSENT, CACHE_DESCALE_SLOTS, NO_DROPOUT, SEQUENCE_SLOTS, Varlen,
                                 forward_launch, launch_on)
 from flash_tile.variants import TileConfig
 
@@ -182,9 +182,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sof
 class VarlenPlan(ForwardPlan):
     """A ``ForwardPlan`` of a packed (or paged) inference forward: the sequences' arrays
     (``_launch.SEQUENCE_SLOTS``: cu_seqlens_q, cu_seqlens_k, seqused_k, the block table, those
-    the planned call passed) and an FP8 cache's descale factors (``_launch.DESCALE_SLOT``)
-    go by address as well, in the planned call's layouts; the outputs are the packed
-    [1, H, total_q, Dv] and [1, H, total_q] views the kernel writes. An FP8 cache's
+    the planned call passed) and an FP8 cache's descale factors
+    (``_launch.CACHE_DESCALE_SLOTS``) go by address as well, in the planned call's layouts;
+    the outputs are the packed [1, H, total_q, Dv] and [1, H, total_q] views the kernel
+    writes. An FP8 cache's
     float8_e4m3fn pages go as the tensors themselves: the interface has no type string for
     e4m3 (``_arrays.TYPESTRS``)."""
 
@@ -193,7 +194,8 @@ class VarlenPlan(ForwardPlan):
     def __init__(self, grid: tuple, kernel, args: tuple, out: torch.Tensor,
                  lse: torch.Tensor | None):
         super().__init__(grid, kernel, args, out, lse)
-        self.call_layouts = tuple((i, layout(args[i])) for i in (*SEQUENCE_SLOTS, DESCALE_SLOT)
+        self.call_layouts = tuple((i, layout(args[i]))
+                                  for i in (*SEQUENCE_SLOTS, *CACHE_DESCALE_SLOTS)
                                   if isinstance(args[i], torch.Tensor))
         # Every call passes its own: the first call's tensors are not kept alive.
         passed = {slot for slot, _ in self.call_layouts}
@@ -218,12 +220,12 @@ class VarlenPlan(ForwardPlan):
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen, scale: float,
            softcap: float, window: tuple[int, int], return_lse: bool,
-           config: TileConfig | None = None, descale: torch.Tensor | None = None):
+           config: TileConfig | None = None, kv_descale: tuple | None = None):
     """A plain inference forward of packed sequences (no ALiBi, sinks, dropout or FP8 q) on
     checked [total, H, D] tensors with unit last strides (k and v pages under
-    ``sequences.block_table``, with ``descale`` [3, B, H_kv] fp32 where they are an FP8
-    cache), as the varlen op's body runs it (the paged op's with its ``config``, which is
-    then never tuned), and its plan: (out [total_q, H, Dv], lse [H, total_q] or None, a
+    ``sequences.block_table``, with ``kv_descale`` their (k, v) [B, H_kv] fp32 factor views
+    where they are an FP8 cache), as the varlen op's body runs it (the paged op's with its
+    ``config``, which is then never tuned), and its plan: (out [total_q, H, Dv], lse [H, total_q] or None, a
     ``VarlenPlan`` for ``run_varlen`` or None where the choice is not final). No query rows
     or no keys: the op's body answers (it launches nothing)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
@@ -242,19 +244,22 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
     q4, out4 = _ops._packed(q, out)
     kv = (k, v) if sequences.block_table is not None else _ops._packed(k, v)
     lse4 = lse[None] if return_lse else None
+    descales = None if kv_descale is None else (None, *kv_descale)
     plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
-                                      window, config, NO_DROPOUT, sequences, None, descale),
+                                      window, config, NO_DROPOUT, sequences, None, descales),
                       out4, lse4)
-    plan.launch(q, k, v, out, lse4, call_arrays(sequences, descale))
+    plan.launch(q, k, v, out, lse4, call_arrays(sequences, kv_descale or ()))
     keep = final and _ops.choice_is_final(q, k)
     return out, lse if return_lse else None, plan if keep else None
 
 
-def call_arrays(sequences: Varlen, descale: torch.Tensor | None = None) -> tuple:
-    """The arrays of ``VarlenPlan``'s slots, in order (those given)."""
+def call_arrays(sequences: Varlen, kv_descale: tuple = ()) -> tuple:
+    """The arrays of ``VarlenPlan``'s slots, in order: the sequences' (those given), then an
+    FP8 cache's k and v descale factors (``kv_descale``, as tensors of the planned call's
+    metadata: their first call's views, or the tensors the views were made of)."""
     return tuple(t for t in (sequences.cu_seqlens_q, sequences.cu_seqlens_k,
-                             sequences.seqused_k, sequences.block_table, descale)
-                 if t is not None)
+                             sequences.seqused_k, sequences.block_table)
+                 if t is not None) + tuple(kv_descale)
 
 
 def run_varlen(plan: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

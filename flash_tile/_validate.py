@@ -104,14 +104,7 @@ def kv_descales(k_descale, v_descale, batch: int, kv_heads: int, device: torch.d
             descale_view("v_descale", v_descale, batch, kv_heads, device))
 
 
-def cache_descales(kv_views: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """An FP8 cache's (k, v) [B, H_kv] descale views (``kv_descales``) as the forward
-    kernel's fp32 [3, B, H_kv] factors: rows 1 and 2, row 0 (q's, unread there) 1."""
-    k_view = kv_views[0]
-    return torch.stack((_one(k_view.device).expand(k_view.shape), *kv_views))
-
-
-def _one(device: torch.device) -> torch.Tensor:
+def one_factor(device: torch.device) -> torch.Tensor:
     """The factor 1 on ``device``: made once (a call without descales launches no fill
     kernel), except while a CUDA graph is captured, where the fill is the graph's to replay
     (a tensor made then holds nothing until the graph runs)."""
@@ -131,7 +124,7 @@ def descale_view(name: str, t: torch.Tensor | None, batch: int, kv_heads: int,
     ``t`` is [B, H_kv] (FA3's shape: per batch, or sequence, and key/value head), has one
     element (per-tensor scaling: 0-d, [1], [1, 1]), or is None (1)."""
     if t is None:
-        return _one(device).expand(batch, kv_heads)
+        return one_factor(device).expand(batch, kv_heads)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
         raise ValueError(f"{name} must be a float32 tensor of shape [{batch}, {kv_heads}] "
                          f"(batch, key/value heads) or of one element, got "
@@ -147,12 +140,13 @@ def descale_view(name: str, t: torch.Tensor | None, batch: int, kv_heads: int,
 
 
 def fp8_descales(batch: int, kv_heads: int, device: torch.device,
-                 **descales) -> torch.Tensor:
+                 **descales) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 forward's descale factors (``descales``: q_descale, k_descale, v_descale in
-    that order, each as ``descale_view`` takes it), as one contiguous fp32 [3, B, H_kv]
-    tensor."""
-    return torch.stack([descale_view(name, t, batch, kv_heads, device)
-                        for name, t in descales.items()])
+    that order, each as ``descale_view`` takes it) as three fp32 [B, H_kv] views: the kernel
+    reads each through its own strides, so nothing is copied or launched."""
+    q_view, k_view, v_view = (descale_view(name, t, batch, kv_heads, device)
+                              for name, t in descales.items())
+    return q_view, k_view, v_view
 
 
 def check_fp8_capability(device: torch.device, what: str) -> None:

@@ -136,7 +136,7 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
     not read: e4m3 Q, K and V^T, a bf16 Out); ``page_size`` (with ``varlen``) the PAGED
     switch, K and V pages of that many keys with a block table (with ``seqused_k``, FA3's
     form: the key counts alone, no cu_seqlens_k), in ``kv_dtype`` where given
-    ("float8_e4m3fn": an FP8 cache, its descale factors in a [3, B, H_kv] array)."""
+    ("float8_e4m3fn": an FP8 cache, its k and v descale factors [B, H_kv] arrays)."""
     index = ct.int64 if int64_index else ct.int32
     spec, qk, vo, rows, slopes, mask, scalars = _signature_parts(
         dtype, head_dim, v_head_dim, window, softcap, alibi, attn_mask, even_n, store_lse, config,
@@ -156,6 +156,8 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
         spec, table = paged_spec(spec, page_size), _index_array(2)
         k, v = (_array(DTYPES[kv_dtype or dtype], 4, d, index) for d in (head_dim, v_head_dim))
     fp8_cache = kv_dtype is not None
+    factors = _array(ct.float32, 2)  # (q, k, v) descales: q's under FP8, k's and v's caches' too
+    descales = (factors if fp8 else ABSENT, *[factors if fp8 or fp8_cache else ABSENT] * 2)
     cu = cu_k = _index_array(1) if varlen else ABSENT
     if page_size is not None and seqused_k:  # FA3's paged form: no cumulative key lengths
         cu_k = ABSENT
@@ -164,7 +166,7 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
               slopes if alibi else ABSENT, mask if attn_mask or int64_index else ABSENT, cu,
               cu_k,
               _sinks() if sinks else ABSENT, _index_array(1) if varlen and seqused_k else ABSENT,
-              _array(ct.float32, 3) if fp8 or fp8_cache else ABSENT, table, *scalars,
+              *descales, table, *scalars,
               *spec.constants()]
     return KernelSignature(params, CallingConvention.cutile_python_v1())
 

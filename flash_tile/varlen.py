@@ -72,9 +72,9 @@ def _planned(entry: str, q, k, v, sequences: Varlen, arguments: tuple, max_seqle
     if plan is None:
         return plan_key, None
     _check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    if k.dtype == torch.float8_e4m3fn:  # an FP8 cache: its factors as the full path stacks them
-        arrays += (_validate.cache_descales(_validate.kv_descales(
-            *kv_descales, sequences.batch, k.shape[2], q.device)),)
+    if k.dtype == torch.float8_e4m3fn:  # an FP8 cache: its factors' tensors (1's for None),
+        # read in the layouts of the first call's views (the key holds their metadata)
+        arrays += tuple(_validate.one_factor(q.device) if t is None else t for t in kv_descales)
     return plan_key, _plans.run_varlen(plan, q, k, v, arrays)
 
 
@@ -117,7 +117,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
         descale = _validate.fp8_descales(batch, k.shape[1], device, **names)
-        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, descale,
+        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *descale,
                                         alibi_slopes, scale, softcap, left, right, return_lse,
                                         sinks, seqused_k)
         return (out, lse) if return_lse else out
@@ -198,22 +198,21 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size,
         softcap, seqused_k, alibi_slopes, sinks, paged=True)
     _validate.check_block_table(block_table, batch, k.shape[1], None, device)
-    descale = None
     kv_descale = _validate.check_kv_cache_dtypes(q, k, v, (), k_descale, v_descale, batch,
                                                  "flash_attn_varlen_func with block_table")
     if kv_descale is not None:
         _validate.check_fp8_capability(device, "an FP8 cache")
-        descale = _validate.cache_descales(kv_descale)
     if q.stride(-1) == 1 and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                        block_table), scale, softcap,
                                        (left, right), bool(return_lse), paged_tile(q, v),
-                                       descale)
+                                       kv_descale)
         _plans.keep(plan_key, plan)
         return (out, lse) if return_lse else out
     out, lse = paged_varlen_attention(_unit_last_stride(q), k, v, block_table, cu_seqlens_q,
                                       cu_seqlens_k, seqused_k, alibi_slopes, scale, softcap,
-                                      left, right, return_lse, sinks, descale)
+                                      left, right, return_lse, sinks,
+                                      *(kv_descale or (None, None)))
     return (out, lse) if return_lse else out
 
 

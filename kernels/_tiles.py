@@ -306,10 +306,10 @@ def load_keys_major(A_T, batch, head, start, index, ROWS: ConstInt, COLS: ConstI
     return tile.reshape((ROWS, COLS))
 
 
-def descale(Descale, WHICH: ConstInt, batch, head):
-    """Descale[WHICH, batch, head] of an fp32 [3, B, H_kv] array, as a scalar: the FP8
-    forward's q, k (WHICH 0, 1) and v (2) descale factors of one (batch, kv head)."""
-    return ct.load(Descale, (WHICH, batch, head), shape=()).item()
+def descale(Descale, batch, head):
+    """Descale[batch, head] of an fp32 [B, H_kv] array (any strides: one factor for every
+    (batch, kv head) is a view of zero strides), as a scalar: an FP8 descale factor."""
+    return ct.load(Descale, (batch, head), shape=()).item()
 
 
 def load_seq_vector(A, batch, head, start, index, ROWS: ConstInt, padding, VARLEN: ConstBool):

@@ -62,7 +62,7 @@ two dividing the page size), or under GATHER its rows are gathered each from its
 (``_pages``, the decode's loads). The keys past k_len in the last tile are real rows of some
 page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
 NaN, and 0 * NaN would reach the output). Not with FP8; but the pages may be an FP8 cache,
-float8_e4m3fn K and V standing for d_k k8 and d_v v8 (Descale's rows 1 and 2) with Q in
+float8_e4m3fn K and V standing for d_k k8 and d_v v8 (KDescale, VDescale) with Q in
 float16 or bfloat16, as the decode's: each tile is widened to Q's dtype after its load
 (exactly), d_k joins the softmax scale and d_v multiplies the output with 1 / l_i.
 
@@ -200,10 +200,11 @@ def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, 
 
 
 def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
-                        window_right, dropout_seed, dropout_threshold, dropout_scale,
-                        TILE_M: ConstInt, TILE_N: ConstInt, TILE_D: ConstInt,
-                        TILE_DV: ConstInt, MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
+                        QDescale, KDescale, VDescale, BlockTable, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale, TILE_M: ConstInt,
+                        TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
+                        MASK_LEFT: ConstBool, MASK_RIGHT: ConstBool,
                         EVEN_N: ConstBool, SOFTCAP: ConstBool, ALIBI: ConstBool,
                         ATTN_MASK: ConstInt, STORE_LSE: ConstBool, DROPOUT: ConstBool,
                         LATENCY_K: ConstInt, LATENCY_V: ConstInt, VARLEN: ConstBool,
@@ -232,10 +233,10 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
         # The scores are q_descale * k_descale * (q8 . k8): the product joins the softmax
         # scale once (softcap and the deferred log2 scale read it from there); v_descale
         # multiplies the output with 1 / l_i. One pair of scalars per (batch, kv head).
-        qk_scale = qk_scale * descale(Descale, 0, batch, kv_head) * \
-            descale(Descale, 1, batch, kv_head)
+        qk_scale = qk_scale * descale(QDescale, batch, kv_head) * \
+            descale(KDescale, batch, kv_head)
     elif K.dtype != Q.dtype:  # an FP8 cache (PAGED): the scores are those of d_k k8
-        qk_scale = qk_scale * descale(Descale, 1, batch, kv_head)
+        qk_scale = qk_scale * descale(KDescale, batch, kv_head)
 
     # Loaded once, reused by every key tile.
     q = load_seq_rows(Q, batch, head, q_start, tile_m, TILE_M, TILE_D, VARLEN)
@@ -287,7 +288,7 @@ def _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, 
     if DROPOUT:
         inv_l = inv_l * dropout_scale
     if FP8 or V.dtype != Q.dtype:  # (an FP8 cache: the values are d_v v8)
-        inv_l = inv_l * descale(Descale, 2, batch, kv_head)
+        inv_l = inv_l * descale(VDescale, batch, kv_head)
     out = (acc * inv_l).astype(Out.dtype).reshape((1, 1, TILE_M, TILE_DV))
     # Under VARLEN clipped at the sequence's last row, not at the packed tensor's.
     store_seq_rows(Out, batch, head, q_start, q_len, tile_m, out, VARLEN)
@@ -310,7 +311,7 @@ def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
 
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                  Descale, BlockTable, qk_scale: float,
+                  QDescale, KDescale, VDescale, BlockTable, qk_scale: float,
                   softcap: float,
                   diag_offset: int, window_left: int, window_right: int, dropout_seed: int,
                   dropout_threshold: int, dropout_scale: float,
@@ -331,28 +332,29 @@ def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUse
     under SEQUSED_K too, sequence b uses its first SeqUsedK[b] keys ([B] int32). Under
     SINKS, Sinks [H] fp32 holds each head's sink logit (read only then). Under FP8 Q and K
     are float8_e4m3fn, V comes transposed, V^T [B, H_kv, Dv, Lk] e4m3 (packed [1, H_kv, Dv,
-    total_k] under VARLEN), Out is bfloat16 and Descale [3, B, H_kv] fp32 holds the q, k and
-    v descale factors (read only then); EXP2_FMA (0, 2 or 4; FP8 only) takes the exp2 of the
-    last 1 / EXP2_FMA of each unmasked key step's columns from the FMA pipe
-    (``_tiles.exp2_fma``). Under PAGED (with VARLEN, not FP8) K and V are pages
+    total_k] under VARLEN), Out is bfloat16 and QDescale, KDescale, VDescale [B, H_kv] fp32
+    (any strides) hold the q, k and v descale factors (read only then); EXP2_FMA (0, 2 or 4;
+    FP8 only) takes the exp2 of the last 1 / EXP2_FMA of each unmasked key step's columns
+    from the FMA pipe (``_tiles.exp2_fma``). Under PAGED (with VARLEN, not FP8) K and V are pages
     [num_blocks, page_size, H_kv, D / Dv] and BlockTable [B, max_blocks] int32 each
     sequence's pages (read only then), joined from loads of PAGE_N keys or, under GATHER,
     gathered by row; pages of float8_e4m3fn (an FP8 cache) take their factors from
-    Descale [3, B, H_kv] rows 1 and 2. Shapes and strides are 32-bit."""
+    KDescale and VDescale (QDescale not read). Shapes and strides are 32-bit."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
-                        window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
-                        TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
-                        ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS,
-                        SEQUSED_K, FP8, EXP2_FMA, PAGED, PAGE_N, GATHER)
+                        QDescale, KDescale, VDescale, BlockTable, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
+                        EXP2_FMA, PAGED, PAGE_N, GATHER)
 
 
 @ct.kernel
 def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
                         V: ct.IndexedWithInt64, Out: ct.IndexedWithInt64,
                         Lse: ct.IndexedWithInt64, Slopes, Mask: ct.IndexedWithInt64,
-                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, Descale, BlockTable,
-                        qk_scale: float,
+                        CuSeqQ, CuSeqK, Sinks, SeqUsedK, QDescale, KDescale, VDescale,
+                        BlockTable, qk_scale: float,
                         softcap: float, diag_offset: int,
                         window_left: int, window_right: int, dropout_seed: int,
                         dropout_threshold: int, dropout_scale: float, TILE_M: ConstInt,
@@ -367,11 +369,12 @@ def attention_fwd_int64(Q: ct.IndexedWithInt64, K: ct.IndexedWithInt64,
     """``attention_fwd`` with 64-bit shapes and strides, for tensors of 2**31 elements or
     more (the launcher picks it); the same body."""
     _attention_fwd_impl(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
-                        Descale, BlockTable, qk_scale, softcap, diag_offset, window_left,
-                        window_right, dropout_seed, dropout_threshold, dropout_scale, TILE_M,
-                        TILE_N, TILE_D, TILE_DV, MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI,
-                        ATTN_MASK, STORE_LSE, DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS,
-                        SEQUSED_K, FP8, EXP2_FMA, PAGED, PAGE_N, GATHER)
+                        QDescale, KDescale, VDescale, BlockTable, qk_scale, softcap,
+                        diag_offset, window_left, window_right, dropout_seed,
+                        dropout_threshold, dropout_scale, TILE_M, TILE_N, TILE_D, TILE_DV,
+                        MASK_LEFT, MASK_RIGHT, EVEN_N, SOFTCAP, ALIBI, ATTN_MASK, STORE_LSE,
+                        DROPOUT, LATENCY_K, LATENCY_V, VARLEN, SINKS, SEQUSED_K, FP8,
+                        EXP2_FMA, PAGED, PAGE_N, GATHER)
 
 
 @ct.kernel

@@ -98,7 +98,8 @@ def test_host_cost_on_a_cpu_times_both_trees_and_restores_what_it_stubs(monkeypa
                         ignore=shutil.ignore_patterns("__pycache__"))
     get_device, launch = torch.Tensor.get_device, flash_tile._launch.ct.launch
     rows = bench_host_cpu.measure(str(tmp_path), rounds=2, iters=2)
-    assert [r["call"] for r in rows] == ["flash_attn_func", "flash_attn_varlen_func",
+    assert [r["call"] for r in rows] == ["flash_attn_func", "flash_attn_func, FP8",
+                                         "flash_attn_varlen_func",
                                          "flash_attn_varlen_func, paged",
                                          "flash_attn_varlen_func, paged FP8 cache"]
     assert all(r["host_us"] > 0 and r["baseline_host_us"] > 0 and r["ratio"] > 0

@@ -18,15 +18,16 @@ E4M3 = torch.float8_e4m3fn
 
 
 def _quantized(q, k, v, per="head", rotate=False):
-    """(q8, k8, v8 as [B, H, L, D] views, descale [3, B, H_kv]) of [B, L, H, D] inputs."""
+    """(q8, k8, v8 as [B, H, L, D] views, descale [3, B, H_kv]: the reference's stack of the
+    q, k and v factors) of [B, L, H, D] inputs."""
     if rotate:
         q, k = flash_tile.hadamard_rotate(q.float(), k.float())
     batch, kv_heads = k.shape[0], k.shape[2]
     q8, qd = flash_tile.quantize_fp8(q, per, kv_heads=kv_heads if per == "head" else None)
     k8, kd = flash_tile.quantize_fp8(k, per)
     v8, vd = flash_tile.quantize_fp8(v, per)
-    descale = _validate.fp8_descales(batch, kv_heads, torch.device("cpu"), q_descale=qd,
-                                     k_descale=kd, v_descale=vd)
+    descale = torch.stack(_validate.fp8_descales(batch, kv_heads, torch.device("cpu"),
+                                                 q_descale=qd, k_descale=kd, v_descale=vd))
     return (*(t.transpose(1, 2) for t in (q8, k8, v8)), descale)
 
 
@@ -282,10 +283,14 @@ def test_fp8_descale_checks(hopper):
         flash_tile.flash_attn_func(q, k, k, k_descale=torch.ones(2, 2, dtype=torch.float16))
     with pytest.raises(ValueError, match="k_descale must be a float32 tensor"):
         flash_tile.flash_attn_func(q, k, k, k_descale=0.5)
-    descale = _validate.fp8_descales(2, 2, torch.device("cpu"), q_descale=torch.tensor(2.0),
-                                     k_descale=None, v_descale=torch.full((1,), 3.0))
-    assert descale.shape == (3, 2, 2) and descale.is_contiguous()
-    assert descale[:, 1, 1].tolist() == [2.0, 1.0, 3.0]
+    per_head = torch.rand(2, 2) + 0.5
+    views = _validate.fp8_descales(2, 2, torch.device("cpu"), q_descale=torch.tensor(2.0),
+                                   k_descale=None, v_descale=torch.full((1,), 3.0))
+    assert [(t.shape, t.stride()) for t in views] == [((2, 2), (0, 0))] * 3  # nothing copied
+    assert [t[1, 1].item() for t in views] == [2.0, 1.0, 3.0]
+    views = _validate.fp8_descales(2, 2, torch.device("cpu"), q_descale=per_head,
+                                   k_descale=None, v_descale=None)
+    assert views[0] is per_head
     with pytest.raises(ValueError, match="must be on meta"):
         _validate.fp8_descales(2, 2, torch.device("meta"), q_descale=torch.ones(2, 2))
 
@@ -352,19 +357,19 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
     monkeypatch.setattr(_launch.torch.cuda, "device", lambda device: nullcontext())
     monkeypatch.setattr(_ops_fp8, "device_properties", lambda device: ((9, 0), "H200"))
     monkeypatch.setattr(variants, "FP8_SHORT_KEYS", {True: short_keys, False: short_keys})
-    descale = torch.rand(3, 2, 2)
+    descales = tuple(torch.rand(2, 2) for _ in range(3))
     if varlen:
         q, k, v = torch.randn(40, 4, 128).to(E4M3), *(torch.randn(50, 2, 128).to(E4M3)
                                                        for _ in range(2))
         cu_q, cu_k = (torch.tensor([0, 15, n], dtype=torch.int32) for n in (40, 50))
-        out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, descale, None, 0.1, 0.0,
+        out, lse = _ops_fp8._fp8_varlen_impl(q, k, v, cu_q, cu_k, *descales, None, 0.1, 0.0,
                                              -1, right, True)
         v4 = v.transpose(0, 1)[None]
     else:
         q = torch.randn(2, 4, 40, 128).to(E4M3)
         k, v = (torch.randn(2, 2, 50, 128).to(E4M3) for _ in range(2))
-        out, lse = _ops_fp8._fp8_forward_impl(q, k, v, descale, None, 0.1, 0.0, 10, -1, right,
-                                              True)
+        out, lse = _ops_fp8._fp8_forward_impl(q, k, v, *descales, None, 0.1, 0.0, 10, -1,
+                                              right, True)
         v4 = v
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     (copy_grid, copy_kernel, copy_args), (_, _, args) = calls
@@ -387,15 +392,15 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
     assert config.tile_n == (128 if short else 256)
-    # Descale, FP8 and the config's EXP2_FMA (then PAGED, PAGE_N, GATHER: off)
-    assert args[11] is descale
+    # The q, k and v descales, FP8 and the config's EXP2_FMA (then PAGED, PAGE_N, GATHER: off)
+    assert args[11:14] == descales
     assert args[-5:] == (True, 4 if not short and right < 0 else 0, False, 0, False)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
                                 True, config, varlen=varlen, fp8=True)
     params = sig.parameters
     assert len(args) == len(params)
     dtypes = {0: "float8_e4m3fn", 1: "float8_e4m3fn", 2: "float8_e4m3fn", 3: "bfloat16",
-              11: "float32"}
+              11: "float32", 12: "float32", 13: "float32"}
     for i, name in dtypes.items():
         assert params[i].dtype.name == name and str(args[i].dtype).endswith(name), i
     for i, (arg, param) in enumerate(zip(args, params)):
@@ -403,7 +408,7 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
             assert arg.dim() == param.ndim, i
         elif type(param).__name__ != "ScalarConstraint":
             assert arg == param.value, (i, arg, param.value)
-    assert math.isclose(args[13], 0.1, rel_tol=1e-6)
+    assert math.isclose(args[len(_launch.FORWARD_ARRAYS)], 0.1, rel_tol=1e-6)  # the scale
 
 
 @pytest.mark.parametrize("exp2_fma", [0, 4])

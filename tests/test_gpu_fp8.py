@@ -47,8 +47,8 @@ def quantized(q, k, v, per="head"):
     q8, qd = flash_tile.quantize_fp8(q, per, kv_heads=k.shape[2] if per == "head" else None)
     k8, kd = flash_tile.quantize_fp8(k, per)
     v8, vd = flash_tile.quantize_fp8(v, per)
-    stack = _validate.fp8_descales(q.shape[0], k.shape[2], q.device, q_descale=qd,
-                                   k_descale=kd, v_descale=vd)
+    stack = torch.stack(_validate.fp8_descales(q.shape[0], k.shape[2], q.device, q_descale=qd,
+                                               k_descale=kd, v_descale=vd))
     return q8, k8, v8, dict(q_descale=qd, k_descale=kd, v_descale=vd), stack
 
 

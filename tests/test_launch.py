@@ -234,7 +234,7 @@ def test_paged_varlen_launches_match_the_compiled_signature(launched, page_size,
                                                             kv_dtype):
     """The JIT launch of the forward's PAGED switch (pages loaded as tiles or gathered by
     row; FA3's seqused_k form without cu_seqlens_k; bfloat16 pages or an FP8 cache with its
-    descale array) passes its arguments in the order, dtypes and ranks of the signature the
+    k and v descale arrays) passes its arguments in the order, dtypes and ranks of the signature the
     AOT tests compile."""
     from flash_tile import _launch, aot, variants
 
@@ -246,10 +246,10 @@ def test_paged_varlen_launches_match_the_compiled_signature(launched, page_size,
     table = torch.zeros(2, 5, dtype=torch.int32)
     varlen = _launch.Varlen(cu_q, None if seqused_k else torch.tensor([0, 20, 53]).int(),
                             used if seqused_k else None, table)
-    descale = torch.rand(3, 2, 2) if kv_dtype else None
+    descales = (None, torch.rand(2, 2), torch.rand(2, 2)) if kv_dtype else None
     config = variants.paged_config((9, 0), 64)
     _launch.launch_forward(q, k, v, out, torch.empty(1, 4, 40), None, None, 0.125, 0.0, 0,
-                           (-1, 0), config, _launch.NO_DROPOUT, varlen, None, descale)
+                           (-1, 0), config, _launch.NO_DROPOUT, varlen, None, descales)
     _matches(launched[0][2], aot.forward_signature(
         "bfloat16", 64, 64, (-1, 0), False, False, None, False, True, config, varlen=True,
         seqused_k=seqused_k, page_size=page_size, kv_dtype=kv_dtype))
@@ -550,7 +550,8 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     checks fail once the plan exists) and launches the first call's grid, kernel and scalars
     with q, k, v, the outputs and the sequences' arrays (cu_seqlens_q/k, seqused_k, the block
     table) at the new call's addresses in the first call's layouts, an FP8 cache's pages as
-    the call's tensors and its descales stacked anew in the first call's layout; the out and
+    the call's tensors and its descales at the addresses of the call's factor tensors in the
+    layouts of the first call's [B, H_kv] views (zero strides for one factor); the out and
     LSE it returns are what the kernel writes, packed as the full path's. CPU tensors stand
     for CUDA ones: the device checks and the variant choice are stubbed."""
     import flash_tile
@@ -559,12 +560,6 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     _stub_a_gpu_call(monkeypatch)
     paged = entry.startswith("paged")
     fp8 = entry == "paged_fp8"
-    stacks = []  # every [3, B, H_kv] descale stack made, kept alive to be read
-
-    def stacked(kv_views, cache_descales=_validate.cache_descales):
-        stacks.append(cache_descales(kv_views))
-        return stacks[-1]
-    monkeypatch.setattr(_validate, "cache_descales", stacked)
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
         q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
@@ -604,13 +599,15 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)
     addresses = {i: t.data_ptr() for i, t in enumerate(arrays)}
     addresses.update({i: t.data_ptr() for i, t in sequences.items() if t is not None})
-    if fp8:  # the pages as the call's tensors, the descales as this call's stack of them
+    if fp8:  # the pages as the call's tensors, the descales where the call's factors are
         assert plan_args[1] is arrays[1] and plan_args[2] is arrays[2]
         addresses[1] = addresses[2] = None
-        descale = stacks[-1]
-        addresses[_launch.DESCALE_SLOT] = descale.data_ptr()
-        assert torch.equal(descale, torch.stack((torch.ones(3, 2), scales["k_descale"],
-                                                 scales["v_descale"].expand(3, 2))))
+        k_slot, v_slot = _launch.CACHE_DESCALE_SLOTS
+        addresses[k_slot] = scales["k_descale"].data_ptr()
+        addresses[v_slot] = scales["v_descale"].data_ptr()
+        k_face, v_face = (plan_args[i].__cuda_array_interface__ for i in (k_slot, v_slot))
+        assert (k_face["shape"], k_face["strides"]) == ((3, 2), (8, 4))
+        assert (v_face["shape"], v_face["strides"]) == ((3, 2), (0, 0))
     for i, (before, now) in enumerate(zip(args, plan_args)):
         if i in addresses and addresses[i] is None:
             continue
@@ -648,20 +645,21 @@ def test_a_planned_varlen_call_launches_what_the_full_path_launches(launched, mo
     table = torch.randperm(12).to(torch.int32).reshape(3, 4) if paged else None
     shape = (12, 16, 2, 64) if paged else (80, 2, 64)
     k, v = (torch.randn(*shape, dtype=torch.bfloat16) for _ in range(2))
-    descale = None
-    if fp8:  # an FP8 cache: e4m3 pages, the [3, B, H_kv] factors (row 0 unread)
+    kv_descale = None
+    if fp8:  # an FP8 cache: e4m3 pages, [B, H_kv] factors (one for v, a stride-0 view)
         k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-        descale = torch.rand(3, 3, 2) + 0.5
+        kv_descale = (torch.rand(3, 2) + 0.5, torch.tensor(0.7).expand(3, 2))
     sequences = _launch.Varlen(cu_q, cu_k, None, table)
     window = (16, 0)
     if paged:
         full = _ops_paged._paged_varlen_impl(q, k, v, table, cu_q, cu_k, None, None, 0.125,
-                                             0.0, *window, True, None, descale)
+                                             0.0, *window, True, None,
+                                             *(kv_descale or (None, None)))
     else:
         full = _ops._varlen_forward_impl(q, k, v, cu_q, cu_k, None, 0.125, 0.0, *window, True)
     config = _ops_paged.paged_tile(q, v) if paged else None
     out, lse, plan = _plans.varlen(q, k, v, sequences, 0.125, 0.0, window, True, config,
-                                   descale)
+                                   kv_descale)
     assert plan is not None and (out.shape, lse.shape) == (full[0].shape, full[1].shape)
     (grid, kernel, args), (plan_grid, plan_kernel, plan_args) = launched
     assert plan_grid == grid and plan_kernel is kernel and len(plan_args) == len(args)

@@ -110,21 +110,22 @@ def test_the_call_reaches_the_launch_with_pages_as_they_are(monkeypatch, form):
                      cu_seqlens_q=cu_q, cu_seqlens_k=None if used is not None else cu_k,
                      seqused_k=used, causal=True, softcap=3.0, return_lse=True)
     (qv, kv, vv, outv, lsev, slopes, mask, scale, softcap, _, window, config, dropout, varlen,
-     sinks, descale), _ = calls[0]
+     sinks, descales), _ = calls[0]
     assert qv.shape == (1, 4, 20, 80) and outv.data_ptr() == out.data_ptr()
     assert kv is k_pages and vv is v_pages and lsev.shape == (1, 4, 20)
     assert (slopes, mask, softcap, window) == (None, None, 3.0, (-1, 0))
     assert scale == pytest.approx(80 ** -0.5)
     assert config == variants.paged_config((9, 0), 80)
-    assert dropout == _launch.NO_DROPOUT and sinks is None and descale is None
+    assert dropout == _launch.NO_DROPOUT and sinks is None and descales is None
     assert varlen == _launch.Varlen(cu_q, None if used is not None else cu_k, used, table)
     assert out.shape == (20, 4, 80) and lse.shape == (4, 20)
 
 
 def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
     """float8_e4m3fn pages with bfloat16 q: the pages as they are, a bfloat16 output, and the
-    launch's descale [3, B, H_kv] holding k_descale (per sequence and key/value head) in row
-    1 and v_descale (None: 1) in row 2; before Hopper a RuntimeError, before any launch."""
+    launch's (q, k, v) descales: none for q, k_descale (per sequence and key/value head) as
+    given, v_descale (None) a stride-0 view of 1; before Hopper a RuntimeError, before any
+    launch."""
     calls = []
     monkeypatch.setattr(_ops_paged, "device_properties", lambda device: ((9, 0), "H200"))
     monkeypatch.setattr(_validate, "device_properties", lambda device: ((9, 0), "H200"))
@@ -134,9 +135,10 @@ def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
     k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k_pages, v_pages))
     k_descale = torch.rand(4, 2) + 0.5
     out = _call(monkeypatch, q=q, k=k8, v=v8, k_descale=k_descale)
-    (qv, kv, vv, *_, descale), _ = calls[0]
+    (qv, kv, vv, *_, (q_factors, k_factors, v_factors)), _ = calls[0]
     assert kv is k8 and vv is v8 and out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert torch.equal(descale, torch.stack([torch.ones(4, 2), k_descale, torch.ones(4, 2)]))
+    assert q_factors is None and k_factors is k_descale
+    assert v_factors.stride() == (0, 0) and torch.equal(v_factors, torch.ones(4, 2))
     monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
     with pytest.raises(RuntimeError, match="needs 9.0"):
         _call(monkeypatch, q=q, k=k8, v=v8, k_descale=k_descale)
