@@ -114,15 +114,16 @@ class Varlen:
     def spec(self, spec: ForwardSpec, page_size: int = 0) -> ForwardSpec:
         """``spec`` under VARLEN: every sequence has a ragged end, so no EVEN_N; with a block
         table, keys in pages of ``page_size`` (``paged_spec``)."""
-        return _varlen_spec(spec, self.seqused_k is not None,
+        return varlen_spec(spec, self.seqused_k is not None,
                             None if self.block_table is None else page_size)
 
 
 @functools.cache
-def _varlen_spec(spec: ForwardSpec, seqused_k: bool, page_size: int | None) -> ForwardSpec:
-    """``Varlen.spec``, made once per set of arguments: its two ``dataclasses.replace`` were
-    a fifth of a paged call's host time under cProfile (2026-12-07, CPU host, launches
-    stubbed)."""
+def varlen_spec(spec: ForwardSpec, seqused_k: bool, page_size: int | None) -> ForwardSpec:
+    """``spec`` under VARLEN (with SEQUSED_K where ``seqused_k``; keys in pages of
+    ``page_size`` where given), as ``Varlen.spec`` and the AOT signatures make it; made once
+    per set of arguments: its two ``dataclasses.replace`` were a fifth of a paged call's host
+    time under cProfile (2026-12-07, CPU host, launches stubbed)."""
     spec = replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
     return spec if page_size is None else paged_spec(spec, page_size)
 

@@ -381,6 +381,16 @@ def _packed(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.transpose(0, 1)[None] for t in tensors]
 
 
+def varlen_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, varlen: Varlen, return_lse: bool) -> tuple:
+    """(q, k, v, out, lse) as the VARLEN switch reads them: [1, H, total, D] views of the
+    packed tensors (k and v as they are, pages, under a block table), the LSE's [1, H,
+    total_q] view or None without ``return_lse``."""
+    q4, out4 = _packed(q, out)
+    k4, v4 = _packed(k, v) if varlen.block_table is None else (k, v)
+    return q4, k4, v4, out4, lse[None] if return_lse else None
+
+
 def _varlen_outputs(q: torch.Tensor, v: torch.Tensor, return_lse: bool,
                     dtype: torch.dtype | None = None):
     """(out [total_q, H, Dv] in q's dtype or ``dtype``, lse [H, total_q] fp32 or an empty
@@ -429,10 +439,9 @@ def varlen_forward_runner(q, k, v, varlen: Varlen, alibi_slopes, scale, softcap,
     [H, total_q] or an empty tensor) and one launch."""
     def run(config):
         out, lse = _varlen_outputs(q, v, return_lse)
-        q4, out4 = _packed(q, out)
-        kv = _packed(k, v) if varlen.block_table is None else (k, v)
-        launch_forward(q4, *kv, out4, lse[None] if return_lse else None, alibi_slopes, None,
-                       scale, softcap, 0, window, config, dropout, varlen, sinks, descales)
+        launch_forward(*varlen_views(q, k, v, out, lse, varlen, return_lse), alibi_slopes,
+                       None, scale, softcap, 0, window, config, dropout, varlen, sinks,
+                       descales)
         return out, lse
     return run
 

@@ -225,9 +225,9 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
     checked [total, H, D] tensors with unit last strides (k and v pages under
     ``sequences.block_table``, with ``kv_descale`` their (k, v) [B, H_kv] fp32 factor views
     where they are an FP8 cache), as the varlen op's body runs it (the paged op's with its
-    ``config``, which is then never tuned), and its plan: (out [total_q, H, Dv], lse [H, total_q] or None, a
-    ``VarlenPlan`` for ``run_varlen`` or None where the choice is not final). No query rows
-    or no keys: the op's body answers (it launches nothing)."""
+    ``config``, which is then never tuned), and its plan: (out [total_q, H, Dv], lse
+    [H, total_q] or None, a ``VarlenPlan`` for ``run_varlen`` or None where the choice is not
+    final). No query rows or no keys: the op's body answers (it launches nothing)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         out, lse = _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                          None, 0)
@@ -241,14 +241,11 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sequences: Varlen,
             written=_ops._varlen_written(sequences.cu_seqlens_q, sequences.cu_seqlens_k,
                                          False))
     out, lse = _ops._varlen_outputs(q, v, return_lse)
-    q4, out4 = _ops._packed(q, out)
-    kv = (k, v) if sequences.block_table is not None else _ops._packed(k, v)
-    lse4 = lse[None] if return_lse else None
+    views = _ops.varlen_views(q, k, v, out, lse, sequences, return_lse)
     descales = None if kv_descale is None else (None, *kv_descale)
-    plan = VarlenPlan(*forward_launch(q4, *kv, out4, lse4, None, None, scale, softcap, 0,
-                                      window, config, NO_DROPOUT, sequences, None, descales),
-                      out4, lse4)
-    plan.launch(q, k, v, out, lse4, call_arrays(sequences, kv_descale or ()))
+    plan = VarlenPlan(*forward_launch(*views, None, None, scale, softcap, 0, window, config,
+                                      NO_DROPOUT, sequences, None, descales), *views[3:])
+    plan.launch(q, k, v, out, views[4], call_arrays(sequences, kv_descale or ()))
     keep = final and _ops.choice_is_final(q, k)
     return out, lse if return_lse else None, plan if keep else None
 

@@ -24,7 +24,7 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSig
 
 from flash_tile import decode_variants, variants
 from flash_tile._launch import (KEYS_MAJOR_TILE_N, MASK_KINDS, forward_spec,
-                                hinted_backward_kernels, hinted_kernel, kernel_mask, paged_spec)
+                                hinted_backward_kernels, hinted_kernel, kernel_mask, varlen_spec)
 from flash_tile._launch_decode import DecodeSpec, decode_tiles
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
@@ -143,17 +143,17 @@ def forward_signature(dtype: str, head_dim: int, v_head_dim: int, window: tuple[
         index, dropout, aligned, fp8)
     v, out = vo if fp8 else (vo, vo)
     k, table = qk, ABSENT
-    if varlen:
-        spec = dataclasses.replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
-    spec = dataclasses.replace(spec, sinks=sinks)
     if kv_dtype not in (None, "float8_e4m3fn") or (kv_dtype and page_size is None):
         raise ValueError(f"kv_dtype {kv_dtype!r}: pages in q's dtype (None) or an FP8 cache's "
                          "float8_e4m3fn, with page_size")
+    if page_size is not None and (not varlen or fp8):
+        raise ValueError("page_size: paged keys are a switch of the varlen forward, not of the "
+                         "dense or the FP8 one")
+    if varlen:  # the launcher's spec of the call's sequences (and pages)
+        spec = varlen_spec(spec, seqused_k, page_size)
+    spec = dataclasses.replace(spec, sinks=sinks)
     if page_size is not None:  # pages [num_blocks, page_size, H_kv, D] as flash-attn's
-        if not varlen or fp8:
-            raise ValueError("page_size: paged keys are a switch of the varlen forward, "
-                             "not of the dense or the FP8 one")
-        spec, table = paged_spec(spec, page_size), _index_array(2)
+        table = _index_array(2)
         k, v = (_array(DTYPES[kv_dtype or dtype], 4, d, index) for d in (head_dim, v_head_dim))
     fp8_cache = kv_dtype is not None
     factors = _array(ct.float32, 2)  # (q, k, v) descales: q's under FP8, k's and v's caches' too
