@@ -18,7 +18,7 @@ import torch
 from flash_tile import _ops, variants
 from flash_tile._launch import Varlen
 from flash_tile._ops import op_or_body
-from flash_tile._validate import device_properties
+from flash_tile._validate import device_properties, kv_descales
 
 
 def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -33,19 +33,22 @@ def _paged_varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """The op's body: q [total_q, H, D] with a unit last stride, k [num_blocks, page_size,
     H_kv, D] and v [.., Dv] pages with unit last strides, block_table int32 [B, max_blocks];
     sequence b's key count cu_seqlens_k[b + 1] - cu_seqlens_k[b], or seqused_k[b] where
-    given. Pages of float8_e4m3fn (an FP8 cache, q float16 or bfloat16) come with their
-    ``k_descale`` and ``v_descale``, fp32 [B, H_kv] views (``_validate.kv_descales``). No query
-    rows or no pages: nothing to launch, the rows as ones that see no key."""
+    given. Pages of float8_e4m3fn (an FP8 cache, q float16 or bfloat16) take their
+    ``k_descale`` and ``v_descale``, fp32 [B, H_kv] or one element each, None for 1
+    (``_validate.kv_descales``; the kernel reads both). No query rows or no pages: nothing to
+    launch, the rows as ones that see no key."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         return _ops._keyless_forward(*_ops._varlen_outputs(q, v, return_lse), return_lse,
                                      sinks, 0)
     config = paged_tile(q, v)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
+    descales = None
+    if k.dtype == torch.float8_e4m3fn:
+        descales = (None, *kv_descales(k_descale, v_descale, varlen.batch, k.shape[2],
+                                       q.device))
     return _ops.varlen_forward_runner(q, k, v, varlen, alibi_slopes, scale, softcap,
-                                      (window_left, window_right), return_lse,
-                                      sinks=sinks,
-                                      descales=None if k_descale is None else
-                                      (None, k_descale, v_descale))(config)
+                                      (window_left, window_right), return_lse, sinks=sinks,
+                                      descales=descales)(config)
 
 
 def paged_tile(q: torch.Tensor, v: torch.Tensor) -> variants.TileConfig:

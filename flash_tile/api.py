@@ -142,9 +142,9 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         sinks = _validate.check_sinks(sinks, q.shape[1], device)
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
-        descale = _validate.fp8_descales(q.shape[0], k.shape[1], device, **names)
+        factors = _validate.fp8_descales(q.shape[0], k.shape[1], device, **names)
         q, k = (_unit_last_stride(t) for t in (q, k))  # v: copied keys-major in any case
-        out, lse = fp8_attention(q, k, v, *descale, alibi_slopes, scale, softcap,
+        out, lse = fp8_attention(q, k, v, *factors, alibi_slopes, scale, softcap,
                                  k.shape[2] - q.shape[2], left, right, return_lse, sinks)
         out = out.transpose(1, 2)
         return (out, lse) if return_lse else out

@@ -116,8 +116,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if fp8:
         _validate.check_fp8_call(device, dropout_p, q, k, v, sinks)
-        descale = _validate.fp8_descales(batch, k.shape[1], device, **names)
-        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *descale,
+        factors = _validate.fp8_descales(batch, k.shape[1], device, **names)
+        out, lse = fp8_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *factors,
                                         alibi_slopes, scale, softcap, left, right, return_lse,
                                         sinks, seqused_k)
         return (out, lse) if return_lse else out

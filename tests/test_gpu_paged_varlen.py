@@ -242,3 +242,15 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.flash_tile.paged_varlen_forward,
                           (q, k_pages, v_pages, table, cu_q, cu_k, None, None, 0.125, 0.0, -1,
                            0, True))
+
+
+@pytest.mark.usefixtures("hopper_or_newer")
+def test_opcheck_on_an_fp8_cache():
+    """The paged op's contract on an FP8 cache: a stride-0 k factor, v's None (1)."""
+    q, _, _, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(2, 2, 64, 64, torch.float16, 16,
+                                                             6)
+    k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k_pages, v_pages))
+    k_descale = torch.tensor(0.5, device="cuda").expand(cu_q.shape[0] - 1, 2)
+    torch.library.opcheck(torch.ops.flash_tile.paged_varlen_forward,
+                          (q, k8, v8, table, cu_q, cu_k, None, None, 0.125, 0.0, -1, 0, True,
+                           None, k_descale, None))

@@ -543,15 +543,30 @@ def test_a_seen_signature_launches_its_first_calls_arguments(launched, monkeypat
     assert first[1].shape == out.shape and first[1].stride() == out.stride()
 
 
-@pytest.mark.parametrize("entry", ["varlen", "seqused_k", "paged", "paged_fa3", "paged_fp8"])
+#: An FP8 cache's descale factors as a planned paged call may pass them (B 3, H_kv 2), and
+#: the (shape, byte strides) of the [B, H_kv] views the kernel reads them through.
+FP8_CACHE_FACTORS = {
+    "paged_fp8": (lambda: {"k_descale": torch.rand(3, 2) + 0.5, "v_descale": torch.tensor(0.7)},
+                  (((3, 2), (8, 4)), ((3, 2), (0, 0)))),
+    "paged_fp8_transposed_and_none": (lambda: {"k_descale": (torch.rand(2, 3) + 0.5).t()},
+                                      (((3, 2), (4, 12)), ((3, 2), (0, 0)))),
+    "paged_fp8_one_element": (lambda: {"k_descale": torch.full((1,), 0.6),
+                                       "v_descale": torch.full((1, 1), 0.8)},
+                              (((3, 2), (0, 0)), ((3, 2), (0, 0)))),
+}
+
+
+@pytest.mark.parametrize("entry", ["varlen", "seqused_k", "paged", "paged_fa3",
+                                   *FP8_CACHE_FACTORS])
 def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, monkeypatch,
                                                                     entry):
     """A packed (or paged) inference call of a seen signature takes its plan (the full path's
     checks fail once the plan exists) and launches the first call's grid, kernel and scalars
     with q, k, v, the outputs and the sequences' arrays (cu_seqlens_q/k, seqused_k, the block
     table) at the new call's addresses in the first call's layouts, an FP8 cache's pages as
-    the call's tensors and its descales at the addresses of the call's factor tensors in the
-    layouts of the first call's [B, H_kv] views (zero strides for one factor); the out and
+    the call's tensors and its descales at the addresses of the call's factor tensors (the
+    kept 1 for None) in the layouts of the first call's [B, H_kv] views (zero strides for one
+    factor, a transposed factor's strides as given); the out and
     LSE it returns are what the kernel writes, packed as the full path's. CPU tensors stand
     for CUDA ones: the device checks and the variant choice are stubbed."""
     import flash_tile
@@ -559,7 +574,7 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
 
     _stub_a_gpu_call(monkeypatch)
     paged = entry.startswith("paged")
-    fp8 = entry == "paged_fp8"
+    fp8 = entry in FP8_CACHE_FACTORS
 
     def call():  # fresh inputs of one signature: (arrays in launch order, out, lse)
         q = torch.randn(40, 8, 64, dtype=torch.bfloat16)
@@ -572,9 +587,9 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
         else:
             k, v = (torch.randn(80, 2, 64, dtype=torch.bfloat16) for _ in range(2))
         scales = {}
-        if fp8:  # per (sequence, key/value head) for k, one factor for v
+        if fp8:
             k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
-            scales = {"k_descale": torch.rand(3, 2) + 0.5, "v_descale": torch.tensor(0.7)}
+            scales = FP8_CACHE_FACTORS[entry][0]()
         fa3 = entry in ("seqused_k", "paged_fa3")
         out, lse = flash_tile.flash_attn_varlen_func(
             q, k, v, cu_q, None if entry == "paged_fa3" else cu_k, 23, 49, causal=True,
@@ -602,12 +617,12 @@ def test_a_seen_varlen_signature_launches_its_first_calls_arguments(launched, mo
     if fp8:  # the pages as the call's tensors, the descales where the call's factors are
         assert plan_args[1] is arrays[1] and plan_args[2] is arrays[2]
         addresses[1] = addresses[2] = None
-        k_slot, v_slot = _launch.CACHE_DESCALE_SLOTS
-        addresses[k_slot] = scales["k_descale"].data_ptr()
-        addresses[v_slot] = scales["v_descale"].data_ptr()
-        k_face, v_face = (plan_args[i].__cuda_array_interface__ for i in (k_slot, v_slot))
-        assert (k_face["shape"], k_face["strides"]) == ((3, 2), (8, 4))
-        assert (v_face["shape"], v_face["strides"]) == ((3, 2), (0, 0))
+        one = _validate.one_factor(torch.device("cpu"))
+        for slot, name, view in zip(_launch.CACHE_DESCALE_SLOTS, ("k_descale", "v_descale"),
+                                    FP8_CACHE_FACTORS[entry][1]):
+            addresses[slot] = scales.get(name, one).data_ptr()
+            face = plan_args[slot].__cuda_array_interface__
+            assert (face["shape"], face["strides"]) == view, name
     for i, (before, now) in enumerate(zip(args, plan_args)):
         if i in addresses and addresses[i] is None:
             continue

@@ -139,10 +139,15 @@ def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
     assert kv is k8 and vv is v8 and out.dtype == torch.bfloat16 and out.shape == q.shape
     assert q_factors is None and k_factors is k_descale
     assert v_factors.stride() == (0, 0) and torch.equal(v_factors, torch.ones(4, 2))
+    # The op itself, given one factor of the two (the kernel reads both): the other is 1.
+    _ops_paged._paged_varlen_impl(q, k8, v8, table, cu_q, cu_k, None, None, 0.1, 0.0, -1, 0,
+                                  False, None, None, torch.tensor(0.25))
+    (*_, (_, k_factors, v_factors)), _ = calls[-1]
+    assert torch.equal(k_factors, torch.ones(4, 2)) and torch.equal(v_factors, 0.25 * k_factors)
     monkeypatch.setattr(_validate, "device_properties", lambda device: ((8, 9), "L40S"))
     with pytest.raises(RuntimeError, match="needs 9.0"):
         _call(monkeypatch, q=q, k=k8, v=v8, k_descale=k_descale)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("page_size,tile_n,page_n", [

@@ -9,7 +9,7 @@ tensor-core ops, TMA loads, barriers, LDL/STL, registers) for the old and the ne
 import sys
 
 import cuda.tile as ct
-from cuda.tile.compilation import CallingConvention, KernelSignature
+from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature
 
 sys.path.insert(0, "bench")
 from bench_variants import load_kernels  # noqa: E402
@@ -23,7 +23,16 @@ cases = [dict(dtype="bfloat16", head_dim=128, causal=False, fp8=True),
               kv_dtype="float8_e4m3fn"),
          dict(dtype="bfloat16", head_dim=128, causal=False, varlen=True, page_size=16,
               kv_dtype="float8_e4m3fn"),
-         dict(dtype="bfloat16", head_dim=128, causal=True, varlen=True, page_size=64)]
+         dict(dtype="bfloat16", head_dim=128, causal=True, varlen=True, page_size=64),
+         dict(dtype="bfloat16", head_dim=128, causal=False, fp8=True, one_factor=True),
+         dict(dtype="bfloat16", head_dim=128, causal=True, varlen=True, page_size=64,
+              kv_dtype="float8_e4m3fn", one_factor=True)]
+# One factor a tensor (per-tensor scaling, or None): a [B, H_kv] view of zero strides, which
+# the JIT compiles as an instance of its own.
+ONE_FACTOR = ArrayConstraint(ct.float32, 2, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                             alias_groups=(), may_alias_internally=True, stride_constant=(0, 0),
+                             stride_divisible_by=(1, 1), shape_divisible_by=(1, 1),
+                             base_addr_divisible_by=4)
 for case in cases:
     config = aot._default_config("sm_90", case["head_dim"], None, fp8=case.get("fp8", False),
                                  causal=case["causal"], paged="page_size" in case)
@@ -34,6 +43,9 @@ for case in cases:
                                 False, None, False, True, config, **keys)
     params = list(sig.parameters)
     n = _launch.FORWARD_ARRAYS.index("q_descale")
+    if case.get("one_factor"):
+        params[n:n + 3] = [p if p is aot.ABSENT else ONE_FACTOR for p in params[n:n + 3]]
+        sig = KernelSignature(params, CallingConvention.cutile_python_v1())
     reads = params[n + 1]  # the k factors' constraint, or ABSENT
     stack = aot._array(ct.float32, 3) if reads is not aot.ABSENT else aot.ABSENT
     old_sig = KernelSignature(params[:n] + [stack] + params[n + 3:],
