@@ -5,16 +5,18 @@ allocations, the argument tuple), measured where no GPU is: both trees imported 
 (``bench_launch.load_package``), and in each ``ct.launch`` replaced by a function that
 returns, so that cuTile's own host cost (3-7 us on the GPU hosts of
 docs/experiments/evidence/2026-12-06-launch-cost-cpu.md) is in neither figure. The device
-checks, the device's properties (sm_90) and the variant choice (the sm_90 default for the
-call's head dim, final) are stubbed, and CPU tensors stand for CUDA ones
+checks, the device's properties (sm_90, 132 SMs) and the variant choice (the sm_90 default
+for the call's head dim, final) are stubbed, and CPU tensors stand for CUDA ones
 (``torch.Tensor.get_device`` answers 0); everything is restored on exit. The calls (bf16,
 causal): ``flash_attn_func`` (B 1, L 128, H 8 / 2, D 64; also in FP8: e4m3 q, k, v with a
 descale per (batch, key/value head) for q and k and a 0-d one for v, the forward's two
-launches) and ``flash_attn_varlen_func`` on
-8 sequences of 100 queries and keys (H 32 / 8, D 128), packed and against 16-key pages, in
-bf16 and as an FP8 cache (e4m3 pages with k_descale per (sequence, key/value head) and a
-0-d v_descale). Rounds alternate which side goes first; a call's ratio is the median of the
-rounds' ratios (this tree's time over the baseline's).
+launches); ``flash_attn_varlen_func`` on 8 sequences of 100 queries and keys (H 32 / 8,
+D 128), packed and against 16-key pages, in bf16 and as an FP8 cache (e4m3 pages with
+k_descale per (sequence, key/value head) and a 0-d v_descale); ``flash_attn_with_kvcache``
+steps (B 1, Lq 1, H 32 / 8, D 128, 1,000 of a 1k cache's keys): the chosen split count (a
+decode and its combine), ``num_splits=1`` (one launch) and the append of a row (three).
+Rounds alternate which side goes first; a call's ratio is the median of the rounds' ratios
+(this tree's time over the baseline's).
 
     mkdir -p ab/base && git archive HEAD~1 flash_tile kernels | tar -x -C ab/base
     python bench/bench_host_cpu.py --baseline ab/base --out /tmp/host-cpu
@@ -57,8 +59,9 @@ def stubbed(*packages):
             patch(launch.ct, "launch", lambda stream, grid, kernel, args, **hints: None)
             patch(launch, "current_stream", lambda device: None)
             patch(module("_validate"), "check_device", lambda *tensors: tensors[0].device)
-            for name in ("_validate", "_ops", "_ops_paged", "_ops_fp8"):
+            for name in ("_validate", "_ops", "_ops_paged", "_ops_fp8", "_ops_decode"):
                 patch(module(name), "device_properties", lambda device: ((9, 0), "H200"))
+            patch(module("_launch_decode"), "_sm_count", lambda device: 132)
             ops = module("_ops")
             def final(backward, q, k, v, *args, variants=variants, **kwargs):
                 return variants.default_config((9, 0), max(q.shape[-1], v.shape[-1])), True
@@ -82,7 +85,11 @@ def calls(package) -> dict:
     pages8 = [p.to(torch.float8_e4m3fn) for p in pages]
     descales = {"k_descale": torch.rand(8, 8) + 0.5, "v_descale": torch.tensor(0.5)}
     table = torch.arange(64, dtype=torch.int32).reshape(8, 8)
-    varlen = package.flash_attn_varlen_func
+    dq = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    cache = [torch.randn(1, 1024, 8, 128, dtype=torch.bfloat16) for _ in range(2)]
+    new = [torch.randn(1, 1, 8, 128, dtype=torch.bfloat16) for _ in range(2)]
+    lens = torch.tensor([1000], dtype=torch.int32)
+    varlen, decode = package.flash_attn_varlen_func, package.flash_attn_with_kvcache
     return {
         "flash_attn_func": lambda: package.flash_attn_func(q, k, v, causal=True),
         "flash_attn_func, FP8": lambda: package.flash_attn_func(q8, k8, v8, causal=True,
@@ -92,6 +99,11 @@ def calls(package) -> dict:
                                                         causal=True, block_table=table),
         "flash_attn_varlen_func, paged FP8 cache": lambda: varlen(
             pq, *pages8, cu, cu, 100, 100, causal=True, block_table=table, **descales),
+        "flash_attn_with_kvcache": lambda: decode(dq, *cache, cache_seqlens=lens, causal=True),
+        "flash_attn_with_kvcache, one split": lambda: decode(
+            dq, *cache, cache_seqlens=lens, causal=True, num_splits=1),
+        "flash_attn_with_kvcache, append": lambda: decode(
+            dq, *cache, *new, cache_seqlens=lens, causal=True),
     }
 
 

@@ -86,7 +86,7 @@ def test_host_cost_on_a_cpu_times_both_trees_and_restores_what_it_stubs(monkeypa
                                                                           tmp_path):
     """bench_host_cpu.py's rows on this tree against a copy of it (an A/A): each call timed
     on both sides with a positive ratio, and every stub undone afterwards (torch's device
-    query, cuTile's launch)."""
+    query, cuTile's launch, the decode's SM count)."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_package prepends the copy
     monkeypatch.setattr(flash_tile.autotune, "plans", {})  # the plans its calls make
@@ -97,12 +97,17 @@ def test_host_cost_on_a_cpu_times_both_trees_and_restores_what_it_stubs(monkeypa
         shutil.copytree(ROOT / part, tmp_path / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
     get_device, launch = torch.Tensor.get_device, flash_tile._launch.ct.launch
+    sm_count = flash_tile._launch_decode._sm_count
     rows = bench_host_cpu.measure(str(tmp_path), rounds=2, iters=2)
     assert [r["call"] for r in rows] == ["flash_attn_func", "flash_attn_func, FP8",
                                          "flash_attn_varlen_func",
                                          "flash_attn_varlen_func, paged",
-                                         "flash_attn_varlen_func, paged FP8 cache"]
+                                         "flash_attn_varlen_func, paged FP8 cache",
+                                         "flash_attn_with_kvcache",
+                                         "flash_attn_with_kvcache, one split",
+                                         "flash_attn_with_kvcache, append"]
     assert all(r["host_us"] > 0 and r["baseline_host_us"] > 0 and r["ratio"] > 0
                for r in rows)
     assert torch.Tensor.get_device is get_device and flash_tile._launch.ct.launch is launch
+    assert flash_tile._launch_decode._sm_count is sm_count
     assert torch.randn(2).get_device() == -1
