@@ -185,9 +185,8 @@ class VarlenPlan(ForwardPlan):
     the planned call passed) and an FP8 cache's descale factors
     (``_launch.CACHE_DESCALE_SLOTS``) go by address as well, in the planned call's layouts;
     the outputs are the packed [1, H, total_q, Dv] and [1, H, total_q] views the kernel
-    writes. An FP8 cache's
-    float8_e4m3fn pages go as the tensors themselves: the interface has no type string for
-    e4m3 (``_arrays.TYPESTRS``)."""
+    writes. An FP8 cache's float8_e4m3fn pages go as the tensors themselves: the interface
+    has no type string for e4m3 (``_arrays.TYPESTRS``)."""
 
     __slots__ = ("call_layouts",)
 

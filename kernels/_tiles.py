@@ -308,7 +308,8 @@ def load_keys_major(A_T, batch, head, start, index, ROWS: ConstInt, COLS: ConstI
 
 def descale(Descale, batch, head):
     """Descale[batch, head] of an fp32 [B, H_kv] array (any strides: one factor for every
-    (batch, kv head) is a view of zero strides), as a scalar: an FP8 descale factor."""
+    (batch, kv head) is a view of zero strides), as a scalar: an FP8 descale factor (the
+    forward's q, k, v ones, an FP8 cache's k and v ones in the forward and the decode)."""
     return ct.load(Descale, (batch, head), shape=()).item()
 
 

@@ -94,7 +94,7 @@ import cuda.tile as ct
 
 from ._pages import kv_tile, page_rows
 from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, ConstInt,
-                     keep_tile, log2_scores, sink_start, softmax_step)
+                     descale, keep_tile, log2_scores, sink_start, softmax_step)
 
 NEG_INF = ct.PaddingMode.NEG_INF
 
@@ -124,12 +124,6 @@ def split_key_tiles(first_row, last_row, k_len, k_lo, diag_offset, window_left, 
     per_split = ct.cdiv(max(n_hi - n_lo, 0), NUM_SPLITS)
     n_start = n_lo + split * per_split
     return n_start, min(n_start + per_split, n_hi)
-
-
-def _kv_descale(Descale, batch, kv_head):
-    """An FP8 cache's descale factor of (sequence, key/value head): Descale [B, H_kv] fp32 (a
-    stride-0 view for one factor per tensor), as a scalar."""
-    return ct.load(Descale, (batch, kv_head), shape=()).item()
 
 
 def _per_row(head_values, TILE_LQ: ConstInt, TILE_G: ConstInt):
@@ -229,7 +223,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     cache_row = _cache_row(BatchIdx, batch, BATCH_IDX)
     page_size = K.shape[1]
     if K.dtype != Q.dtype:  # an FP8 cache: the scores are those of KDescale * k8
-        qk_scale = qk_scale * _kv_descale(KDescale, batch, kv_head)
+        qk_scale = qk_scale * descale(KDescale, batch, kv_head)
 
     q = ct.load(Q, index=(batch, tile_q, kv_head, 0, 0), shape=(1, TILE_LQ, 1, TILE_G, TILE_D),
                 padding_mode=ZERO).reshape((TILE_M, TILE_D))
@@ -273,7 +267,7 @@ def _decode_impl(Q, K, V, Out, Lse, OutSplit, LseSplit, SeqLensK, BatchIdx, Bloc
     empty = l_i == 0.0
     inv_l = 1.0 / ct.where(empty, 1.0, l_i)
     if V.dtype != Q.dtype:  # an FP8 cache: the values are VDescale * v8
-        inv_l = inv_l * _kv_descale(VDescale, batch, kv_head)
+        inv_l = inv_l * descale(VDescale, batch, kv_head)
     out = acc * inv_l  # [TILE_M, TILE_DV], 0 where empty
     lse = m_i * LN_2 + ct.log(l_i)  # -inf where empty
     if SPLIT:
@@ -324,7 +318,7 @@ def _to_cache(x, Cache, New, Descale, batch, kv_head):
     unscaled: the rotation is linear)."""
     if Cache.dtype == ct.float8_e4m3fn:
         if New.dtype != Cache.dtype:  # rows in Q's dtype: quantized by the cache's factor
-            x = x.astype(ct.float32) * (1.0 / _kv_descale(Descale, batch, kv_head))
+            x = x.astype(ct.float32) * (1.0 / descale(Descale, batch, kv_head))
     return x.astype(Cache.dtype)
 
 
