@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import flash_tile
+from conftest import opcheck_fp8
 from flash_tile import _launch, _ops_fp8, _validate, reference, variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("hopper_or_newer")]
@@ -273,19 +274,18 @@ def test_fp8_packed_and_per_tensor_forms_agree():
 
 
 def test_opcheck():
-    """The FP8 ops' contract (schema, fake kernel, no autograd registered) with descale
+    """The FP8 ops' contract (no input changed, fake kernel, no autograd registered) with descale
     factors in every form the launcher passes: [B, H_kv], a stride-0 view of one factor."""
     q, k, v = (torch.randn(2, n, h, 64, device="cuda").to(E4M3).transpose(1, 2)
                for n, h in ((70, 4), (90, 2), (90, 2)))
     per_head = torch.rand(2, 2, device="cuda") + 0.5
     one = torch.tensor(0.5, device="cuda").expand(2, 2)
-    torch.library.opcheck(torch.ops.flash_tile.fp8_forward,
-                          (q, k, v, per_head, one, one, None, 0.125, 0.0, 20, -1, 0, True))
+    opcheck_fp8(torch.ops.flash_tile.fp8_forward,
+                (q, k, v, per_head, one, one, None, 0.125, 0.0, 20, -1, 0, True))
     q, k, v = (t.transpose(1, 2).reshape(-1, t.shape[1], 64) for t in (q, k, v))
     cu_q, cu_k = (torch.tensor([0, 33, n], dtype=torch.int32, device="cuda") for n in (140, 180))
-    torch.library.opcheck(torch.ops.flash_tile.fp8_varlen_forward,
-                          (q, k, v, cu_q, cu_k, one, per_head, one, None, 0.125, 0.0, -1, 0,
-                           True))
+    opcheck_fp8(torch.ops.flash_tile.fp8_varlen_forward,
+                (q, k, v, cu_q, cu_k, one, per_head, one, None, 0.125, 0.0, -1, 0, True))
 
 
 @pytest.mark.parametrize("feature", ["causal", "window-softcap", "alibi-sinks", "seqused_k"])

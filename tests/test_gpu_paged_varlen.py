@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flash_tile
+from conftest import opcheck_fp8
 from flash_tile import _launch, _ops, reference, reference_decode, variants
 
 pytestmark = pytest.mark.gpu
@@ -251,6 +252,6 @@ def test_opcheck_on_an_fp8_cache():
                                                              6)
     k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k_pages, v_pages))
     k_descale = torch.tensor(0.5, device="cuda").expand(cu_q.shape[0] - 1, 2)
-    torch.library.opcheck(torch.ops.flash_tile.paged_varlen_forward,
-                          (q, k8, v8, table, cu_q, cu_k, None, None, 0.125, 0.0, -1, 0, True,
-                           None, k_descale, None))
+    opcheck_fp8(torch.ops.flash_tile.paged_varlen_forward,
+                (q, k8, v8, table, cu_q, cu_k, None, None, 0.125, 0.0, -1, 0, True, None,
+                 k_descale, None))
