@@ -52,6 +52,7 @@ class ForwardSpec:
     paged: bool = False  # under varlen, the keys in pages (the forward's alone, as page_n)
     page_n: int = 0  # keys a page load (0 under gather)
     gather: bool = False  # paged keys gathered by row (pages a load of MIN_PAGE_LOAD misses)
+    page_ahead: bool = False  # joined page loads' table entries a step ahead (TileConfig's)
 
     def _shared(self) -> tuple:
         return (self.tile_m, self.tile_n, self.tile_d, self.tile_dv, self.mask_left,
@@ -60,7 +61,7 @@ class ForwardSpec:
     def constants(self) -> tuple:
         return (*self._shared(), self.store_lse, self.dropout, self.latency_k, self.latency_v,
                 self.varlen, self.sinks, self.seqused_k, self.fp8, self.exp2_fma, self.paged,
-                self.page_n, self.gather)
+                self.page_n, self.gather, self.page_ahead)
 
     def _backward_shared(self) -> tuple:
         """The forward's switches but STORE_LSE and the schedule fields."""
@@ -125,16 +126,19 @@ def varlen_spec(spec: ForwardSpec, seqused_k: bool, page_size: int | None) -> Fo
     per set of arguments: its two ``dataclasses.replace`` were a fifth of a paged call's host
     time under cProfile (2026-12-07, CPU host, launches stubbed)."""
     spec = replace(spec, even_n=False, varlen=True, seqused_k=seqused_k)
-    return spec if page_size is None else paged_spec(spec, page_size)
+    return (replace(spec, page_ahead=False) if page_size is None
+            else paged_spec(spec, page_size))
 
 
 def paged_spec(spec: ForwardSpec, page_size: int) -> ForwardSpec:
     """``spec`` with its keys in pages of ``page_size``: each key tile joined from loads of
     the largest power of two that divides the page size (at most the tile), or gathered by
-    row where that is below ``MIN_PAGE_LOAD``."""
+    row where that is below ``MIN_PAGE_LOAD``; the config's ``page_ahead`` kept for joined
+    loads alone."""
     page_n = min(page_size & -page_size, spec.tile_n)
     gather = page_n < MIN_PAGE_LOAD
-    return replace(spec, paged=True, page_n=0 if gather else page_n, gather=gather)
+    return replace(spec, paged=True, page_n=0 if gather else page_n, gather=gather,
+                   page_ahead=spec.page_ahead and not gather)
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ def forward_spec(config: TileConfig, head_dim: int, v_head_dim: int, even_n: boo
                        tile_width(v_head_dim, least), left >= 0, right >= 0,
                        even_n, softcap, alibi, attn_mask, store_lse,
                        dropout, config.latency_k, config.latency_v, sinks=sinks, fp8=fp8,
-                       exp2_fma=config.exp2_fma if fp8 else 0)
+                       exp2_fma=config.exp2_fma if fp8 else 0, page_ahead=config.page_ahead)
 
 
 @functools.cache

@@ -221,6 +221,8 @@ def describe(config: variants.TileConfig) -> str:
         hints.append("one_pass")
     if config.exp2_fma:
         hints.append(f"exp2_fma={config.exp2_fma}")
+    if config.page_ahead:
+        hints.append("page_ahead")
     # Named whenever set, even to tile_m x tile_n: configs that differ never share a name.
     if (config.dq_tile_m, config.dq_tile_n) != (None, None):
         dq = config.dq_kernel()

@@ -8,6 +8,8 @@ what was measured for it, on what and when, or that nothing was.
 import functools
 from dataclasses import dataclass, replace
 
+from flash_tile.kernels.attention_fwd import UNPAGE_REACH
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -27,7 +29,8 @@ class TileConfig:
     The forward alone reads the rest: ``latency_k`` and ``latency_v`` are the DRAM-latency hints
     (1-10) of its K and V tile loads; ``exp2_fma`` (the FP8 forward's alone: 0, 2 or 4) takes
     the exp2 of the last 1 / exp2_fma of each unmasked key step's columns from the FMA pipe
-    (``_tiles.exp2_fma``), 0 none.
+    (``_tiles.exp2_fma``), 0 none; ``page_ahead`` (the PAGED switch's alone, on joined page
+    loads) reads each unmasked key step's block-table entries a step ahead.
     """
 
     tile_m: int = 64
@@ -42,12 +45,15 @@ class TileConfig:
     latency_v: int = 4
     one_pass: bool = False
     exp2_fma: int = 0
+    page_ahead: bool = False
 
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "dq_tile_m", "dq_tile_n"):
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.tile_n > UNPAGE_REACH:  # the key tiles of a paged call's copied rows
+            raise ValueError(f"tile_n must be at most {UNPAGE_REACH}, got {self.tile_n}")
         for name in ("latency_k", "latency_v"):
             if not 1 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in 1..10 (cuTile's range), got "
@@ -205,8 +211,16 @@ _FP8_SHORT_DEFAULTS = {**_DEFAULTS, (9, 0): (
 # 60 gathered (D=128 causal), 64x32 none (D=64 and 128), while its D=256 tile (32x64 nww8)
 # spills none; sm_80-sm_90 spill none on 16-key and gathered pages at D 64-256 [compiled
 # only: tileiras 13.4, cuda-tile 1.7.0, 2026-12-07; no sm_100 or sm_120 GPU lent].
+# sm_90 at D=128 reads each key step's block-table entries a step ahead (``page_ahead``):
+# the paged call took 0.73x / 0.75x / 0.56x the time on 256- / 64- / 16-key pages
+# (bench_variants.py --varlen 16384 --pages N --paired 4, H100, 2026-12-07), though on
+# 16-key pages it spills 14 LDL/STL. Off where it was never timed (sm_90 at D=64 and 256,
+# sm_80-sm_100); on sm_120 it spilled 48 (16-key pages) and 570 (an FP8 cache).
 PAGED_NARROW = TileConfig(tile_m=64, tile_n=32)
-_PAGED_DEFAULTS = {**_DEFAULTS, (10, 0): ((128, SM100_DEFAULT), (256, PAGED_NARROW)),
+_PAGED_DEFAULTS = {**_DEFAULTS,
+                   (9, 0): ((64, SM90_THREE_CTAS), (128, replace(SM90_TWO_GROUPS, page_ahead=True)),
+                            (256, SM90_WIDE)),
+                   (10, 0): ((128, SM100_DEFAULT), (256, PAGED_NARROW)),
                    (12, 0): ((128, PAGED_NARROW), (256, SM120_WIDE))}
 
 #: Architectures the kernels are built and checked for, as ``sm_XY`` names.
