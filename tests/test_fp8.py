@@ -392,9 +392,10 @@ def test_fp8_launch_matches_the_compiled_signature(monkeypatch, varlen, right, s
     config = variants.fp8_config((9, 0), 128, causal=right >= 0,
                                  key_len=None if varlen else 50)
     assert config.tile_n == (128 if short else 256)
-    # The q, k and v descales, FP8 and the config's EXP2_FMA (then PAGED, PAGE_N, GATHER: off)
+    # The q, k and v descales, FP8 and the config's EXP2_FMA (then PAGED, PAGE_N, GATHER,
+    # PAGE_AHEAD: off)
     assert args[11:14] == descales
-    assert args[-5:] == (True, 4 if not short and right < 0 else 0, False, 0, False)
+    assert args[-6:] == (True, 4 if not short and right < 0 else 0, False, 0, False, False)
     sig = aot.forward_signature("bfloat16", 128, 128, (-1, right), False, False, None, False,
                                 True, config, varlen=varlen, fp8=True)
     params = sig.parameters

@@ -170,14 +170,14 @@ def test_decode_sinks_switch_compiles_with_tensor_cores(arch):
 def test_spec_orders_the_sinks_switch():
     spec = _launch.forward_spec(variants.default_config((9, 0), 64), 64, 64, True, (-1, 0),
                                 False, False, 0, True, False, True)
-    # SINKS, then SEQUSED_K (then the forward's FP8, EXP2_FMA, PAGED, PAGE_N and GATHER);
-    # the dK/dV kernel has no SINKS (its last three: VARLEN, SEQUSED_K, DQ_ACCUM).
-    assert spec.constants()[-7:] == (True, False, False, 0, False, 0, False)
+    # SINKS, then SEQUSED_K (then the forward's FP8, EXP2_FMA, PAGED, PAGE_N, GATHER and
+    # PAGE_AHEAD); the dK/dV kernel has no SINKS (its last three: VARLEN, SEQUSED_K, DQ_ACCUM).
+    assert spec.constants()[-8:] == (True, False, False, 0, False, 0, False, False)
     # EXP2_FMA is the FP8 forward's alone: other dtypes keep one kernel instance per config.
     fp8_config = variants.fp8_config((9, 0), 128)
     assert fp8_config.exp2_fma == 4
     assert [_launch.forward_spec(fp8_config, 128, 128, True, (-1, -1), False, False, 0, True,
-                                 False, fp8=fp8).constants()[-5:-3] for fp8 in (False, True)] \
+                                 False, fp8=fp8).constants()[-6:-4] for fp8 in (False, True)] \
         == [(False, 0), (True, 4)]
     assert spec.dq_constants(False)[-2:] == (True, False)
     assert spec.dkdv_constants(1, False)[-3:] == (False, False, False)
