@@ -26,12 +26,10 @@ from flash_tile import decode_variants, variants
 from flash_tile._launch import (KEYS_MAJOR_TILE_N, MASK_KINDS, forward_spec,
                                 hinted_backward_kernels, hinted_kernel, kernel_mask, varlen_spec)
 from flash_tile._launch_decode import DecodeSpec, decode_tiles
-from flash_tile._ops_paged import unpage_tiles
 from flash_tile.kernels.attention_decode import (attention_decode, attention_decode_int64,
                                                  cache_append, cache_append_int64,
                                                  decode_combine)
-from flash_tile.kernels.attention_fwd import (keys_major_copy, keys_major_copy_int64, unpage,
-                                              unpage_int64)
+from flash_tile.kernels.attention_fwd import keys_major_copy, keys_major_copy_int64
 from flash_tile._validate import find_cuda_tool
 
 DTYPES = {"float16": ct.float16, "bfloat16": ct.bfloat16, "float8_e4m3fn": ct.float8_e4m3fn}
@@ -309,23 +307,6 @@ def compile_keys_major(arch: str, v_head_dim: int = 128, k_len: int = 1000,
     """A cubin of the FP8 forward's V^T copy, arguments as ``keys_major_signature``."""
     return _export(keys_major_copy_int64 if int64_index else keys_major_copy,
                    keys_major_signature(v_head_dim, k_len, int64_index), arch)
-
-
-def compile_unpage(arch: str, dtype: str = "bfloat16", head_dim: int = 128,
-                   v_head_dim: int | None = None, page_size: int = 16, seqused_k: bool = False,
-                   int64_index: bool = False) -> bytes:
-    """A cubin of the pages' copy of a prefill-like paged call (``_ops_paged.unpaged``): pages
-    of ``page_size`` keys, key counts from seqused_k (FA3's form) or cu_seqlens_k."""
-    index, dims = ct.int64 if int64_index else ct.int32, (head_dim, v_head_dim or head_dim)
-    tile_n, page_n, gather = unpage_tiles(page_size, max(dims))
-    pages = [_array(DTYPES[dtype], 4, d, index) for d in dims]
-    rows = [_array(DTYPES[dtype], 4, d, index) for d in dims]  # [1, H_kv, rows, D] views
-    counts = [ABSENT, _index_array(1)] if seqused_k else [_index_array(1), ABSENT]
-    sig = KernelSignature([*pages, _index_array(2), *counts, *rows, _index_array(1),
-                           _index_array(1), ABSENT, ABSENT, tile_n,
-                           *map(variants.tile_width, dims), page_n, gather, seqused_k],
-                          CallingConvention.cutile_python_v1())
-    return _export(unpage_int64 if int64_index else unpage, sig, arch)
 
 
 def compile_backward(arch: str, dtype: str = "float16", head_dim: int = 128,

@@ -8,8 +8,6 @@ what was measured for it, on what and when, or that nothing was.
 import functools
 from dataclasses import dataclass, replace
 
-from flash_tile.kernels.attention_fwd import UNPAGE_REACH
-
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -52,8 +50,6 @@ class TileConfig:
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.tile_n > UNPAGE_REACH:  # the key tiles of a paged call's copied rows
-            raise ValueError(f"tile_n must be at most {UNPAGE_REACH}, got {self.tile_n}")
         for name in ("latency_k", "latency_v"):
             if not 1 <= getattr(self, name) <= 10:
                 raise ValueError(f"{name} must be in 1..10 (cuTile's range), got "

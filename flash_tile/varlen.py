@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from flash_tile import _ops_paged, _plans, _validate
+from flash_tile import _plans, _validate
 from flash_tile._launch import Varlen
 from flash_tile._interop import accepts_cupy
 from flash_tile._ops import varlen_attention
@@ -166,12 +166,8 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                           alibi_slopes, False, seqused_k, True, sinks, descales)
         return out, lse, q.new_empty((0,))
     q_descale, k_descale, v_descale = descales
-    # A prefill-like call copies its pages into packed rows and runs the packed call on them
-    # (``_ops_paged.copies``): it never runs the paged call's plan.
-    copy = _ops_paged.copies(q, k, v, block_table, max_seqlen_k)
     plan_key = None
-    if (not copy and dropout_p == 0.0 and alibi_slopes is None and sinks is None
-            and q_descale is None):
+    if dropout_p == 0.0 and alibi_slopes is None and sinks is None and q_descale is None:
         plan_key, planned = _planned(
             "paged_varlen", q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k, block_table),
             (cu_seqlens_k is None, seqused_k is None, k_descale is None, v_descale is None,
@@ -206,12 +202,6 @@ def _paged(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                                                  "flash_attn_varlen_func with block_table")
     if kv_descale is not None:
         _validate.check_fp8_capability(device, "an FP8 cache")
-    if copy:
-        k_rows, v_rows, cu_rows, used = _ops_paged.unpaged(k, v, block_table, cu_seqlens_k,
-                                                           seqused_k, max_seqlen_k)
-        return _varlen(q, k_rows, v_rows, cu_seqlens_q, cu_rows, max_seqlen_q, max_seqlen_k,
-                       0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
-                       False, used, return_lse, sinks)
     if q.stride(-1) == 1 and _plans.sighted(plan_key):
         out, lse, plan = _plans.varlen(q, k, v, Varlen(cu_seqlens_q, cu_seqlens_k, seqused_k,
                                                        block_table), scale, softcap,

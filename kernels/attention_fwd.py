@@ -59,8 +59,9 @@ naming sequence b's page of keys [p * page_size, (p + 1) * page_size); sequence 
 is CuSeqK[b + 1] - CuSeqK[b], or SeqUsedK[b] under SEQUSED_K (FA3's form, CuSeqK not read).
 A key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N keys (PAGE_N a power of
 two dividing the page size), or under GATHER its rows are gathered each from its page
-(``_pages``, the decode's loads). The keys past k_len in the last tile are real rows of some
-page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
+(``_pages``, the decode's loads). A tile load waits on its block-table entry: under
+PAGE_AHEAD the unmasked steps' entries are read one step ahead, while the step before
+computes. The keys past k_len in the last tile are real rows of some page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
 NaN, and 0 * NaN would reach the output). Not with FP8; but the pages may be an FP8 cache,
 float8_e4m3fn K and V standing for d_k k8 and d_v v8 (KDescale, VDescale) with Q in
 float16 or bfloat16, as the decode's: each tile is widened to Q's dtype after its load
@@ -96,16 +97,6 @@ more instructions, 70-140 STS and 5-6 barriers a program against 1-2; tileiras 1
 2026-12-02). ``keys_major_copy`` writes V^T once a call, [TILE_DV, TILE_N] tiles read
 through the permuted order: torch's strided copy of the same tensor ran at 0.35 TB/s.
 
-Pages copied (``unpage``). A prefill-like paged call (many queries per sequence) copies its
-pages into packed rows first and runs the VARLEN forward on them: each query tile of the
-PAGED switch waits on the block table for every key step, and such a call took 1.9-8.7x the
-packed call's time where the copy and the packed call took 1.10-1.21x (H100, 2026-12-07,
-docs/experiments). Sequence b's keys go to rows b * row_stride .. of the workspace
-(row_stride: max_seqlen_k, the bound the host knows, rounded up to UNPAGE_REACH), its key
-count, clipped at max_seqlen_k, to Used[b] (the packed call's seqused_k) and b * row_stride
-to CuRows[b] (its cu_seqlens_k). Rows past a sequence's keys, up to a multiple of
-UNPAGE_REACH (the widest key tile of any forward config), are stored as zeros.
-
 Masking. Row i sees key j iff
 
     i + diag_offset - window_left <= j        (when MASK_LEFT)
@@ -137,10 +128,6 @@ from ._tiles import (FP8_P_LOG2_SCALE, LN_2, LOG2_E, NO_MASK, ZERO, ConstBool, C
 # FP8's row sum of P on the tensor core (``_attend_kv_tile``) is a matmul against a ones tile
 # of this many columns, the narrowest an e4m3 matmul takes on sm_90 (QGMMA 64x8x32).
 FP8_SUM_N = 8
-# The pages' copy (``unpage``) pads each sequence's packed rows to a multiple of this many
-# keys, zeros past its keys: the widest key tile of any forward config
-# (``variants.TileConfig`` bounds tile_n by it), so no key tile reads past them.
-UNPAGE_REACH = 256
 
 
 def _attend_kv_tile(q, kv, Mask, rows, k_start, tile_m, j, m_i, l_i, acc, ones, band, drop,
@@ -337,52 +324,6 @@ def _keys_major_copy_impl(V, VT, TILE_N: ConstInt, TILE_DV: ConstInt):
     ct.store(VT, index=index, tile=tile)
 
 
-def _unpage_impl(K, V, BlockTable, CuSeqK, SeqUsedK, KRows, VRows, CuRows, Used,
-                 max_seqlen_k, row_stride, TILE_N: ConstInt, TILE_D: ConstInt,
-                 TILE_DV: ConstInt, PAGE_N: ConstInt, GATHER: ConstBool, SEQUSED_K: ConstBool):
-    """Key tile bid(0) of key/value head bid(1) of sequence bid(2), copied from its pages."""
-    t, kv_head, batch = ct.bid(0), ct.bid(1), ct.bid(2)
-    if SEQUSED_K:
-        k_len = ct.load(SeqUsedK, (batch,), shape=()).item()
-    else:
-        k_len = (ct.load(CuSeqK, (batch + 1,), shape=()).item()
-                 - ct.load(CuSeqK, (batch,), shape=()).item())
-    k_len = max(min(k_len, max_seqlen_k), 0)
-    start = batch * row_stride
-    if t == 0 and kv_head == 0:  # the packed call's key offsets and counts
-        ct.store(Used, index=(batch,), tile=ct.full((1,), k_len, dtype=ct.int32))
-        ct.store(CuRows, index=(batch,), tile=ct.full((1,), start, dtype=ct.int32))
-        if batch == ct.num_blocks(2) - 1:
-            ct.store(CuRows, index=(batch + 1,),
-                     tile=ct.full((1,), start + row_stride, dtype=ct.int32))
-    # The rows the packed call's key tiles read: through the last UNPAGE_REACH-key tile that
-    # holds a key (the rows past k_len stored as zeros, not as whatever memory held: a NaN
-    # there, times a masked score's 0, would reach the output).
-    reach = (k_len + UNPAGE_REACH - 1) // UNPAGE_REACH * UNPAGE_REACH
-    if t * TILE_N >= reach:
-        return
-    if t * TILE_N >= k_len:  # past the keys: zeros, nothing read
-        store_seq_rows(KRows, 0, kv_head, start, reach, t,
-                       ct.zeros((1, 1, TILE_N, TILE_D), dtype=K.dtype), True)
-        store_seq_rows(VRows, 0, kv_head, start, reach, t,
-                       ct.zeros((1, 1, TILE_N, TILE_DV), dtype=V.dtype), True)
-        return
-    kv = (K, V, BlockTable, 0, batch, kv_head, K.shape[1], 0, k_len)
-    pages = None
-    if GATHER:  # each key's page and row, once for K and V
-        pages = page_rows(kv, t, TILE_N)
-    keys = t * TILE_N + ct.arange(TILE_N, dtype=ct.int32)[:, None]
-    k = kv_tile(K, kv, t, pages, TILE_N, TILE_D, True, PAGE_N, GATHER, False, K.dtype)
-    if (t + 1) * TILE_N > k_len:  # the last tile's rows past k_len hold other keys: zeroed
-        k = ct.where(keys < k_len, k, 0.0).astype(K.dtype)
-    store_seq_rows(KRows, 0, kv_head, start, reach, t, k.reshape((1, 1, TILE_N, TILE_D)), True)
-    v = kv_tile(V, kv, t, pages, TILE_N, TILE_DV, True, PAGE_N, GATHER, False, V.dtype)
-    if (t + 1) * TILE_N > k_len:
-        v = ct.where(keys < k_len, v, 0.0).astype(V.dtype)
-    store_seq_rows(VRows, 0, kv_head, start, reach, t, v.reshape((1, 1, TILE_N, TILE_DV)),
-                   True)
-
-
 @ct.kernel
 def attention_fwd(Q, K, V, Out, Lse, Slopes, Mask, CuSeqQ, CuSeqK, Sinks, SeqUsedK,
                   QDescale, KDescale, VDescale, BlockTable, qk_scale: float,
@@ -469,26 +410,3 @@ def keys_major_copy_int64(V: ct.IndexedWithInt64, VT: ct.IndexedWithInt64, TILE_
     """``keys_major_copy`` with 64-bit shapes and strides (2**31 elements or more)."""
     _keys_major_copy_impl(V, VT, TILE_N, TILE_DV)
 
-
-@ct.kernel
-def unpage(K, V, BlockTable, CuSeqK, SeqUsedK, KRows, VRows, CuRows, Used, max_seqlen_k: int,
-           row_stride: int, TILE_N: ConstInt, TILE_D: ConstInt, TILE_DV: ConstInt,
-           PAGE_N: ConstInt, GATHER: ConstBool, SEQUSED_K: ConstBool):
-    """A paged call's keys and values copied into packed rows (the module docstring's "Pages
-    copied"): K [num_blocks, page_size, H_kv, D] and V [.., Dv] pages, BlockTable int32
-    [B, max_blocks], key counts from CuSeqK int32 [B + 1] or (SEQUSED_K) SeqUsedK int32 [B];
-    KRows [1, H_kv, B * row_stride, D], VRows [.., Dv] (row_stride: max_seqlen_k rounded up
-    to UNPAGE_REACH); CuRows int32 [B + 1], Used int32 [B]. Grid (cdiv(row_stride, TILE_N),
-    H_kv, B); PAGE_N and GATHER as the PAGED forward's. Shapes and strides are 32-bit."""
-    _unpage_impl(K, V, BlockTable, CuSeqK, SeqUsedK, KRows, VRows, CuRows, Used, max_seqlen_k,
-                 row_stride, TILE_N, TILE_D, TILE_DV, PAGE_N, GATHER, SEQUSED_K)
-
-
-@ct.kernel
-def unpage_int64(K: ct.IndexedWithInt64, V: ct.IndexedWithInt64, BlockTable, CuSeqK, SeqUsedK,
-                 KRows: ct.IndexedWithInt64, VRows: ct.IndexedWithInt64, CuRows, Used,
-                 max_seqlen_k: int, row_stride: int, TILE_N: ConstInt, TILE_D: ConstInt,
-                 TILE_DV: ConstInt, PAGE_N: ConstInt, GATHER: ConstBool, SEQUSED_K: ConstBool):
-    """``unpage`` with 64-bit shapes and strides (2**31 elements or more)."""
-    _unpage_impl(K, V, BlockTable, CuSeqK, SeqUsedK, KRows, VRows, CuRows, Used, max_seqlen_k,
-                 row_stride, TILE_N, TILE_D, TILE_DV, PAGE_N, GATHER, SEQUSED_K)

@@ -110,7 +110,7 @@ def poison_outputs(patch=setattr):
     """Make the allocators of the ops' outputs and workspaces fill them with NaN (e4m3's NaN
     bytes for V^T), through ``patch``: a monkeypatch's ``setattr``, or the builtin in a
     process that a GPU test spawns."""
-    from flash_tile import _launch, _launch_decode, _ops, _ops_decode, _ops_paged, _plans
+    from flash_tile import _launch, _launch_decode, _ops, _ops_decode, _plans
 
     def poisoned(allocate):
         def allocate_nan(*args, **keywords):
@@ -141,10 +141,6 @@ def poison_outputs(patch=setattr):
     # The FP8 forward's V^T: e4m3's NaN bytes (0x7F) where the copy must write.
     workspace_of = _launch.keys_major_workspace
     patch(_launch, "keys_major_workspace", lambda v: _poison_bytes(workspace_of(v)))
-    # The pages' copy: NaN rows, -1 offsets and counts where the copy must write.
-    unpage_workspace = _ops_paged.unpage_workspace
-    patch(_ops_paged, "unpage_workspace", lambda *args: tuple(
-        t.fill_(-1 if t.dtype == torch.int32 else float("nan")) for t in unpage_workspace(*args)))
     patch(_ops, "_varlen_outputs", poisoned(_ops._varlen_outputs))
     patch(_ops, "_varlen_gradients", poisoned(_ops._varlen_gradients))
 

@@ -2,9 +2,8 @@
 queries against the shuffled pages of a cache, every way a page is read (tile loads joined per
 key tile, gathered rows), against an fp32 reference on each sequence's keys re-packed
 (``reference_decode.packed_pages``) under flash-attn's 2x rule, and equal to the unpaged call
-on the same tiles; each through both of the call's paths, the pages read in place and the
-pages copied into packed rows first (``_ops_paged.copies``). The pages' unwritten slots hold
-NaN and the table's unused entries point nowhere: neither may reach an output."""
+on the same tiles. The pages' unwritten slots hold NaN and the table's unused entries point
+nowhere: neither may reach an output."""
 
 import math
 
@@ -13,7 +12,7 @@ import torch
 
 import flash_tile
 from conftest import opcheck_fp8
-from flash_tile import _launch, _ops, _ops_paged, reference, reference_decode, variants
+from flash_tile import _launch, _ops, reference, reference_decode, variants
 
 pytestmark = pytest.mark.gpu
 
@@ -25,15 +24,6 @@ NO_PAGE = 2**30
 
 LENGTHS_Q = [5, 1, 40, 113, 130, 0, 203, 17]
 LENGTHS_K = [3, 60, 40, 250, 0, 70, 203, 17]  # Lq != Lk, a sequence without keys, Lq = Lk
-
-
-@pytest.fixture(params=["in_place", "copied"])
-def path(request, monkeypatch):
-    """The paged call's two paths, chosen by the copy's threshold: the pages read in place
-    (the PAGED switch) or copied into packed rows for the VARLEN forward."""
-    monkeypatch.setattr(_ops_paged, "COPY_MIN_QUERIES",
-                        1 if request.param == "copied" else 2**31)
-    return request.param
 
 
 def _rows(lengths, heads, dim, dtype, gen):
@@ -73,7 +63,6 @@ def _check(out, lse, q, k, v, cu_q, cu_k, dtype, **features):
         torch.testing.assert_close(lse[:, rows], ref_lse[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("page_size", [1, 16, 48, 64, 256],
                          ids=["gathered", "16", "48", "64", "256"])
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
@@ -104,7 +93,6 @@ def _scores(feature: str, softcap: float, gen) -> tuple[dict, dict]:
     return features, call
 
 
-@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("feature", ["softcap", "alibi", "sinks", "seqused_k",
                                      "seqused_k_and_cu", "dims", "float16"])
 @pytest.mark.parametrize("page_size", [2, 32, 33])
@@ -149,63 +137,6 @@ def test_pages_equal_the_unpaged_call(page_size, causal):
                                                          block_table=table)
     assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
 
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_copied_pages_equal_the_pages_read_in_place(page_size, causal, monkeypatch):
-    """A prefill-like call (B = 2, 300 queries each, more than ``COPY_MIN_QUERIES``) copies
-    its pages and runs the packed call: bit for bit the output and LSE of the pages read in
-    place (the same tile over the same keys)."""
-    gen = torch.Generator(device="cuda").manual_seed(page_size)
-    q, cu_q = _rows([300, 317], 8, 128, torch.bfloat16, gen)
-    k, cu_k = _rows([290, 401], 2, 128, torch.bfloat16, gen)
-    v, _ = _rows([290, 401], 2, 128, torch.bfloat16, gen)
-    k_pages, v_pages, table = _pages(k, v, cu_k, page_size, gen)
-    assert _ops_paged.copies(q, k_pages, v_pages, table, 401)
-
-    def call():
-        return flash_tile.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 317, 401,
-                                                 causal=causal, return_lse=True,
-                                                 block_table=table)
-    copied, copied_lse = call()
-    monkeypatch.setattr(_ops_paged, "COPY_MIN_QUERIES", 2**31)
-    in_place, lse = call()
-    assert torch.equal(copied, in_place) and torch.equal(copied_lse, lse)
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 33, 256])
-@pytest.mark.parametrize("counts", ["cu_seqlens_k", "seqused_k"])
-def test_unpage_copies_each_sequence_to_its_rows(page_size, counts):
-    """The copy: sequence b's keys and values at rows 256 b .. of the packed rows (250 keys
-    at most, rounded up to ``UNPAGE_REACH``), zeros after them to a multiple of 256 rows, the
-    packed call's cu_seqlens_k (256 b) and seqused_k (the key counts clipped at
-    max_seqlen_k: here 250 of the longest sequence's 300)."""
-    gen = torch.Generator(device="cuda").manual_seed(page_size)
-    lengths = [3, 0, 300, 17, 129]
-    k, cu_k = _rows(lengths, 2, 80, torch.float16, gen)
-    v, _ = _rows(lengths, 2, 48, torch.float16, gen)
-    k_pages, v_pages, table = _pages(k, v, cu_k, page_size, gen)
-    used_in = cu_k.diff().to(torch.int32)
-    cu_in, seqused = (cu_k, None) if counts == "cu_seqlens_k" else (None, used_in)
-    k_rows, v_rows, cu_rows, used = _ops_paged.unpaged(k_pages, v_pages, table, cu_in, seqused,
-                                                       250)
-    assert k_rows.shape == (5 * 256, 2, 80) and v_rows.shape == (5 * 256, 2, 48)
-    assert cu_rows.tolist() == [256 * b for b in range(6)]
-    assert used.tolist() == [min(n, 250) for n in lengths]
-    for b, n in enumerate(lengths):
-        n, start, reach = min(n, 250), int(cu_k[b]), 256 * b + (256 if n else 0)
-        for rows, packed in ((k_rows, k), (v_rows, v)):
-            assert torch.equal(rows[256 * b:256 * b + n], packed[start:start + n])
-            assert not rows[256 * b + n:reach].any()
-
-
-def test_unpage_opcheck():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    k, cu_k = _rows([40, 7], 2, 64, torch.bfloat16, gen)
-    v, _ = _rows([40, 7], 2, 64, torch.bfloat16, gen)
-    k_pages, v_pages, table = _pages(k, v, cu_k, 16, gen)
-    torch.library.opcheck(torch.ops.flash_tile.unpage, (k_pages, v_pages, table, cu_k, None, 40))
 
 
 def _fp8_pages(k, v, cu_k, page_size, gen, descales):
@@ -287,10 +218,8 @@ def test_no_pages_and_rows_without_keys():
         assert bool((lse == math.inf).all())
 
 
-@pytest.mark.usefixtures("path")
 def test_compiles_into_a_graph_and_captures():
-    """torch.compile(fullgraph=True) traces the op (or the copy's and the packed call's ops);
-    a CUDA graph of it replays the call."""
+    """torch.compile(fullgraph=True) traces the op; a CUDA graph of it replays the call."""
     q, k, v, cu_q, cu_k, (k_pages, v_pages, table) = _inputs(4, 2, 64, 64, torch.bfloat16,
                                                              64, 9)
 

@@ -123,43 +123,6 @@ def test_the_call_reaches_the_launch_with_pages_as_they_are(monkeypatch, form):
     assert out.shape == (20, 4, 80) and lse.shape == (4, 20)
 
 
-@pytest.mark.parametrize("form", ["cu_seqlens_k", "seqused_k"])
-def test_a_prefill_like_call_copies_its_pages(monkeypatch, launched, form):
-    """At ``COPY_MIN_QUERIES`` queries a sequence on average (20 rows, 4 sequences, the
-    threshold set to 5) the call launches the pages' copy, then the packed VARLEN forward on
-    its rows: sequence b at rows 256 b (max_seqlen_k 40 rounded up to ``UNPAGE_REACH``), the
-    copy's offsets and key counts as its cu_seqlens_k and seqused_k, no table."""
-    forwards = []
-    monkeypatch.setattr(_ops_paged, "COPY_MIN_QUERIES", 5)
-    monkeypatch.setattr(_ops, "device_properties", lambda device: ((9, 0), "H200"))
-    monkeypatch.setattr(_ops, "launch_forward", lambda *a: forwards.append(a))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU build
-    q, k_pages, v_pages, table, cu_q, cu_k, _, _ = _paged()
-    used = cu_k.diff() if form == "seqused_k" else None
-    out = _call(monkeypatch, q=q, k=k_pages, v=v_pages, block_table=table, cu_seqlens_q=cu_q,
-                cu_seqlens_k=None if used is not None else cu_k, seqused_k=used)
-    ((grid, kernel, args),) = launched
-    assert kernel is _ops_paged.unpage and grid == (2, 2, 4)  # 128-key tiles at D = 64
-    assert args[0] is k_pages and args[1] is v_pages and args[2] is table
-    assert args[3] is (0 if used is not None else cu_k)
-    assert args[4] is (0 if used is None else used)
-    k_rows, v_rows, cu_rows, seq_used = args[5:9]
-    assert k_rows.shape == v_rows.shape == (1, 2, 4 * 256, 64)
-    assert args[9:] == (40, 256, 128, 64, 64, 16, False, used is not None)
-    (_, kv, vv, outv, *_, config, _, packing, _, descales), = forwards
-    assert kv.data_ptr() == k_rows.data_ptr() and kv.shape == k_rows.shape
-    assert vv.data_ptr() == v_rows.data_ptr() and outv.data_ptr() == out.data_ptr()
-    assert packing == _launch.Varlen(cu_q, cu_rows, seq_used) and descales is None
-    assert config == variants.default_config((9, 0), 64)
-    # Below the threshold, or an FP8 cache's pages: read in place.
-    for threshold, pages in ((6, k_pages), (5, k_pages.to(torch.float8_e4m3fn))):
-        monkeypatch.setattr(_ops_paged, "COPY_MIN_QUERIES", threshold)
-        assert not _ops_paged.copies(q, pages, v_pages, table, 40)
-    monkeypatch.setattr(_ops_paged, "COPY_MAX_BYTES", 4 * 256 * 2 * 128 * 2 - 1)
-    assert not _ops_paged.copies(q, k_pages, v_pages, table, 40)  # rows past the bound
-    assert not _ops_paged.copies(q, k_pages, v_pages, table, 40.0)  # (raises later)
-
-
 def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
     """float8_e4m3fn pages with bfloat16 q: the pages as they are, a bfloat16 output, and the
     launch's (q, k, v) descales: none for q, k_descale (per sequence and key/value head) as
@@ -245,20 +208,6 @@ def test_paged_switch_compiles_with_tensor_cores(arch):
             page_size=page_size, int64_index=int64_index))
         assert_tensor_core_path(arch, listing, (dim, page_size), forward=True)
         assert aot.summarize(listing)["local_memory"] == 0
-
-
-@pytest.mark.parametrize("arch", variants.ARCHS)
-def test_the_pages_copy_compiles_without_spills(arch):
-    """The copy of a prefill-like call's pages (``_ops_paged.unpaged``) on joined loads of
-    16- and 256-key pages (the latter through the 64-bit entry point, as a cache of 2**31
-    elements or more), gathered rows and FA3's seqused_k, D 128 and 256: no spills."""
-    for page_size, dim, seqused_k, int64_index in ((16, 128, False, False),
-                                                   (256, 256, False, True),
-                                                   (33, 128, True, False)):
-        cubin = aot.compile_unpage(arch, head_dim=dim, page_size=page_size,
-                                   seqused_k=seqused_k, int64_index=int64_index)
-        sass = aot.summarize(aot.disassemble(cubin))
-        assert sass["local_memory"] == 0, (page_size, dim, sass)
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_120"])
