@@ -1,7 +1,9 @@
 """Where the pages' copy pays (``_ops_paged.copies``): a paged ``flash_attn_varlen_func``
 call with its pages read in place (the PAGED switch) against the same call with its pages
 copied into packed rows first (``unpage``, then the VARLEN forward), forced each way through
-``_ops_paged.COPY_MIN_QUERIES``, in pairs of neighbouring calls (``_timing.paired_ms``).
+``_ops_paged.COPY_MIN_QUERIES``, in pairs of neighbouring calls (``_timing.paired_ms``),
+on a tree with 2026-12-07-paged-copy-candidate.patch applied (``git apply``; written for it,
+not yet run: no GPU was lent after it was written).
 Chunked-prefill rows: B sequences of Lk keys each (GQA 32/8, D 128, bf16, causal, bottom-right)
 with Lq queries each, on shuffled 16-, 64- and 256-key pages. Prints a JSON row per shape and
 writes $OUT/paged-copy-crossover.json.
