@@ -157,15 +157,17 @@ def test_an_fp8_cache_reaches_the_launch_with_its_descale_factors(monkeypatch):
     (1, 128, 0), (8, 64, 0), (24, 128, 0), (33, 64, 0)])
 def test_page_loads_by_page_size(page_size, tile_n, page_n):
     """Tile loads of the largest power of two that divides the page size, at most the key
-    tile, down to MIN_PAGE_LOAD keys; below it (page_n 0) the rows are gathered."""
+    tile, down to MIN_PAGE_LOAD keys; below it (page_n 0) the rows are gathered. A config's
+    page_ahead holds for joined loads alone, and never without pages."""
     plain = _launch.ForwardSpec(64, tile_n, 64, 64, False, True, True, False, False, 0, True,
-                                False, 2, 2)
+                                False, 2, 2, page_ahead=True)
     packing = _launch.Varlen(torch.zeros(3), torch.zeros(3),
                              block_table=torch.zeros(2, 1, dtype=torch.int32))
     spec = packing.spec(plain, page_size)
     assert (spec.paged, spec.page_n, spec.gather) == (True, page_n, page_n == 0)
-    assert spec.varlen and not spec.even_n
-    assert _launch.Varlen(torch.zeros(3), torch.zeros(3)).spec(plain, page_size).paged is False
+    assert spec.varlen and not spec.even_n and spec.page_ahead == (page_n > 0)
+    unpaged = _launch.Varlen(torch.zeros(3), torch.zeros(3)).spec(plain, page_size)
+    assert unpaged.paged is False and unpaged.page_ahead is False
 
 
 def test_paged_tiles_narrow_only_where_the_default_spilled():
