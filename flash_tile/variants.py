@@ -214,8 +214,8 @@ _FP8_SHORT_DEFAULTS = {**_DEFAULTS, (9, 0): (
 # sm_80-sm_100); on sm_120 it spilled 48 (16-key pages) and 570 (an FP8 cache).
 PAGED_NARROW = TileConfig(tile_m=64, tile_n=32)
 _PAGED_DEFAULTS = {**_DEFAULTS,
-                   (9, 0): ((64, SM90_THREE_CTAS), (128, replace(SM90_TWO_GROUPS, page_ahead=True)),
-                            (256, SM90_WIDE)),
+                   (9, 0): ((64, SM90_THREE_CTAS),
+                            (128, replace(SM90_TWO_GROUPS, page_ahead=True)), (256, SM90_WIDE)),
                    (10, 0): ((128, SM100_DEFAULT), (256, PAGED_NARROW)),
                    (12, 0): ((128, PAGED_NARROW), (256, SM120_WIDE))}
 

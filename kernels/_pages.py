@@ -89,8 +89,9 @@ def joined_from(A, kv, pages, start, N: ConstInt, PAGE_N: ConstInt, COLS: ConstI
                 KEYS_LAST: ConstBool):
     """``joined_load`` from the block-table entries ``pages`` (``page_numbers`` of the same
     keys) read earlier. Kept apart from ``joined_load``, which reads each entry just before
-    its load: the decode's steps built on this form compiled to 1-6% more sm_90 instructions
-    (and at 16-key pages to 2 more LDL/STL; tileiras 13.4, 2026-12-07)."""
+    its load: the decode's steps built on ``page_numbers`` and this form (its entries then
+    clamped at 0 as well) compiled to 2-6% more sm_90 instructions, and at 16-key pages to 2
+    more LDL/STL (tileiras 13.4, 2026-12-07)."""
     _, _, _, _, _, kv_head, page_size, _, k_len = kv
     if N == PAGE_N:
         first = min(start, k_len - 1)

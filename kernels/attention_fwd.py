@@ -61,8 +61,9 @@ A key tile of TILE_N keys joins TILE_N // PAGE_N tile loads of PAGE_N keys (PAGE
 two dividing the page size), or under GATHER its rows are gathered each from its page
 (``_pages``, the decode's loads). A tile load waits on its block-table entry: under
 PAGE_AHEAD the unmasked steps' entries are read one step ahead, while the step before
-computes. The keys past k_len in the last tile are real rows of some page: masked like any ragged end, and their V rows zeroed (a page's unwritten slots may hold
-NaN, and 0 * NaN would reach the output). Not with FP8; but the pages may be an FP8 cache,
+computes. The keys past k_len in the last tile are real rows of some page: masked like any
+ragged end, and their V rows zeroed (a page's unwritten slots may hold NaN, and 0 * NaN
+would reach the output). Not with FP8; but the pages may be an FP8 cache,
 float8_e4m3fn K and V standing for d_k k8 and d_v v8 (KDescale, VDescale) with Q in
 float16 or bfloat16, as the decode's: each tile is widened to Q's dtype after its load
 (exactly), d_k joins the softmax scale and d_v multiplies the output with 1 / l_i.
